@@ -1,0 +1,224 @@
+"""The ``tokend`` command: serve, issue, events, revoke, keys."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import uuid
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from tokend import config
+from tokend.config import ConfigError, Settings
+
+_SETTING_HELP = {
+    "host": "address to listen on",
+    "port": "TCP port (0 picks a free one)",
+    "redis_url": "Redis URL; empty starts an embedded redis-server under the data dir",
+    "key_prefix": "prefix of every Redis key and channel",
+    "keys_dir": "signing keys directory (default <data dir>/keys)",
+    "data_dir": "data directory (default ~/.local/share/tokend)",
+    "node_name": "this node's name in events and logs (default <host>-<pid>)",
+}
+
+
+def _add_settings(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "settings", "each overrides TOKEND_<NAME> and the config file; durations in seconds"
+    )
+    group.add_argument("--config", help="TOML config file (TOKEND_CONFIG)")
+    for name, field in config.FIELDS.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=str(field.type).upper(),
+            help=_SETTING_HELP.get(name, f"default {field.default!r}"),
+        )
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {name: getattr(args, name) for name in config.FIELDS}
+    overrides["config"] = args.config
+    return config.load(overrides)
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    from tokend.server import serve_until_signalled
+
+    _run(serve_until_signalled(settings))
+    return 0
+
+
+def cmd_issue(settings: Settings, args: argparse.Namespace) -> int:
+    from tokend.tokens import KeyRing, TokenService
+
+    tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    if args.count is None:
+        print(tokens.mint(args.sub, ttl_s=args.ttl, prio=args.prio))
+        return 0
+    out = sys.stdout
+    for n in range(1, args.count + 1):
+        out.write(tokens.mint(f"{args.sub}-{n}", ttl_s=args.ttl, prio=args.prio) + "\n")
+    return 0
+
+
+def _redis_url(settings: Settings) -> str:
+    from tokend.embedded import socket_url
+
+    return settings.redis_url or socket_url(settings.resolved_data_dir)
+
+
+def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
+    from tokend import events
+    from tokend.store import Keyspace, connect
+
+    async def main() -> None:
+        redis = connect(_redis_url(settings), settings)
+        keys = Keyspace(settings.key_prefix)
+        stream = events.from_start(redis, keys) if args.from_start else events.live(redis, keys)
+        async for event in stream:
+            print(json.dumps(event, separators=(",", ":")), flush=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        _run(main())
+    return 0
+
+
+def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
+    from tokend.store import Store, StoreUnavailable, connect
+
+    try:
+        tid = uuid.UUID(args.tid)
+    except ValueError:
+        print(f"tokend revoke: not a token id (UUID): {args.tid}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        redis = connect(_redis_url(settings), settings)
+        try:
+            store = Store(redis, settings, settings.resolved_node_name)
+            return await store.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+        finally:
+            await redis.aclose()
+
+    try:
+        result = asyncio.run(main())
+    except StoreUnavailable as exc:
+        print(f"tokend revoke: redis unavailable ({exc})", file=sys.stderr)
+        return 1
+    print({1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result])
+    return 0
+
+
+def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
+    from tokend.tokens import KeyRing
+
+    ring = KeyRing.open(settings.resolved_keys_dir)
+    if args.action == "rotate":
+        print(ring.rotate())
+    else:
+        print(json.dumps(ring.jwks(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokend",
+        description="WebSocket session server for short-lived signed tokens.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the server",
+        description="Serve /v1/ws, /healthz, /readyz and /.well-known/jwks.json. With no "
+        "Redis URL, starts a private redis-server under the data dir and stops it on exit.",
+    )
+    serve.set_defaults(func=cmd_serve)
+
+    issue = commands.add_parser(
+        "issue",
+        help="mint tokens with the server's keys",
+        description="Print a token for SUB, or with --count N one token per line for "
+        "SUB-1 .. SUB-N. Uses the keys directory only; no Redis needed.",
+    )
+    issue.add_argument("--sub", required=True, help="subject (user) of the token")
+    issue.add_argument("--ttl", type=int, help="lifetime in seconds (default: token_ttl)")
+    issue.add_argument(
+        "--prio",
+        type=int,
+        default=5,
+        choices=range(10),
+        metavar="0..9",
+        help="priority claim (default 5)",
+    )
+    issue.add_argument("--count", type=int, help="mint N tokens, SUB-1 .. SUB-N")
+    issue.set_defaults(func=cmd_issue)
+
+    events = commands.add_parser(
+        "events",
+        help="print session events as JSON lines",
+        description="Print events live from pub/sub; --from-start replays the stream first.",
+    )
+    events.add_argument(
+        "--from-start",
+        action="store_true",
+        help="replay the event stream from its start, then follow it",
+    )
+    events.set_defaults(func=cmd_events)
+
+    revoke = commands.add_parser(
+        "revoke",
+        help="revoke a token by its id",
+        description="End the session of token TID (its connection is closed with 4506 "
+        "wherever it is) and bar the token from starting a new one.",
+    )
+    revoke.add_argument("tid", help="token id (the jti claim, a UUID)")
+    revoke.set_defaults(func=cmd_revoke)
+
+    keys = commands.add_parser(
+        "keys",
+        help="show or rotate signing keys",
+        description="'show' prints the JWKS; 'rotate' makes a new signing key current "
+        "(older keys keep verifying).",
+    )
+    keys.add_argument("action", choices=("show", "rotate"))
+    keys.set_defaults(func=cmd_keys)
+
+    for sub in (serve, issue, events, revoke, keys):
+        _add_settings(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"tokend: configuration error: {exc}", file=sys.stderr)
+        return 2
+    from tokend import logs
+
+    logs.configure(settings.log_format, settings.log_level)
+    try:
+        return int(args.func(settings, args))
+    except Exception as exc:
+        from tokend.embedded import EmbeddedError
+
+        if isinstance(exc, (EmbeddedError, OSError)):
+            print(f"tokend: {exc}", file=sys.stderr)
+            return 1
+        raise

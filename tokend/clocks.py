@@ -1,0 +1,78 @@
+"""Session clocks: the ACTIVE / WARN / EXPIRED state machine, as pure functions.
+
+Implements the spec's "Session states and clocks". Every function takes the
+current time as an argument, so tests drive it with a fake clock; the server
+feeds it Redis ``TIME`` so that no node's own clock decides an expiry.
+
+The Lua scripts in ``tokend/lua`` keep the same deadlines when they record a
+heartbeat (see ``heartbeat.lua``); ``tests/test_clocks.py`` holds both to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class State(StrEnum):
+    ACTIVE = "ACTIVE"
+    WARN = "WARN"
+    EXPIRED = "EXPIRED"
+
+
+class ExpiryReason(StrEnum):
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+    TOKEN_EXPIRED = "token_expired"
+
+
+@dataclass(frozen=True, slots=True)
+class Clocks:
+    """The two heartbeat clocks, in milliseconds; ``warn_after < expire_after``."""
+
+    warn_after_ms: int
+    expire_after_ms: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.warn_after_ms < self.expire_after_ms:
+            raise ValueError("clocks need 0 < warn_after < expire_after")
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A state change that is due: the new state and, for EXPIRED, why."""
+
+    to: State
+    reason: ExpiryReason | None = None
+
+
+def deadline(state: State, last_heartbeat_ms: int, exp_ms: int, clocks: Clocks) -> int:
+    """The time at which :func:`due_transition` next returns a transition.
+
+    An ACTIVE session is next due at its WARN time, a WARN session at its
+    EXPIRED time; either way no later than the token's own expiry.
+    """
+    if state is State.ACTIVE:
+        return min(last_heartbeat_ms + clocks.warn_after_ms, exp_ms)
+    if state is State.WARN:
+        return min(last_heartbeat_ms + clocks.expire_after_ms, exp_ms)
+    raise ValueError("an EXPIRED session has no deadline")
+
+
+def due_transition(
+    state: State, last_heartbeat_ms: int, exp_ms: int, now_ms: int, clocks: Clocks
+) -> Transition | None:
+    """What the session must become at ``now_ms``, or None if nothing is due.
+
+    A session silent for ``expire_after`` expires even if it was never marked
+    WARN (the sweep was late): it does not pass through WARN on its way out.
+    """
+    if state is State.EXPIRED:
+        return None
+    if now_ms >= exp_ms:
+        return Transition(State.EXPIRED, ExpiryReason.TOKEN_EXPIRED)
+    silent_ms = now_ms - last_heartbeat_ms
+    if silent_ms >= clocks.expire_after_ms:
+        return Transition(State.EXPIRED, ExpiryReason.HEARTBEAT_TIMEOUT)
+    if state is State.ACTIVE and silent_ms >= clocks.warn_after_ms:
+        return Transition(State.WARN)
+    return None

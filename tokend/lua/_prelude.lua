@@ -1,0 +1,43 @@
+-- Prepended to every tokend script (see tokend/store.py).
+-- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event
+-- stream; every other key is a session or tombstone key of the same shard, so
+-- all keys share one hash tag. ARGV[1..4] are node name, events channel,
+-- control channel and stream cap; script arguments start at ARGV[5].
+local NODE, EVENTS, CONTROL, MAXLEN = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local DUE, STREAM = KEYS[1], KEYS[2]
+
+-- Time comes from Redis, never from a node, so skewed nodes agree on deadlines.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The event of a transition, emitted in the same atomic step that makes it.
+local function emit(kind, tid, sub, at, reason)
+  local json = cjson.encode({v = 1, type = kind, tid = tid, sub = sub, at = at,
+                             node = NODE, reason = reason})
+  redis.call('XADD', STREAM, 'MAXLEN', '~', MAXLEN, '*', 'event', json)
+  redis.call('PUBLISH', EVENTS, json)
+end
+
+-- Ask whichever node holds connection `conn` to act on it.
+local function control(op, tid, conn, code)
+  if conn and conn ~= '' then
+    redis.call('PUBLISH', CONTROL, cjson.encode({op = op, tid = tid, conn = conn, code = code}))
+  end
+end
+
+-- End a session: delete it, leave a tombstone until its token's exp, emit
+-- its final event, and (when code is given) close its connection wherever it is.
+local function finish(skey, tkey, tid, sub, exp, conn, now, kind, reason, tomb, code)
+  redis.call('DEL', skey)
+  redis.call('ZREM', DUE, tid)
+  if exp > now then
+    redis.call('SET', tkey, tomb, 'PXAT', exp)
+  end
+  emit(kind, tid, sub, now, reason)
+  if code then
+    control('close', tid, conn, code)
+  end
+end
+

@@ -1,0 +1,11 @@
+-- Sweep step 1: claim the shard's sessions whose deadline has passed.
+-- Each claimed entry is pushed a lease into the future so that other nodes
+-- skip it; if the claiming node dies, the entry comes due again after the lease.
+-- ARGV: limit, lease (ms). Returns {now_ms, {tid, ...}}.
+local limit, lease_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = now_ms()
+local due = redis.call('ZRANGEBYSCORE', DUE, '-inf', now, 'LIMIT', 0, limit)
+for _, tid in ipairs(due) do
+  redis.call('ZADD', DUE, 'XX', now + lease_ms, tid)
+end
+return {now, due}

@@ -1,0 +1,49 @@
+-- HEARTBEAT for a batch of sessions of one shard (spec 0x03): record it,
+-- recover a WARN session, renew a token inside its window.
+-- KEYS[3..]: pairs of (session hash, tombstone).
+-- ARGV: warn_after (ms), renew_window (ms), token_ttl (s), grace (ms), then pairs of (tid, conn).
+-- Returns, per session: {'ok', was_warn, renewed, exp_ms, iat_s}, {'gone', tombstone or ''}
+-- or {'taken'} (another connection holds the session).
+local warn_ms, renew_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local ttl_s, grace_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
+local now = now_ms()
+local out = {}
+
+for i = 1, (#KEYS - 2) / 2 do
+  local skey, tkey = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
+  local tid, conn = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
+  local s = redis.call('HMGET', skey, 'sub', 'st', 'exp', 'iat', 'conn')
+  if not s[1] then
+    out[i] = {'gone', redis.call('GET', tkey) or ''}
+  elseif s[5] ~= conn then
+    out[i] = {'taken'}
+  else
+    local sub, exp, iat = s[1], tonumber(s[3]), tonumber(s[4])
+    if exp <= now then
+      finish(skey, tkey, tid, sub, exp, conn, now, 'TOKEN_EXPIRED', 'token_expired', 'expired')
+      out[i] = {'gone', 'expired'}
+    else
+      local was_warn = 0
+      if s[2] == 'WARN' then
+        was_warn = 1
+        emit('SESSION_RECOVERED', tid, sub, now)
+      end
+      local renewed = 0
+      if exp - now <= renew_ms then
+        local new_iat = math.floor(now / 1000)
+        local new_exp = (new_iat + ttl_s) * 1000
+        -- A renewal never shortens the token, whichever node gets here first.
+        if new_exp > exp then
+          exp, iat, renewed = new_exp, new_iat, 1
+          redis.call('PEXPIREAT', skey, exp + grace_ms)
+          emit('TOKEN_RENEWED', tid, sub, now)
+        end
+      end
+      redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat)
+      -- Same deadline as tokend.clocks.deadline(ACTIVE, now, exp).
+      redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
+      out[i] = {'ok', was_warn, renewed, exp, iat}
+    end
+  end
+end
+return out

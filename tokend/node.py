@@ -1,0 +1,239 @@
+"""One tokend node: its live connections and the background work that serves them.
+
+* :class:`HeartbeatBatcher` stores the heartbeats of many connections in one
+  Redis round trip per flush, and replays those Redis could not take.
+* :meth:`Node._sweep` claims due sessions from every shard's deadline set and
+  makes their WARN/EXPIRED transitions, deciding with :mod:`tokend.clocks`.
+  Every node sweeps, so no clock dies with a node.
+* :meth:`Node._listen` holds the node's single pub/sub subscription, on which
+  the scripts ask the node holding a connection to close it or warn it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+from redis import exceptions as rexc
+from redis.asyncio import Redis
+
+from tokend.clocks import Clocks, State, deadline, due_transition
+from tokend.config import Settings
+from tokend.protocol import CloseCode
+from tokend.session import Close, Session
+from tokend.store import HeartbeatRequest, HeartbeatResult, Store, StoreUnavailable
+from tokend.tokens import TokenService
+
+log = structlog.get_logger("tokend.node")
+
+SWEEP_BATCH = 1000
+HEARTBEAT_BATCH = 2000
+MAX_BACKOFF = 2.0
+
+
+class HeartbeatBatcher:
+    """Coalesces concurrent heartbeats into one store call per flush.
+
+    A flush starts as soon as the previous one ends, so a lone heartbeat waits for
+    no timer while a busy node sends large batches.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._waiting: dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult]]] = {}
+        # Heartbeats acknowledged during an outage, to be stored when Redis is back.
+        self.unstored: dict[str, HeartbeatRequest] = {}
+        self._wake = asyncio.Event()
+
+    def submit(self, request: HeartbeatRequest) -> asyncio.Future[HeartbeatResult]:
+        future: asyncio.Future[HeartbeatResult] = asyncio.get_running_loop().create_future()
+        self._waiting[request.conn] = (request, future)
+        self._wake.set()
+        return future
+
+    def forget(self, conn: str) -> None:
+        self.unstored.pop(conn, None)
+
+    def kick(self) -> None:
+        if self.unstored:
+            self._wake.set()
+
+    async def run(self, node: Node) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            waiting = dict(list(self._waiting.items())[:HEARTBEAT_BATCH])
+            for conn in waiting:
+                del self._waiting[conn]
+            if len(self._waiting):
+                self._wake.set()
+            replays = {c: r for c, r in self.unstored.items() if c not in waiting}
+            requests = [r for r, _ in waiting.values()] + list(replays.values())
+            try:
+                results = await self.store.heartbeats(requests)
+            except StoreUnavailable as exc:
+                for conn, (request, future) in waiting.items():
+                    self.unstored[conn] = request
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            except Exception as exc:  # a script error: fail these, keep serving
+                log.exception("heartbeat flush failed")
+                for _, future in waiting.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (conn, (_, future)), result in zip(waiting.items(), results, strict=False):
+                self.unstored.pop(conn, None)
+                if not future.done():
+                    future.set_result(result)
+            for conn, result in zip(replays, results[len(waiting) :], strict=True):
+                self.unstored.pop(conn, None)
+                node.replayed(conn, result)
+
+
+class Node:
+    """Shared state of a tokend process; :mod:`tokend.server` drives it."""
+
+    def __init__(
+        self, settings: Settings, redis: Redis, tokens: TokenService, name: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.name = name or settings.resolved_node_name
+        self.redis = redis
+        self.store = Store(redis, settings, self.name)
+        self.tokens = tokens
+        self.clocks = Clocks(settings.ms("warn_after"), settings.ms("expire_after"))
+        self.heartbeats = HeartbeatBatcher(self.store)
+        self.sessions: dict[str, Session] = {}  # by conn id
+        self.subscribed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self.log = log.bind(node=self.name)
+
+    # Lifecycle
+
+    async def start(self) -> None:
+        try:
+            await self.store.load_scripts()
+        except StoreUnavailable:
+            self.log.warning("redis unavailable at start; scripts load on first use")
+        self._tasks = [
+            asyncio.create_task(self.heartbeats.run(self), name="heartbeats"),
+            asyncio.create_task(self._sweep(), name="sweeper"),
+            asyncio.create_task(self._listen(), name="control"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks + list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        await self.redis.aclose()
+
+    # Connections
+
+    def attach(self, session: Session) -> None:
+        self.sessions[session.conn] = session
+
+    def detach(self, session: Session) -> None:
+        self.sessions.pop(session.conn, None)
+        self.heartbeats.forget(session.conn)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def replayed(self, conn: str, result: HeartbeatResult) -> None:
+        """A heartbeat stored late (after an outage) came back."""
+        session = self.sessions.get(conn)
+        if session is None:
+            return
+        try:
+            session.apply(result)
+        except Close as close:
+            self._spawn(session.close(close))
+
+    # Background work
+
+    async def _sweep(self) -> None:
+        """Claim due sessions and make their transitions, forever."""
+        lease_ms = max(1000, 10 * self.settings.ms("sweep_interval"))
+        backoff = self.settings.sweep_interval
+        while True:
+            try:
+                self.heartbeats.kick()
+                claimed = await self._sweep_once(lease_ms)
+                backoff = self.settings.sweep_interval
+            except StoreUnavailable as exc:
+                self.log.warning("sweep skipped: store unavailable", error=str(exc))
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                claimed = 0
+            except Exception:
+                self.log.exception("sweep failed")
+                claimed = 0
+            if claimed < SWEEP_BATCH:
+                await asyncio.sleep(backoff)
+
+    async def _sweep_once(self, lease_ms: int) -> int:
+        now, tids = await self.store.claim_due(SWEEP_BATCH, lease_ms)
+        if not tids:
+            return 0
+        moves = []
+        for record in await self.store.read(tids):
+            if record is None:
+                continue
+            state, hb, exp = State(record.st), int(record.hb), int(record.exp)
+            transition = due_transition(state, hb, exp, now, self.clocks)
+            if transition is None:
+                await self.store.reschedule(record.tid, deadline(state, hb, exp, self.clocks))
+            else:
+                moves.append((record, transition.to.value, transition.reason or ""))
+        made = await self.store.transitions(moves)
+        if made:
+            self.log.debug("swept", claimed=len(tids), transitions=made)
+        return len(tids)
+
+    async def _listen(self) -> None:
+        """The node's one subscription: control messages for connections it holds."""
+        backoff = 0.1
+        channel = self.store.keys.control_channel
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                self.subscribed.set()
+                backoff = 0.1
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._control(message["data"])
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+                self.subscribed.clear()
+                self.log.warning("control subscription lost", error=type(exc).__name__)
+            finally:
+                await pubsub.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _control(self, data: str) -> None:
+        try:
+            message = json.loads(data)
+            session = self.sessions.get(message["conn"])
+        except (ValueError, KeyError, TypeError):
+            self.log.warning("malformed control message")
+            return
+        if session is None:
+            return
+        if message.get("op") == "close":
+            self.sessions.pop(session.conn, None)
+            try:
+                code = CloseCode(message.get("code"))
+            except ValueError:
+                code = CloseCode.INTERNAL_ERROR
+            self._spawn(session.close(Close(code, code.describe())))
+        elif message.get("op") == "notice":
+            self._spawn(session.notify_warn())

@@ -1,0 +1,317 @@
+"""Protocol v1 frame codec: bytes in, frames out, and back. No I/O.
+
+Implements the frame layouts of ``shared/spec/protocol-v1.md`` ("Frames"); the
+project's own account of it is ``docs/protocol.md``. Every integer is unsigned
+big-endian, every time is Unix epoch milliseconds.
+
+:func:`decode` raises nothing but :class:`ProtocolError`, whatever the input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+VERSION = 1
+SUBPROTOCOL = "tokend.v1"
+WS_PATH = "/v1/ws"
+MAX_TOKEN_LENGTH = 8192
+TID_LENGTH = 16
+SESSION_KEY_LENGTH = 32
+MAC_LENGTH = 16
+
+
+class FrameType(IntEnum):
+    HELLO = 0x01
+    WELCOME = 0x02
+    HEARTBEAT = 0x03
+    HEARTBEAT_ACK = 0x04
+    BYE = 0x05
+    NOTICE = 0x06
+
+
+class CloseCode(IntEnum):
+    """Close codes of the spec's table "Close codes"."""
+
+    NORMAL = 1000
+    GOING_AWAY = 1001
+    MESSAGE_TOO_BIG = 1009
+    INTERNAL_ERROR = 1011
+    TRY_AGAIN_LATER = 1013
+    HELLO_TIMEOUT = 4008
+    RATE_LIMITED = 4029
+    INVALID_TOKEN = 4501
+    TOKEN_EXPIRED = 4502
+    PROTOCOL_ERROR = 4503
+    BAD_HEARTBEAT = 4504
+    SESSION_EXPIRED = 4505
+    TOKEN_REVOKED = 4506
+    TAKEN_OVER = 4507
+
+    def describe(self) -> str:
+        """Short human text for the close frame's reason, e.g. "session expired"."""
+        return _CLOSE_REASONS[self]
+
+    @property
+    def reconnectable(self) -> bool:
+        """True for the codes that invite a reconnect; the others end the token."""
+        return self in RECONNECTABLE
+
+
+_CLOSE_REASONS = {
+    CloseCode.NORMAL: "bye",
+    CloseCode.GOING_AWAY: "server going away",
+    CloseCode.MESSAGE_TOO_BIG: "message too big",
+    CloseCode.INTERNAL_ERROR: "internal error",
+    CloseCode.TRY_AGAIN_LATER: "try again later",
+    CloseCode.HELLO_TIMEOUT: "no HELLO in time",
+    CloseCode.RATE_LIMITED: "rate limited",
+    CloseCode.INVALID_TOKEN: "invalid token",
+    CloseCode.TOKEN_EXPIRED: "token expired",
+    CloseCode.PROTOCOL_ERROR: "protocol error",
+    CloseCode.BAD_HEARTBEAT: "bad heartbeat proof",
+    CloseCode.SESSION_EXPIRED: "session expired",
+    CloseCode.TOKEN_REVOKED: "token revoked",
+    CloseCode.TAKEN_OVER: "session taken over",
+}
+
+RECONNECTABLE = frozenset(
+    {
+        CloseCode.GOING_AWAY,
+        CloseCode.INTERNAL_ERROR,
+        CloseCode.TRY_AGAIN_LATER,
+        CloseCode.HELLO_TIMEOUT,
+        CloseCode.RATE_LIMITED,
+    }
+)
+
+
+class SessionState(IntEnum):
+    """Session state as carried in WELCOME and NOTICE."""
+
+    ACTIVE = 0
+    WARN = 1
+
+
+class ProtocolError(ValueError):
+    """A message that is not a well-formed protocol v1 frame (close 4503)."""
+
+
+# Flag bits of HEARTBEAT_ACK (spec 0x04).
+ACK_RENEWED = 0x01
+ACK_RESENT = 0x02
+ACK_WAS_WARN = 0x04
+# Flag bit of WELCOME (spec 0x02).
+WELCOME_RESUMED = 0x01
+
+_HELLO_HEAD = struct.Struct(">BBH")  # type, version, L
+_WELCOME = struct.Struct(">BBBB16sQIII32s")
+_HEARTBEAT_SIGNED = struct.Struct(">BB16sQQ")  # the 34 bytes covered by the mac
+_ACK_HEAD = struct.Struct(">BBQQH")
+_NOTICE = struct.Struct(">BB")
+
+HEARTBEAT_LENGTH = _HEARTBEAT_SIGNED.size + MAC_LENGTH  # 50
+WELCOME_LENGTH = _WELCOME.size  # 72
+ACK_HEAD_LENGTH = _ACK_HEAD.size  # 20
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    token: str
+    version: int = VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    tid: bytes
+    exp_ms: int
+    heartbeat_ms: int
+    warn_ms: int
+    expire_ms: int
+    session_key: bytes
+    resumed: bool = False
+    state: SessionState = SessionState.ACTIVE
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    tid: bytes
+    seq: int
+    exp_ms: int
+    mac: bytes
+
+    def signed_part(self) -> bytes:
+        """The frame's first 34 bytes, over which the mac is computed."""
+        return _HEARTBEAT_SIGNED.pack(FrameType.HEARTBEAT, 0, self.tid, self.seq, self.exp_ms)
+
+    def mac_is_valid(self, session_key: bytes) -> bool:
+        """Constant-time check of the heartbeat proof (spec 0x03)."""
+        return hmac.compare_digest(self.mac, heartbeat_mac(session_key, self.signed_part()))
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck:
+    seq: int
+    exp_ms: int
+    token: str | None = None
+    renewed: bool = False
+    resent: bool = False
+    was_warn: bool = False
+
+    @property
+    def flags(self) -> int:
+        return (
+            (ACK_RENEWED if self.renewed else 0)
+            | (ACK_RESENT if self.resent else 0)
+            | (ACK_WAS_WARN if self.was_warn else 0)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    state: SessionState = SessionState.WARN
+
+
+Frame = Hello | Welcome | Heartbeat | HeartbeatAck | Bye | Notice
+CLIENT_FRAMES = (Hello, Heartbeat, Bye)
+SERVER_FRAMES = (Welcome, HeartbeatAck, Notice)
+
+_BYE = bytes([FrameType.BYE])
+
+
+def heartbeat_mac(session_key: bytes, signed_part: bytes) -> bytes:
+    """First 16 bytes of HMAC-SHA256(session key, the heartbeat's first 34 bytes)."""
+    return hmac.new(session_key, signed_part, hashlib.sha256).digest()[:MAC_LENGTH]
+
+
+def make_heartbeat(session_key: bytes, tid: bytes, seq: int, exp_ms: int) -> Heartbeat:
+    """Build a heartbeat with its proof, as a client does."""
+    signed = _HEARTBEAT_SIGNED.pack(FrameType.HEARTBEAT, 0, tid, seq, exp_ms)
+    return Heartbeat(tid, seq, exp_ms, heartbeat_mac(session_key, signed))
+
+
+def encode(frame: Frame) -> bytes:
+    """Serialize a frame. Raises :class:`ProtocolError` for values out of range."""
+    try:
+        match frame:
+            case Heartbeat():
+                if len(frame.mac) != MAC_LENGTH or len(frame.tid) != TID_LENGTH:
+                    raise ProtocolError("heartbeat: tid is 16 bytes, mac 16 bytes")
+                return frame.signed_part() + frame.mac
+            case HeartbeatAck():
+                token = (frame.token or "").encode("ascii")
+                if bool(token) != bool(frame.renewed or frame.resent):
+                    raise ProtocolError("ack: a token goes with the renewed or resent flag")
+                if len(token) > MAX_TOKEN_LENGTH:
+                    raise ProtocolError("ack: token longer than 8192 bytes")
+                head = _ACK_HEAD.pack(
+                    FrameType.HEARTBEAT_ACK, frame.flags, frame.seq, frame.exp_ms, len(token)
+                )
+                return head + token
+            case Hello():
+                token = frame.token.encode("ascii")
+                if not 1 <= len(token) <= MAX_TOKEN_LENGTH:
+                    raise ProtocolError("hello: token length must be 1..8192")
+                return _HELLO_HEAD.pack(FrameType.HELLO, frame.version, len(token)) + token
+            case Welcome():
+                if len(frame.tid) != TID_LENGTH or len(frame.session_key) != SESSION_KEY_LENGTH:
+                    raise ProtocolError("welcome: tid is 16 bytes, session key 32 bytes")
+                return _WELCOME.pack(
+                    FrameType.WELCOME,
+                    VERSION,
+                    frame.state,
+                    WELCOME_RESUMED if frame.resumed else 0,
+                    frame.tid,
+                    frame.exp_ms,
+                    frame.heartbeat_ms,
+                    frame.warn_ms,
+                    frame.expire_ms,
+                    frame.session_key,
+                )
+            case Bye():
+                return _BYE
+            case Notice():
+                return _NOTICE.pack(FrameType.NOTICE, frame.state)
+    except (struct.error, UnicodeEncodeError) as exc:
+        raise ProtocolError(f"cannot encode {type(frame).__name__}: {exc}") from None
+    raise ProtocolError(f"not a frame: {frame!r}")
+
+
+def decode(data: bytes) -> Frame:
+    """Parse one binary message into a frame.
+
+    The length must match the type's layout exactly, reserved flag bits must be
+    zero, and enumerated fields must hold a defined value (spec "Frames").
+    """
+    if not data:
+        raise ProtocolError("empty message")
+    kind = data[0]
+    size = len(data)
+    if kind == FrameType.HEARTBEAT:
+        if size != HEARTBEAT_LENGTH:
+            raise ProtocolError(f"heartbeat is 50 bytes, got {size}")
+        _, flags, tid, seq, exp_ms = _HEARTBEAT_SIGNED.unpack_from(data)
+        if flags:
+            raise ProtocolError("heartbeat flags must be 0")
+        return Heartbeat(tid, seq, exp_ms, bytes(data[34:50]))
+    if kind == FrameType.HELLO:
+        if size < _HELLO_HEAD.size:
+            raise ProtocolError("hello shorter than its header")
+        _, version, length = _HELLO_HEAD.unpack_from(data)
+        if version != VERSION:
+            raise ProtocolError(f"unsupported protocol version {version}")
+        if not 1 <= length <= MAX_TOKEN_LENGTH or size != _HELLO_HEAD.size + length:
+            raise ProtocolError("hello token length does not match the message")
+        return Hello(_ascii(data[4:], "hello token"), version)
+    if kind == FrameType.HEARTBEAT_ACK:
+        if size < ACK_HEAD_LENGTH:
+            raise ProtocolError("ack shorter than its header")
+        _, flags, seq, exp_ms, length = _ACK_HEAD.unpack_from(data)
+        if flags & ~(ACK_RENEWED | ACK_RESENT | ACK_WAS_WARN):
+            raise ProtocolError("ack has reserved flag bits set")
+        if size != ACK_HEAD_LENGTH + length or length > MAX_TOKEN_LENGTH:
+            raise ProtocolError("ack token length does not match the message")
+        carries_token = bool(flags & (ACK_RENEWED | ACK_RESENT))
+        if carries_token != (length > 0):
+            raise ProtocolError("ack token present without its flag, or flag without token")
+        return HeartbeatAck(
+            seq,
+            exp_ms,
+            _ascii(data[20:], "ack token") if length else None,
+            renewed=bool(flags & ACK_RENEWED),
+            resent=bool(flags & ACK_RESENT),
+            was_warn=bool(flags & ACK_WAS_WARN),
+        )
+    if kind == FrameType.WELCOME:
+        if size != WELCOME_LENGTH:
+            raise ProtocolError(f"welcome is 72 bytes, got {size}")
+        _, version, state, flags, tid, exp_ms, hb, warn, expire, key = _WELCOME.unpack(data)
+        if version != VERSION or state != SessionState.ACTIVE or flags & ~WELCOME_RESUMED:
+            raise ProtocolError("welcome has an unknown version, state or flag")
+        return Welcome(tid, exp_ms, hb, warn, expire, key, resumed=bool(flags & WELCOME_RESUMED))
+    if kind == FrameType.BYE:
+        if size != 1:
+            raise ProtocolError(f"bye is 1 byte, got {size}")
+        return Bye()
+    if kind == FrameType.NOTICE:
+        if size != _NOTICE.size:
+            raise ProtocolError(f"notice is 2 bytes, got {size}")
+        if data[1] != SessionState.WARN:
+            raise ProtocolError(f"notice with unknown state {data[1]}")
+        return Notice(SessionState.WARN)
+    raise ProtocolError(f"unknown frame type 0x{kind:02x}")
+
+
+def _ascii(raw: bytes, what: str) -> str:
+    try:
+        return bytes(raw).decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{what} is not ASCII") from None

@@ -1,0 +1,187 @@
+"""The tokend server: the one module that knows about websockets.
+
+It serves, on one port, the WebSocket endpoint ``/v1/ws`` (RFC 6455, subprotocol
+``tokend.v1``) and a few plain HTTP GET routes answered from the opening
+handshake (``/healthz``, ``/readyz``, ``/.well-known/jwks.json``). Every
+connection is handed to a :class:`tokend.session.Session` through a
+:class:`WebSocketLink`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed, NegotiationError
+from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
+
+from tokend import protocol as p
+from tokend.config import Settings
+from tokend.embedded import EmbeddedRedis
+from tokend.node import Node
+from tokend.session import LinkClosed, Session, TextMessage
+from tokend.store import connect
+from tokend.tokens import KeyRing, TokenService
+
+log = structlog.get_logger("tokend.server")
+
+
+class WebSocketLink:
+    """A websockets connection as a :class:`tokend.session.Link`."""
+
+    __slots__ = ("ws",)
+
+    def __init__(self, ws: ServerConnection) -> None:
+        self.ws = ws
+
+    async def recv(self) -> bytes:
+        try:
+            message = await self.ws.recv()
+        except ConnectionClosed:
+            raise LinkClosed from None
+        if isinstance(message, str):
+            raise TextMessage
+        return message
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.ws.send(data)
+        except ConnectionClosed:
+            raise LinkClosed from None
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code, reason)
+
+
+def select_subprotocol(
+    connection: ServerConnection, offered: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    """``tokend.v1`` if offered; no header is accepted; only others is HTTP 400."""
+    if not offered:
+        return None
+    if p.SUBPROTOCOL in offered:
+        return Subprotocol(p.SUBPROTOCOL)
+    raise NegotiationError(f"unsupported subprotocol; this server speaks {p.SUBPROTOCOL}")
+
+
+def json_response(status: http.HTTPStatus, body: Any) -> Response:
+    data = json.dumps(body).encode()
+    headers = Headers(
+        [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(data))),
+            ("Cache-Control", "no-store"),
+        ]
+    )
+    return Response(status.value, status.phrase, headers, data)
+
+
+class App:
+    """tokend assembled: keys, store (embedded or configured Redis), node, listener."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.embedded: EmbeddedRedis | None = None
+        self.node: Node | None = None
+        self.server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        settings = self.settings
+        tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+        url = settings.redis_url
+        if not url:
+            self.embedded = EmbeddedRedis(settings.resolved_data_dir)
+            await asyncio.to_thread(self.embedded.start)
+            url = self.embedded.url
+        self.node = Node(settings, connect(url, settings), tokens)
+        await self.node.start()
+        self.server = await serve(
+            self._handle,
+            settings.host,
+            settings.port,
+            select_subprotocol=select_subprotocol,
+            process_request=self._http,
+            compression=None,
+            max_size=settings.max_message_size,
+            open_timeout=settings.hello_timeout,
+            # Heartbeats are the liveness check; no second one at the WebSocket layer.
+            ping_interval=None,
+            close_timeout=2,
+            server_header=None,
+        )
+        log.info(
+            "listening",
+            host=settings.host,
+            port=self.port,
+            node=self.node.name,
+            redis="embedded" if self.embedded else "external",
+        )
+
+    async def stop(self) -> None:
+        """Stop accepting, close connections with 1001 (sessions stay resumable)."""
+        if self.server is not None:
+            self.server.close(
+                close_connections=True, code=p.CloseCode.GOING_AWAY, reason="server going away"
+            )
+            await self.server.wait_closed()
+        if self.node is not None:
+            await self.node.stop()
+        if self.embedded is not None:
+            await self.embedded.astop()
+        log.info("stopped")
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        assert self.node is not None
+        peer = ws.remote_address
+        await Session(self.node, WebSocketLink(ws), f"{peer[0]}:{peer[1]}" if peer else "?").run()
+
+    async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        assert self.node is not None
+        path = request.path.partition("?")[0]
+        if path == p.WS_PATH:
+            return None
+        if path == "/healthz":
+            return json_response(http.HTTPStatus.OK, {"status": "ok", "node": self.node.name})
+        if path == "/readyz":
+            problems = {}
+            redis_problem = await self.node.store.ready()
+            if redis_problem:
+                problems["redis"] = redis_problem
+            elif not self.node.subscribed.is_set():
+                problems["control"] = "control subscription not established"
+            if problems:
+                return json_response(
+                    http.HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unavailable", **problems}
+                )
+            return json_response(http.HTTPStatus.OK, {"status": "ready"})
+        if path == "/.well-known/jwks.json":
+            return json_response(http.HTTPStatus.OK, self.node.tokens.keys.jwks())
+        return json_response(http.HTTPStatus.NOT_FOUND, {"error": "not_found", "path": path})
+
+
+async def serve_until_signalled(settings: Settings) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    app = App(settings)
+    await app.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await stopping.wait()
+        log.info("signal received, stopping")
+    finally:
+        await app.stop()

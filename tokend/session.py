@@ -1,0 +1,280 @@
+"""One client connection speaking protocol v1, over an abstract :class:`Link`.
+
+This module drives the spec's frame sequence (HELLO, then HEARTBEATs, then BYE
+or a close) and maps every failure to its close code. It knows nothing about
+websockets: ``tokend.server`` adapts a websockets connection to :class:`Link`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+
+from tokend import protocol as p
+from tokend.store import HeartbeatRequest, HeartbeatResult, StoreUnavailable
+from tokend.tokens import Claims, TokenError
+
+if TYPE_CHECKING:
+    from tokend.node import Node
+
+log = structlog.get_logger("tokend.session")
+_conn_ids = itertools.count(1)
+
+# Tombstone reason -> close code for a HELLO or heartbeat on an ended session.
+TOMBSTONE_CODES = {
+    "expired": p.CloseCode.SESSION_EXPIRED,
+    "revoked": p.CloseCode.TOKEN_REVOKED,
+    "closed": p.CloseCode.TOKEN_REVOKED,
+}
+
+
+class TextMessage(Exception):
+    """The peer sent a text message, which protocol v1 forbids (4503)."""
+
+
+class LinkClosed(Exception):
+    """The peer went away."""
+
+
+class Link(Protocol):
+    """What a session needs from its transport."""
+
+    async def recv(self) -> bytes:
+        """Next binary message; raises TextMessage or LinkClosed."""
+        ...
+
+    async def send(self, data: bytes) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class Close(Exception):
+    """End the connection with this close code."""
+
+    def __init__(self, code: p.CloseCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Session:
+    """Protocol state of one connection; ``conn`` names it across the cluster."""
+
+    __slots__ = (
+        "claims",
+        "conn",
+        "exp_ms",
+        "iat_s",
+        "key",
+        "last_seq",
+        "link",
+        "log",
+        "node",
+        "prio",
+        "tid_bytes",
+        "token_exp_ms",
+        "warned",
+    )
+
+    def __init__(self, node: Node, link: Link, peer: str) -> None:
+        self.node = node
+        self.link = link
+        self.conn = f"{node.name}/{next(_conn_ids)}"
+        self.log = log.bind(node=node.name, conn=self.conn, peer=peer)
+        self.claims: Claims | None = None
+        self.tid_bytes = b""
+        self.key = b""
+        self.last_seq = 0
+        self.exp_ms = 0
+        self.iat_s = 0
+        self.token_exp_ms = 0  # exp of the newest token this connection was given
+        self.warned = False
+
+    async def run(self) -> None:
+        """Serve the connection until it closes; never raises."""
+        try:
+            await self._hello()
+            await self._serve()
+        except Close as close:
+            await self.close(close)
+        except LinkClosed:
+            self.log.info("connection dropped")
+        except Exception:
+            self.log.exception("session failed")
+            await self.link.close(p.CloseCode.INTERNAL_ERROR, "internal error")
+        finally:
+            self.node.detach(self)
+
+    async def _recv(self) -> p.Frame:
+        try:
+            data = await self.link.recv()
+        except TextMessage:
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "text message") from None
+        try:
+            frame = p.decode(data)
+        except p.ProtocolError as exc:
+            raise Close(p.CloseCode.PROTOCOL_ERROR, str(exc)) from None
+        if not isinstance(frame, p.CLIENT_FRAMES):
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "server frame from client")
+        return frame
+
+    async def _hello(self) -> None:
+        try:
+            async with asyncio.timeout(self.node.settings.hello_timeout):
+                frame = await self._recv()
+        except TimeoutError:
+            raise Close(p.CloseCode.HELLO_TIMEOUT, "no HELLO in time") from None
+        if not isinstance(frame, p.Hello):
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "first frame must be HELLO")
+        try:
+            claims = self.node.tokens.verify(frame.token)
+        except TokenError as exc:
+            code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
+            raise Close(code, exc.reason) from None
+        self.log = self.log.bind(tid=str(claims.tid), sub=claims.sub)
+        try:
+            result = await self.node.store.hello(
+                claims.tid, claims.sub, claims.prio, claims.iat, claims.exp, self.conn
+            )
+        except StoreUnavailable as exc:
+            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable") from exc
+        if result.outcome == "tomb":
+            raise Close(
+                TOMBSTONE_CODES.get(result.tomb, p.CloseCode.TOKEN_REVOKED),
+                f"session {result.tomb}",
+            )
+        if result.outcome == "expired":
+            raise Close(p.CloseCode.TOKEN_EXPIRED, "token expired")
+        if result.outcome == "mismatch":
+            raise Close(p.CloseCode.INVALID_TOKEN, "sub does not match the session")
+        self.claims = claims
+        self.tid_bytes = claims.tid.bytes
+        self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
+        self.token_exp_ms = claims.exp * 1000
+        self.key = os.urandom(p.SESSION_KEY_LENGTH)
+        resumed = result.outcome == "resumed"
+        self.node.attach(self)
+        settings = self.node.settings
+        await self.link.send(
+            p.encode(
+                p.Welcome(
+                    self.tid_bytes,
+                    self.exp_ms,
+                    settings.ms("heartbeat_interval"),
+                    settings.ms("warn_after"),
+                    settings.ms("expire_after"),
+                    self.key,
+                    resumed=resumed,
+                )
+            )
+        )
+        self.log.info("session resumed" if resumed else "session started", exp=self.exp_ms)
+
+    async def _serve(self) -> None:
+        while True:
+            frame = await self._recv()
+            if isinstance(frame, p.Heartbeat):
+                await self._heartbeat(frame)
+            elif isinstance(frame, p.Bye):
+                await self._bye()
+            else:
+                raise Close(p.CloseCode.PROTOCOL_ERROR, "HELLO after WELCOME")
+
+    async def _heartbeat(self, hb: p.Heartbeat) -> None:
+        # Spec 0x03: mac first (constant time), then tid, then seq.
+        if not hb.mac_is_valid(self.key):
+            raise Close(p.CloseCode.BAD_HEARTBEAT, "bad mac")
+        if hb.tid != self.tid_bytes:
+            raise Close(p.CloseCode.BAD_HEARTBEAT, "wrong tid")
+        if hb.seq <= self.last_seq:
+            raise Close(p.CloseCode.BAD_HEARTBEAT, "replayed or old seq")
+        self.last_seq = hb.seq
+        assert self.claims is not None
+        try:
+            result = await self.node.heartbeats.submit(HeartbeatRequest(self.claims.tid, self.conn))
+        except StoreUnavailable:
+            # Not lost: the node replays it when Redis is back. Answer from what we know.
+            self.log.warning("heartbeat not yet stored: store unavailable")
+            await self.link.send(
+                p.encode(p.HeartbeatAck(hb.seq, self.exp_ms, was_warn=self.warned))
+            )
+            return
+        self.apply(result)
+        # The client lacks the current token if it says so (its exp), or if it was
+        # never given it on this connection (resumed with an older token).
+        client_is_current = hb.exp_ms == self.exp_ms == self.token_exp_ms
+        resend = not result.renewed and not client_is_current
+
+        token = None
+        if result.renewed or resend:
+            token = self.node.tokens.sign(
+                Claims(
+                    self.claims.tid,
+                    self.claims.sub,
+                    self.iat_s,
+                    self.exp_ms // 1000,
+                    self.claims.prio,
+                )
+            )
+            self.token_exp_ms = self.exp_ms
+            self.log.info("token renewed" if result.renewed else "token re-sent", exp=self.exp_ms)
+        await self.link.send(
+            p.encode(
+                p.HeartbeatAck(
+                    hb.seq,
+                    self.exp_ms,
+                    token,
+                    renewed=result.renewed,
+                    resent=resend,
+                    was_warn=result.was_warn,
+                )
+            )
+        )
+
+    def apply(self, result: HeartbeatResult) -> None:
+        """Take in the store's answer to a heartbeat (also a replayed one).
+
+        Raises :class:`Close` when the store says the session is no longer ours.
+        """
+        if result.outcome == "taken":
+            raise Close(p.CloseCode.TAKEN_OVER, "session taken over")
+        if result.outcome == "gone":
+            raise Close(
+                TOMBSTONE_CODES.get(result.tomb, p.CloseCode.SESSION_EXPIRED),
+                f"session {result.tomb or 'ended'}",
+            )
+        if result.was_warn:
+            self.log.info("session recovered")
+        self.warned = False
+        self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
+
+    async def _bye(self) -> None:
+        assert self.claims is not None
+        try:
+            await self.node.store.end(
+                self.claims.tid, conn=self.conn, event="SESSION_CLOSED", tomb="closed", code=None
+            )
+        except StoreUnavailable as exc:
+            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable, BYE not recorded") from exc
+        raise Close(p.CloseCode.NORMAL, "bye")
+
+    async def notify_warn(self) -> None:
+        """The session entered WARN (swept by some node): tell the client."""
+        self.warned = True
+        self.log.warning("session warn: heartbeats missed")
+        await self.link.send(p.encode(p.Notice()))
+
+    async def close(self, close: Close) -> None:
+        if close.code in _ROUTINE_CLOSES:
+            self.log.info("closing", code=int(close.code), reason=close.reason)
+        else:
+            self.log.warning("closing", code=int(close.code), reason=close.reason)
+        await self.link.close(close.code, close.reason)
+
+
+# Closes that are part of normal operation, logged at info rather than warning.
+_ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})

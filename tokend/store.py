@@ -1,0 +1,328 @@
+"""The session store: Redis, the source of truth, driven through Lua scripts.
+
+Key layout (documented in docs/protocol.md, "Store layout"). A session lives in
+one of :data:`SHARDS` shards, chosen from its tid; every key of a shard carries
+the hash tag ``{<prefix>:<shard>}``, so a script that touches a session, its
+tombstone, the shard's deadline set and the shard's event stream stays in one
+Redis Cluster slot:
+
+* ``<prefix>:{<prefix>:<n>}:s:<tid>``  session hash (sub st hb exp iat prio conn node)
+* ``<prefix>:{<prefix>:<n>}:t:<tid>``  tombstone of an ended session, until its exp
+* ``<prefix>:{<prefix>:<n>}:due``      deadline set: tid scored by its next transition time
+* ``<prefix>:{<prefix>:<n>}:events``   event stream shard
+* ``<prefix>:events`` / ``<prefix>:ctl``  pub/sub channels (events; node-to-node control)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from tokend.config import Settings
+
+SHARDS = 16
+T = TypeVar("T")
+
+
+class StoreUnavailable(Exception):
+    """Redis did not answer within the deadline, or refused the connection."""
+
+
+def _source(name: str) -> str:
+    return (resources.files("tokend") / "lua" / name).read_text()
+
+
+class Script:
+    """One Lua script (prelude + body), called by SHA and reloaded on NOSCRIPT."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _source("_prelude.lua") + _source(f"{name}.lua")
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+
+HELLO = Script("hello")
+HEARTBEAT = Script("heartbeat")
+CLAIM = Script("claim")
+TRANSITION = Script("transition")
+END = Script("end")
+SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END)
+
+
+@dataclass(frozen=True, slots=True)
+class Keyspace:
+    prefix: str
+
+    @staticmethod
+    def shard(tid: uuid.UUID) -> int:
+        return int.from_bytes(tid.bytes[-2:], "big") % SHARDS
+
+    def _tag(self, shard: int) -> str:
+        return f"{self.prefix}:{{{self.prefix}:{shard}}}"
+
+    def shard_keys(self, shard: int) -> list[str]:
+        """KEYS[1..2] of every script: the shard's deadline set and event stream."""
+        tag = self._tag(shard)
+        return [f"{tag}:due", f"{tag}:events"]
+
+    def session_keys(self, tid: uuid.UUID) -> list[str]:
+        tag = self._tag(self.shard(tid))
+        return [f"{tag}:s:{tid}", f"{tag}:t:{tid}"]
+
+    def script_keys(self, tid: uuid.UUID) -> list[str]:
+        return self.shard_keys(self.shard(tid)) + self.session_keys(tid)
+
+    def streams(self) -> list[str]:
+        return [self.shard_keys(n)[1] for n in range(SHARDS)]
+
+    @property
+    def events_channel(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def control_channel(self) -> str:
+        return f"{self.prefix}:ctl"
+
+
+@dataclass(frozen=True, slots=True)
+class HelloResult:
+    outcome: str  # started | resumed | tomb | expired | mismatch
+    exp_ms: int = 0
+    iat_s: int = 0
+    tomb: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    outcome: str  # ok | gone | taken
+    was_warn: bool = False
+    renewed: bool = False
+    exp_ms: int = 0
+    iat_s: int = 0
+    tomb: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatRequest:
+    tid: uuid.UUID
+    conn: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """A session hash as read by the sweeper; strings kept as read for compare-and-set."""
+
+    tid: uuid.UUID
+    st: str
+    hb: str
+    exp: str
+
+
+def connect(url: str, settings: Settings) -> aioredis.Redis:
+    """A client whose pool waits (up to the deadline) instead of failing when full."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        decode_responses=True,
+        max_connections=settings.redis_pool_size,
+        timeout=settings.redis_timeout,
+        socket_timeout=settings.redis_timeout,
+        socket_connect_timeout=settings.redis_timeout,
+        health_check_interval=30,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+class Store:
+    """Every session state change, as one script call with a deadline."""
+
+    def __init__(self, redis: aioredis.Redis, settings: Settings, node: str) -> None:
+        self.redis = redis
+        self.keys = Keyspace(settings.key_prefix)
+        self.timeout = settings.redis_timeout
+        self.warn_ms = settings.ms("warn_after")
+        self.expire_ms = settings.ms("expire_after")
+        self.renew_ms = settings.ms("renew_window")
+        self.ttl_s = settings.token_ttl_s
+        # The session hash outlives its token by this much, so that a late sweep
+        # still finds it and emits TOKEN_EXPIRED instead of losing it to PEXPIREAT.
+        self.grace_ms = self.expire_ms
+        self._common = [
+            node,
+            self.keys.events_channel,
+            self.keys.control_channel,
+            str(settings.stream_maxlen),
+        ]
+
+    async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await make()
+        except (TimeoutError, rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(type(exc).__name__) from None
+
+    async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        argv = [*self._common, *args]
+
+        async def call() -> Any:
+            try:
+                return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
+            except rexc.NoScriptError:
+                # Redis restarted or was flushed: load and run once more.
+                await self.redis.script_load(script.source)
+                return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
+
+        return await self._deadline(call)
+
+    async def _eval_many(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+        """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
+
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *self._common, *args)
+            results = await pipe.execute(raise_on_error=False)
+            missing = [i for i, r in enumerate(results) if isinstance(r, rexc.NoScriptError)]
+            if missing:
+                for script in {calls[i][0] for i in missing}:
+                    await self.redis.script_load(script.source)
+                pipe = self.redis.pipeline(transaction=False)
+                for i in missing:
+                    script, keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *self._common, *args)
+                for i, result in zip(
+                    missing, await pipe.execute(raise_on_error=False), strict=True
+                ):
+                    results[i] = result
+            for result in results:
+                if isinstance(result, (rexc.ConnectionError, rexc.TimeoutError)):
+                    raise result
+                if isinstance(result, Exception):
+                    raise RuntimeError(f"script failed: {result}")
+            return results
+
+        return await self._deadline(call)
+
+    async def load_scripts(self) -> None:
+        async def call() -> None:
+            for script in SCRIPTS:
+                await self.redis.script_load(script.source)
+
+        await self._deadline(call)
+
+    async def ready(self) -> str | None:
+        """None when Redis answers and every script is loaded, else what is wrong."""
+        try:
+            loaded = await self._deadline(
+                lambda: self.redis.script_exists(*(s.sha for s in SCRIPTS))
+            )
+        except StoreUnavailable as exc:
+            return f"redis unreachable ({exc})"
+        if not all(loaded):
+            try:
+                await self.load_scripts()
+            except StoreUnavailable as exc:
+                return f"redis unreachable ({exc})"
+        return None
+
+    async def hello(
+        self, tid: uuid.UUID, sub: str, prio: int, iat_s: int, exp_s: int, conn: str
+    ) -> HelloResult:
+        reply = await self._eval(
+            HELLO,
+            self.keys.script_keys(tid),
+            [str(tid), sub, prio, iat_s, exp_s, conn, self.warn_ms, self.grace_ms],
+        )
+        outcome = reply[0]
+        if outcome in ("started", "resumed"):
+            return HelloResult(outcome, int(reply[1]), int(reply[2]))
+        if outcome == "tomb":
+            return HelloResult(outcome, tomb=reply[1])
+        return HelloResult(outcome)
+
+    async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+        """Record many heartbeats: one script call per shard, all in one round trip."""
+        by_shard: dict[int, list[int]] = {}
+        for i, request in enumerate(batch):
+            by_shard.setdefault(self.keys.shard(request.tid), []).append(i)
+        calls = []
+        for shard, members in by_shard.items():
+            keys = self.keys.shard_keys(shard)
+            args: list[Any] = [self.warn_ms, self.renew_ms, self.ttl_s, self.grace_ms]
+            for i in members:
+                keys += self.keys.session_keys(batch[i].tid)
+                args += [str(batch[i].tid), batch[i].conn]
+            calls.append((HEARTBEAT, keys, args))
+        results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
+        for members, replies in zip(by_shard.values(), await self._eval_many(calls), strict=True):
+            for i, reply in zip(members, replies, strict=True):
+                results[i] = _heartbeat_result(reply)
+        return results
+
+    async def end(
+        self, tid: uuid.UUID, *, conn: str, event: str, tomb: str, code: int | None
+    ) -> int:
+        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506)."""
+        return int(
+            await self._eval(
+                END,
+                self.keys.script_keys(tid),
+                [str(tid), conn, event, tomb, "" if code is None else code, self.ttl_s * 1000],
+            )
+        )
+
+    async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[uuid.UUID]]:
+        """Claim due sessions of every shard; returns Redis time and the claimed tids."""
+        calls = [(CLAIM, self.keys.shard_keys(n), [limit, lease_ms]) for n in range(SHARDS)]
+        now, tids = 0, []
+        for reply in await self._eval_many(calls):
+            now = max(now, int(reply[0]))
+            tids += [uuid.UUID(t) for t in reply[1]]
+        return now, tids
+
+    async def read(self, tids: Sequence[uuid.UUID]) -> list[SessionRecord | None]:
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for tid in tids:
+                pipe.hmget(self.keys.session_keys(tid)[0], "st", "hb", "exp")
+            return await pipe.execute()
+
+        rows = await self._deadline(call)
+        return [
+            SessionRecord(tid, *row) if row[0] is not None else None
+            for tid, row in zip(tids, rows, strict=True)
+        ]
+
+    async def transitions(self, moves: Sequence[tuple[SessionRecord, str, str]]) -> int:
+        """Compare-and-set transitions (record, target state, reason); returns how many took."""
+        if not moves:
+            return 0
+        calls = [
+            (
+                TRANSITION,
+                self.keys.script_keys(rec.tid),
+                [str(rec.tid), rec.st, rec.hb, rec.exp, target, reason, self.expire_ms],
+            )
+            for rec, target, reason in moves
+        ]
+        return sum(int(r) for r in await self._eval_many(calls))
+
+    async def reschedule(self, tid: uuid.UUID, deadline_ms: int) -> None:
+        """Put back a claimed entry that turned out not to be due."""
+        due = self.keys.shard_keys(self.keys.shard(tid))[0]
+        await self._deadline(lambda: self.redis.zadd(due, {str(tid): deadline_ms}, xx=True))
+
+
+def _heartbeat_result(reply: list[Any]) -> HeartbeatResult:
+    if reply[0] == "ok":
+        return HeartbeatResult("ok", bool(reply[1]), bool(reply[2]), int(reply[3]), int(reply[4]))
+    if reply[0] == "gone":
+        return HeartbeatResult("gone", tomb=reply[1])
+    return HeartbeatResult("taken")

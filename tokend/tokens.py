@@ -1,0 +1,266 @@
+"""Signing keys, token minting and verification (spec "Tokens").
+
+Keys are Ed25519, one PEM file per key in the keys directory, named by its
+``kid``. Kids sort by creation time, so the greatest one is the newest: it alone
+signs, every key in the directory verifies (rotation).
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import os
+import re
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from tokend.config import Settings
+
+KID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
+REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "exp")
+DEFAULT_PRIO = 5
+PRIO_RANGE = range(10)
+
+
+class TokenError(Exception):
+    """A token that must be refused; ``expired`` selects 4502 over 4501."""
+
+    def __init__(self, reason: str, *, expired: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.expired = expired
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """What tokend needs from a verified token."""
+
+    tid: uuid.UUID
+    sub: str
+    iat: int
+    exp: int
+    prio: int = DEFAULT_PRIO
+
+
+def _new_kid() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def _write_private_key(path: Path, key: Ed25519PrivateKey) -> None:
+    """Write atomically with mode 0600: readers see no file or the whole file."""
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, pem)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Serialize key generation between processes sharing the directory."""
+    with (directory / ".lock").open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _b64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+class KeyRing:
+    """The keys of one keys directory: the newest signs, all of them verify."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._private: dict[str, Ed25519PrivateKey] = {}
+        self._public: dict[str, Ed25519PublicKey] = {}
+
+    @classmethod
+    def open(cls, directory: Path) -> KeyRing:
+        """Load the directory, generating a first key if it has none."""
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ring = cls(directory)
+        with _locked(directory):
+            ring.reload()
+            if not ring._private:
+                ring._add_new_key()
+        return ring
+
+    def rotate(self) -> str:
+        """Make a new key the signing key; older keys keep verifying."""
+        with _locked(self.directory):
+            return self._add_new_key()
+
+    def _add_new_key(self) -> str:
+        kid = _new_kid()
+        while kid in self._private or (self.directory / f"{kid}.pem").exists():
+            kid = _new_kid()
+        key = Ed25519PrivateKey.generate()
+        _write_private_key(self.directory / f"{kid}.pem", key)
+        self._private[kid] = key
+        self._public[kid] = key.public_key()
+        return kid
+
+    def reload(self) -> None:
+        """Re-read the directory (picks up keys rotated by another process)."""
+        for path in sorted(self.directory.glob("*.pem")):
+            kid = path.stem
+            if kid in self._private or not KID_PATTERN.match(kid):
+                continue
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+            if not isinstance(key, Ed25519PrivateKey):
+                raise ValueError(f"{path}: not an Ed25519 private key")
+            self._private[kid] = key
+            self._public[kid] = key.public_key()
+
+    @property
+    def current_kid(self) -> str:
+        return max(self._private)
+
+    def public_key(self, kid: str) -> Ed25519PublicKey | None:
+        return self._public.get(kid)
+
+    def jwks(self) -> dict[str, Any]:
+        """The public keys as a JWKS (RFC 7517; OKP keys per RFC 8037)."""
+        keys = []
+        for kid in sorted(self._public, reverse=True):
+            raw = self._public[kid].public_bytes(
+                serialization.Encoding.Raw, serialization.PublicFormat.Raw
+            )
+            keys.append(
+                {
+                    "kty": "OKP",
+                    "crv": "Ed25519",
+                    "kid": kid,
+                    "use": "sig",
+                    "alg": "EdDSA",
+                    "x": _b64url(raw),
+                }
+            )
+        return {"keys": keys}
+
+    def sign(self, claims: dict[str, Any]) -> str:
+        kid = self.current_kid
+        return jwt.encode(claims, self._private[kid], algorithm="EdDSA", headers={"kid": kid})
+
+
+class TokenService:
+    """Mints and verifies tokens under one issuer, audience and key ring."""
+
+    def __init__(self, settings: Settings, keys: KeyRing) -> None:
+        self.keys = keys
+        self.issuer = settings.issuer
+        self.audience = settings.audience
+        self.leeway = settings.leeway
+        self.algorithms = settings.algorithm_list
+        self.default_ttl_s = settings.token_ttl_s
+        self._last_reload = 0.0
+
+    def mint(
+        self,
+        sub: str,
+        *,
+        ttl_s: int | None = None,
+        prio: int = DEFAULT_PRIO,
+        tid: uuid.UUID | None = None,
+        iat: int | None = None,
+    ) -> str:
+        """A new token (a fresh ``jti`` unless ``tid`` is given)."""
+        if prio not in PRIO_RANGE:
+            raise ValueError("prio must be 0..9")
+        iat = int(time.time()) if iat is None else iat
+        return self.sign(
+            Claims(tid or uuid.uuid4(), sub, iat, iat + (ttl_s or self.default_ttl_s), prio)
+        )
+
+    def sign(self, claims: Claims) -> str:
+        body: dict[str, Any] = {
+            "iss": self.issuer,
+            "aud": self.audience,
+            "sub": claims.sub,
+            "jti": str(claims.tid),
+            "iat": claims.iat,
+            "exp": claims.exp,
+        }
+        if claims.prio != DEFAULT_PRIO:
+            body["prio"] = claims.prio
+        return self.keys.sign(body)
+
+    def _key_for(self, kid: str) -> Ed25519PublicKey:
+        key = self.keys.public_key(kid)
+        if key is None and time.monotonic() - self._last_reload > 1.0:
+            # A key rotated in by another process since we loaded the directory.
+            self._last_reload = time.monotonic()
+            self.keys.reload()
+            key = self.keys.public_key(kid)
+        if key is None:
+            raise TokenError("unknown kid")
+        return key
+
+    def verify(self, token: str) -> Claims:
+        """Check signature, algorithm, issuer, audience, times and claim shapes."""
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise TokenError("malformed token") from None
+        alg, kid = header.get("alg"), header.get("kid")
+        if alg not in self.algorithms:
+            raise TokenError("algorithm not allowed")
+        if not isinstance(kid, str) or not KID_PATTERN.match(kid):
+            raise TokenError("missing or malformed kid")
+        try:
+            payload = jwt.decode(
+                token,
+                self._key_for(kid),
+                algorithms=self.algorithms,
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": list(REQUIRED_CLAIMS), "strict_aud": True},
+            )
+        except jwt.ExpiredSignatureError:
+            raise TokenError("token expired", expired=True) from None
+        except jwt.PyJWTError as exc:
+            raise TokenError(type(exc).__name__) from None
+        return _claims(payload)
+
+
+def _claims(payload: dict[str, Any]) -> Claims:
+    jti, sub, prio = payload["jti"], payload["sub"], payload.get("prio", DEFAULT_PRIO)
+    try:
+        tid = uuid.UUID(jti) if isinstance(jti, str) else None
+    except ValueError:
+        tid = None
+    if tid is None or str(tid) != jti:
+        raise TokenError("jti is not a canonical UUID")
+    if not isinstance(sub, str) or not sub or len(sub) > 256:
+        raise TokenError("sub must be a string of 1..256 characters")
+    if isinstance(prio, bool) or not isinstance(prio, int) or prio not in PRIO_RANGE:
+        raise TokenError("prio must be an integer 0..9")
+    iat, exp = payload["iat"], payload["exp"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (iat, exp)):
+        raise TokenError("iat and exp must be integers")
+    if not 0 < exp < 1 << 42:
+        raise TokenError("exp out of range")
+    return Claims(tid, sub, iat, exp, prio)
