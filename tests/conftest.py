@@ -1,0 +1,113 @@
+"""Fixtures: a private redis-server per test session, tokend apps with short clocks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import asyncio as aioredis
+
+from tests.support import EventLog, RedisProcess
+from tokend import config, logs
+from tokend.config import Settings
+from tokend.server import App
+from tokend.tokens import KeyRing, TokenService
+
+logs.configure("console", "warning")
+
+# Clocks short enough to watch WARN and EXPIRED happen in a test.
+SHORT_CLOCKS: dict[str, Any] = {
+    "heartbeat_interval": 0.2,
+    "warn_after": 0.6,
+    "expire_after": 1.2,
+    "sweep_interval": 0.05,
+    "hello_timeout": 1.0,
+    "redis_timeout": 1.0,
+    "token_ttl": 60,
+    "renew_window": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def keys_dir(tmp_path: Path) -> Path:
+    return tmp_path / "keys"
+
+
+@pytest.fixture
+def make_settings(
+    redis_server: RedisProcess, keys_dir: Path, tmp_path: Path
+) -> Callable[..., Settings]:
+    """Settings on the test Redis, with a key prefix of this test's own."""
+    prefix = "t" + uuid.uuid4().hex[:12]
+
+    def make(**overrides: Any) -> Settings:
+        values = {
+            "redis_url": redis_server.url,
+            "key_prefix": prefix,
+            "keys_dir": str(keys_dir),
+            "data_dir": str(tmp_path / "data"),
+            "port": 0,
+            "node_name": "node-a",
+            **SHORT_CLOCKS,
+            **overrides,
+        }
+        return config.load(values, environ={})
+
+    return make
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return make_settings()
+
+
+@pytest.fixture
+def tokens(settings: Settings) -> TokenService:
+    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+
+
+@pytest.fixture
+async def start_app(
+    make_settings: Callable[..., Settings],
+) -> AsyncIterator[Callable[..., Awaitable[App]]]:
+    """Start tokend apps in this event loop (real sockets); all stopped at teardown."""
+    apps: list[App] = []
+
+    async def start(**overrides: Any) -> App:
+        app = App(make_settings(**overrides))
+        await app.start()
+        apps.append(app)
+        return app
+
+    yield start
+    for app in apps:
+        await app.stop()
+
+
+@pytest.fixture
+async def app(start_app: Callable[..., Awaitable[App]]) -> App:
+    return await start_app()
+
+
+@pytest.fixture
+async def redis(redis_server: RedisProcess) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def events(redis: aioredis.Redis, settings: Settings) -> AsyncIterator[EventLog]:
+    async with EventLog(redis, f"{settings.key_prefix}:events") as log:
+        yield log

@@ -1,0 +1,327 @@
+"""Conformance: a client built from the spec's bytes against a real tokend and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from tests.support import EventLog, RawClient
+from tokend import protocol as p
+from tokend.server import App
+from tokend.tokens import TokenService
+
+
+def tid_of(welcome: p.Welcome) -> str:
+    return str(uuid.UUID(bytes=welcome.tid))
+
+
+async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: TokenService, events: EventLog):
+    token = tokens.mint("alice")
+    async with RawClient.connect(app.port) as client:
+        assert client.ws.subprotocol == p.SUBPROTOCOL
+        welcome = await client.hello(token)
+        assert not welcome.resumed
+        assert welcome.heartbeat_ms == 200
+        assert welcome.warn_ms == 600
+        assert welcome.expire_ms == 1200
+        claims = tokens.verify(token)
+        assert welcome.tid == claims.tid.bytes
+        assert welcome.exp_ms == claims.exp * 1000
+        ack = await client.heartbeat()
+        assert ack.seq == 1
+        assert ack.exp_ms == welcome.exp_ms
+        assert ack.token is None and not ack.renewed and not ack.resent and not ack.was_warn
+        started = await events.wait_for("SESSION_STARTED", str(claims.tid))
+        assert started[0]["sub"] == "alice"
+        assert started[0]["node"] == "node-a"
+        assert started[0]["v"] == 1
+
+
+async def test_renewal_inside_window(start_app, tokens: TokenService, events: EventLog):
+    app = await start_app(token_ttl=10, renew_window=9)
+    token = tokens.mint("bob", ttl_s=5)
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+        ack = await client.heartbeat()
+        assert ack.renewed and ack.token is not None
+        assert ack.exp_ms > welcome.exp_ms
+        renewed = tokens.verify(ack.token)
+        assert renewed.tid.bytes == welcome.tid
+        assert renewed.sub == "bob"
+        assert renewed.exp * 1000 == ack.exp_ms
+        assert renewed.exp - renewed.iat == 10
+        await events.wait_for("TOKEN_RENEWED", tid_of(welcome))
+        # The next heartbeat, holding the new exp, is outside the window: no renewal.
+        ack2 = await client.heartbeat()
+        assert not ack2.renewed and ack2.token is None
+
+
+async def test_stale_exp_gets_token_resent(start_app, tokens: TokenService):
+    app = await start_app(token_ttl=10, renew_window=9)
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(tokens.mint("carol", ttl_s=5))
+        first = await client.heartbeat(exp_ms=welcome.exp_ms)
+        assert first.renewed
+        # The client "lost" that ACK and still says the old exp.
+        again = await client.heartbeat(exp_ms=welcome.exp_ms)
+        assert again.resent and not again.renewed
+        assert again.exp_ms == first.exp_ms
+        assert again.token is not None
+        assert tokens.verify(again.token).exp * 1000 == first.exp_ms
+
+
+async def test_warn_notice_then_recovery(app: App, tokens: TokenService, events: EventLog):
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(tokens.mint("dave"))
+        tid = tid_of(welcome)
+        notice = await client.recv(timeout=3)
+        assert notice == p.Notice(p.SessionState.WARN)
+        await events.wait_for("SESSION_WARN", tid)
+        ack = await client.heartbeat()
+        assert ack.was_warn
+        await events.wait_for("SESSION_RECOVERED", tid)
+        ack = await client.heartbeat()
+        assert not ack.was_warn
+
+
+async def test_silence_expires_once(app: App, tokens: TokenService, events: EventLog, redis):
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(tokens.mint("erin"))
+        tid = tid_of(welcome)
+        assert isinstance(await client.recv(timeout=3), p.Notice)
+        closed = await client.expect_close(timeout=3)
+        assert closed.code == p.CloseCode.SESSION_EXPIRED
+    expired = await events.wait_for("TOKEN_EXPIRED", tid)
+    assert expired[0]["reason"] == "heartbeat_timeout"
+    await asyncio.sleep(0.5)  # long enough for a duplicate to show, if there were one
+    assert len(events.of("TOKEN_EXPIRED", tid)) == 1
+    stream = [e for e in await _stream_events(redis, app) if e["tid"] == tid]
+    assert [e["type"] for e in stream] == ["SESSION_STARTED", "SESSION_WARN", "TOKEN_EXPIRED"]
+
+
+async def _stream_events(redis, app: App) -> list[dict]:
+    import json
+
+    from tokend.store import Keyspace
+
+    out = []
+    for stream in Keyspace(app.settings.key_prefix).streams():
+        out += [json.loads(f["event"]) for _, f in await redis.xrange(stream)]
+    return sorted(out, key=lambda e: e["at"])
+
+
+@pytest.mark.parametrize("first", [b"", b"\x09", p.encode(p.Bye())])
+async def test_protocol_errors_before_welcome(app: App, first: bytes):
+    async with RawClient.connect(app.port) as client:
+        await client.send(first)
+        closed = await client.expect_close()
+        assert closed.code == p.CloseCode.PROTOCOL_ERROR
+
+
+async def test_text_message_is_protocol_error(app: App, tokens: TokenService):
+    async with RawClient.connect(app.port) as client:
+        await client.hello(tokens.mint("t"))
+        await client.send("hello")
+        assert (await client.expect_close()).code == p.CloseCode.PROTOCOL_ERROR
+
+
+async def test_hello_after_welcome_is_protocol_error(app: App, tokens: TokenService):
+    token = tokens.mint("t")
+    async with RawClient.connect(app.port) as client:
+        await client.hello(token)
+        await client.send(p.encode(p.Hello(token)))
+        assert (await client.expect_close()).code == p.CloseCode.PROTOCOL_ERROR
+
+
+async def test_unknown_version_is_protocol_error(app: App, tokens: TokenService):
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(tokens.mint("t"), version=2)))
+        assert (await client.expect_close()).code == p.CloseCode.PROTOCOL_ERROR
+
+
+async def test_message_too_big(app: App):
+    async with RawClient.connect(app.port) as client:
+        await client.send(b"\x01" * (16384 + 1))
+        assert (await client.expect_close()).code == p.CloseCode.MESSAGE_TOO_BIG
+
+
+async def test_no_hello_in_time(app: App):
+    async with RawClient.connect(app.port) as client:
+        # hello_timeout is 1 s in the test settings.
+        assert (await client.expect_close(timeout=3)).code == p.CloseCode.HELLO_TIMEOUT
+
+
+@pytest.mark.parametrize(
+    "token", ["garbage", "a.b.c", "eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0."], ids=str
+)
+async def test_invalid_token(app: App, token: str):
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(token)))
+        assert (await client.expect_close()).code == p.CloseCode.INVALID_TOKEN
+
+
+async def test_token_from_other_keys_is_invalid(app: App, tmp_path, settings):
+    from tokend.tokens import KeyRing
+
+    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys"))
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(stranger.mint("mallory"))))
+        assert (await client.expect_close()).code == p.CloseCode.INVALID_TOKEN
+
+
+async def test_expired_token_at_hello(app: App, tokens: TokenService):
+    import time
+
+    old = tokens.mint("t", ttl_s=10, iat=int(time.time()) - 60)
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(old)))
+        assert (await client.expect_close()).code == p.CloseCode.TOKEN_EXPIRED
+
+
+@pytest.mark.parametrize("fault", ["mac", "tid", "replay", "zero_seq"])
+async def test_bad_heartbeat_proof(app: App, tokens: TokenService, fault: str):
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(tokens.mint("t"))
+        if fault == "mac":
+            frame = bytearray(client.heartbeat_bytes())
+            frame[-1] ^= 0x01
+            await client.send(bytes(frame))
+        elif fault == "tid":
+            other = uuid.uuid4().bytes
+            hb = p.make_heartbeat(welcome.session_key, other, 1, welcome.exp_ms)
+            await client.send(p.encode(hb))
+        elif fault == "replay":
+            frame = client.heartbeat_bytes()
+            await client.send(frame)
+            assert isinstance(await client.recv(), p.HeartbeatAck)
+            await client.send(frame)
+        else:
+            await client.send(client.heartbeat_bytes(seq=0))
+        assert (await client.expect_close()).code == p.CloseCode.BAD_HEARTBEAT
+
+
+async def test_other_subprotocol_refused_with_400(app: App):
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus) as refused:
+        async with RawClient.connect(app.port, subprotocols=["chat.v2"]):
+            pass
+    assert refused.value.response.status_code == 400
+
+
+async def test_no_subprotocol_offered_is_accepted(app: App, tokens: TokenService):
+    async with RawClient.connect(app.port, subprotocols=[]) as client:
+        assert client.ws.subprotocol is None
+        await client.hello(tokens.mint("t"))
+
+
+async def test_bye_closes_1000_and_leaves_tombstone(
+    app: App, tokens: TokenService, events: EventLog
+):
+    token = tokens.mint("frank")
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+        await client.send(p.encode(p.Bye()))
+        assert (await client.expect_close()).code == p.CloseCode.NORMAL
+    await events.wait_for("SESSION_CLOSED", tid_of(welcome))
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(token)))
+        assert (await client.expect_close()).code == p.CloseCode.TOKEN_REVOKED
+
+
+async def test_expired_session_tombstone_refuses_hello(
+    app: App, tokens: TokenService, events: EventLog
+):
+    token = tokens.mint("gina")
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+    # Dropped without BYE: the session expires server-side with no connection.
+    expired = await events.wait_for("TOKEN_EXPIRED", tid_of(welcome), timeout=5)
+    assert expired[0]["reason"] == "heartbeat_timeout"
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(token)))
+        assert (await client.expect_close()).code == p.CloseCode.SESSION_EXPIRED
+    assert len(events.of("TOKEN_EXPIRED", tid_of(welcome))) == 1
+
+
+async def test_resume_after_drop_with_older_token(
+    start_app, tokens: TokenService, events: EventLog
+):
+    app = await start_app(token_ttl=10, renew_window=9)
+    old_token = tokens.mint("hank", ttl_s=5)
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(old_token)
+        renewed = await client.heartbeat()
+        assert renewed.renewed
+    # The renewed token was "lost"; the client resumes with the old one.
+    async with RawClient.connect(app.port) as client:
+        resumed = await client.hello(old_token)
+        assert resumed.resumed
+        assert resumed.tid == welcome.tid
+        assert resumed.exp_ms == renewed.exp_ms
+        assert resumed.session_key != welcome.session_key
+        # The client may even echo WELCOME's exp: it still has not been given that token.
+        ack = await client.heartbeat(exp_ms=resumed.exp_ms)
+        assert ack.resent and ack.token is not None
+        assert tokens.verify(ack.token).exp * 1000 == renewed.exp_ms
+    await events.wait_for("SESSION_RESUMED", tid_of(welcome))
+
+
+async def test_takeover_closes_older_connection(app: App, tokens: TokenService, events: EventLog):
+    token = tokens.mint("ivy")
+    async with RawClient.connect(app.port) as first, RawClient.connect(app.port) as second:
+        await first.hello(token)
+        resumed = await second.hello(token)
+        assert resumed.resumed
+        assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
+        assert isinstance(await second.heartbeat(), p.HeartbeatAck)
+
+
+async def test_revoke_closes_connection_and_bars_token(
+    app: App, tokens: TokenService, events: EventLog
+):
+    token = tokens.mint("jack")
+    claims = tokens.verify(token)
+    async with RawClient.connect(app.port) as client:
+        await client.hello(token)
+        assert app.node is not None
+        ended = await app.node.store.end(
+            claims.tid,
+            conn="",
+            event="TOKEN_REVOKED",
+            tomb="revoked",
+            code=p.CloseCode.TOKEN_REVOKED,
+        )
+        assert ended == 1
+        assert (await client.expect_close(timeout=2)).code == p.CloseCode.TOKEN_REVOKED
+    await events.wait_for("TOKEN_REVOKED", str(claims.tid))
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(token)))
+        assert (await client.expect_close()).code == p.CloseCode.TOKEN_REVOKED
+
+
+async def test_shutdown_closes_1001_and_session_resumes(
+    start_app, tokens: TokenService, events: EventLog
+):
+    app = await start_app()
+    token = tokens.mint("kim")
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+        await app.stop()
+        assert (await client.expect_close()).code == p.CloseCode.GOING_AWAY
+    app2 = await start_app()
+    async with RawClient.connect(app2.port) as client:
+        assert (await client.hello(token)).resumed
+    assert not events.of("TOKEN_EXPIRED", tid_of(welcome))
+
+
+async def test_http_routes(app: App):
+    from tests.support import http_get
+
+    assert await http_get(app.port, "/healthz") == (200, {"status": "ok", "node": "node-a"})
+    assert await http_get(app.port, "/readyz") == (200, {"status": "ready"})
+    status, jwks = await http_get(app.port, "/.well-known/jwks.json")
+    assert status == 200 and jwks["keys"][0]["crv"] == "Ed25519"
+    assert (await http_get(app.port, "/nope"))[0] == 404
