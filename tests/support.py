@@ -226,9 +226,9 @@ class EventLog:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> EventLog:
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self.channel)
-        self._task = asyncio.create_task(self._run(pubsub))
+        subscribed = asyncio.Event()
+        self._task = asyncio.create_task(self._run(subscribed))
+        await subscribed.wait()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -237,14 +237,19 @@ class EventLog:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
-    async def _run(self, pubsub: Any) -> None:
-        try:
-            async for message in pubsub.listen():
-                async with self._changed:
-                    self.events.append(json.loads(message["data"]))
-                    self._changed.notify_all()
-        finally:
-            await pubsub.aclose()
+    async def _run(self, subscribed: asyncio.Event) -> None:
+        """Collect events; resubscribe if Redis goes away (events meanwhile are missed)."""
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                subscribed.set()
+                async for message in pubsub.listen():
+                    async with self._changed:
+                        self.events.append(json.loads(message["data"]))
+                        self._changed.notify_all()
+            except (redis.ConnectionError, OSError):
+                await asyncio.sleep(0.1)
 
     def of(self, kind: str, tid: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == kind and (tid is None or e["tid"] == tid)]
@@ -270,3 +275,13 @@ async def http_get(port: int, path: str) -> tuple[int, Any]:
             return err.code, json.loads(err.read() or b"null")
 
     return await asyncio.to_thread(get)
+
+
+async def stream_events(client: aioredis.Redis, prefix: str) -> list[dict[str, Any]]:
+    """Every event in the durable stream shards, oldest first."""
+    from tokend.store import Keyspace
+
+    out = []
+    for stream in Keyspace(prefix).streams():
+        out += [json.loads(fields["event"]) for _, fields in await client.xrange(stream)]
+    return sorted(out, key=lambda e: e["at"])

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from tests.support import EventLog, RawClient
+from tests.support import EventLog, RawClient, stream_events
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import TokenService
@@ -97,19 +97,8 @@ async def test_silence_expires_once(app: App, tokens: TokenService, events: Even
     assert expired[0]["reason"] == "heartbeat_timeout"
     await asyncio.sleep(0.5)  # long enough for a duplicate to show, if there were one
     assert len(events.of("TOKEN_EXPIRED", tid)) == 1
-    stream = [e for e in await _stream_events(redis, app) if e["tid"] == tid]
+    stream = [e for e in await stream_events(redis, app.settings.key_prefix) if e["tid"] == tid]
     assert [e["type"] for e in stream] == ["SESSION_STARTED", "SESSION_WARN", "TOKEN_EXPIRED"]
-
-
-async def _stream_events(redis, app: App) -> list[dict]:
-    import json
-
-    from tokend.store import Keyspace
-
-    out = []
-    for stream in Keyspace(app.settings.key_prefix).streams():
-        out += [json.loads(f["event"]) for _, f in await redis.xrange(stream)]
-    return sorted(out, key=lambda e: e["at"])
 
 
 @pytest.mark.parametrize("first", [b"", b"\x09", p.encode(p.Bye())])

@@ -173,8 +173,13 @@ class Node:
         backoff = self.settings.sweep_interval
         while self.running:
             try:
-                self.heartbeats.kick()
-                claimed = await self._sweep_once(lease_ms)
+                if self.heartbeats.unstored:
+                    # Heartbeats held through an outage go in before any deadline is
+                    # judged, or their sessions would be warned or expired wrongly.
+                    self.heartbeats.kick()
+                    claimed = 0
+                else:
+                    claimed = await self._sweep_once(lease_ms)
                 backoff = self.settings.sweep_interval
             except StoreUnavailable as exc:
                 self.log.warning("sweep skipped: store unavailable", error=str(exc))

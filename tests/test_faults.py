@@ -1,0 +1,113 @@
+"""Faults with real processes: Redis killed and restarted, two tokend nodes on one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from pathlib import Path
+
+from redis import asyncio as aioredis
+
+from tests.support import (
+    EventLog,
+    RawClient,
+    RedisProcess,
+    TokendProcess,
+    http_get,
+    stream_events,
+)
+from tokend import protocol as p
+from tokend.tokens import TokenService
+
+
+async def test_redis_outage_and_restart(start_app, tokens: TokenService, tmp_path: Path):
+    redis_proc = RedisProcess(tmp_path / "redis-aof", aof=True)
+    redis_proc.start()
+    try:
+        # Clocks long enough that a short outage must not warn or expire anyone.
+        app = await start_app(
+            redis_url=redis_proc.url, warn_after=4, expire_after=6, redis_timeout=0.5
+        )
+        client_redis = aioredis.from_url(redis_proc.url, decode_responses=True)
+        async with (
+            EventLog(client_redis, f"{app.settings.key_prefix}:events") as events,
+            RawClient.connect(app.port) as held,
+        ):
+            welcome = await held.hello(tokens.mint("olga"))
+            tid = str(uuid.UUID(bytes=welcome.tid))
+            await events.wait_for("SESSION_STARTED", tid)
+            assert (await http_get(app.port, "/readyz"))[0] == 200
+
+            redis_proc.kill()
+            status, body = await http_get(app.port, "/readyz")
+            assert status == 503 and "redis" in body
+
+            # New clients are told to come back later, never left hanging.
+            async with RawClient.connect(app.port) as newcomer:
+                await newcomer.send(p.encode(p.Hello(tokens.mint("pete"))))
+                assert (await newcomer.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+
+            # The open connection is neither closed nor expired: its heartbeats are
+            # acknowledged from what the node knows.
+            for _ in range(3):
+                ack = await held.heartbeat()
+                assert ack.exp_ms == welcome.exp_ms
+
+            redis_proc.start()  # same port, same AOF
+            # readyz is what an operator polls; poll it the same way, bounded.
+            async with asyncio.timeout(10):
+                while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+            ack = await held.heartbeat()
+            assert ack.exp_ms == welcome.exp_ms
+        # The session survived in the AOF and is still live: a new connection resumes it.
+        async with RawClient.connect(app.port) as again:
+            assert (await again.hello(tokens.mint("olga", tid=uuid.UUID(tid)))).resumed
+        history = [
+            e["type"]
+            for e in await stream_events(client_redis, app.settings.key_prefix)
+            if e["tid"] == tid
+        ]
+        await client_redis.aclose()
+        assert history == ["SESSION_STARTED", "SESSION_RESUMED"]
+    finally:
+        redis_proc.stop()
+
+
+async def test_two_nodes_emit_each_event_once(
+    make_settings, tokens: TokenService, redis, tmp_path: Path
+):
+    base = make_settings()
+    env = {
+        "TOKEND_REDIS_URL": base.redis_url,
+        "TOKEND_KEY_PREFIX": base.key_prefix,
+        "TOKEND_KEYS_DIR": base.keys_dir,
+        "TOKEND_DATA_DIR": str(tmp_path / "data"),
+        "TOKEND_HEARTBEAT_INTERVAL": "0.2",
+        "TOKEND_WARN_AFTER": "0.6",
+        "TOKEND_EXPIRE_AFTER": "1.2",
+        "TOKEND_SWEEP_INTERVAL": "0.05",
+    }
+    nodes = [TokendProcess({**env, "TOKEND_NODE_NAME": f"node-{n}"}) for n in "ab"]
+    for node in nodes:
+        node.start()
+    sessions = 20
+    try:
+        async with EventLog(redis, f"{base.key_prefix}:events") as events:
+            tids = []
+            for i in range(sessions):
+                port = nodes[i % 2].port
+                async with RawClient.connect(port) as client:
+                    welcome = await client.hello(tokens.mint(f"user-{i}"))
+                    await client.heartbeat()
+                    tids.append(str(uuid.UUID(bytes=welcome.tid)))
+            # Every connection dropped: both nodes sweep, each session expires once.
+            await events.wait_for("TOKEN_EXPIRED", count=sessions, timeout=10)
+            await asyncio.sleep(0.5)  # room for a duplicate to show, if there were one
+            for kind in ("SESSION_STARTED", "SESSION_WARN", "TOKEN_EXPIRED"):
+                assert sorted(e["tid"] for e in events.of(kind)) == sorted(tids), kind
+            assert {e["node"] for e in events.of("SESSION_STARTED")} == {"node-a", "node-b"}
+    finally:
+        for node in nodes:
+            assert node.stop(signal.SIGTERM) == 0
