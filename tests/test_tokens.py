@@ -1,0 +1,551 @@
+"""Unit tests of signing keys, minting and verification (tokend/tokens.py). No network."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import multiprocessing
+import stat
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from tokend import config
+from tokend.config import Settings
+from tokend.tokens import KID_PATTERN, Claims, KeyRing, TokenError, TokenService
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def b64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def b64url_json(value: Any) -> str:
+    return b64url(json.dumps(value, separators=(",", ":")).encode())
+
+
+def unb64url(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    values = {"keys_dir": str(tmp_path / "keys"), "data_dir": str(tmp_path), **overrides}
+    return config.load(values, environ={})
+
+
+def claims(**changes: Any) -> dict[str, Any]:
+    """Valid claims for the default settings; a value of None drops the claim."""
+    now = int(time.time())
+    body: dict[str, Any] = {
+        "iss": "tokend",
+        "aud": "tokend",
+        "sub": "alice",
+        "jti": str(uuid.uuid4()),
+        "iat": now,
+        "exp": now + 900,
+    }
+    body.update(changes)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def sign(ring: KeyRing, body: dict[str, Any], **headers: Any) -> str:
+    """Sign arbitrary claims/headers with the ring's current private key."""
+    kid = ring.current_kid
+    key = ring._private[kid]
+    return jwt.encode(body, key, algorithm="EdDSA", headers={"kid": kid, **headers})
+
+
+def raw_token(header: dict[str, Any], body: dict[str, Any], signature: bytes = b"") -> str:
+    return f"{b64url_json(header)}.{b64url_json(body)}.{b64url(signature)}"
+
+
+def sign_raw(ring: KeyRing, header: dict[str, Any], body: dict[str, Any]) -> str:
+    """A token with a genuine signature by the current key over any header (PyJWT-free)."""
+    signing_input = f"{b64url_json(header)}.{b64url_json(body)}"
+    signature = ring._private[ring.current_kid].sign(signing_input.encode())
+    return f"{signing_input}.{b64url(signature)}"
+
+
+def kids_on_disk(directory: Path) -> list[str]:
+    return sorted(p.stem for p in directory.glob("*.pem"))
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return make_settings(tmp_path)
+
+
+@pytest.fixture
+def ring(settings: Settings) -> KeyRing:
+    return KeyRing.open(settings.resolved_keys_dir)
+
+
+@pytest.fixture
+def service(settings: Settings, ring: KeyRing) -> TokenService:
+    return TokenService(settings, ring)
+
+
+def refused(service: TokenService, token: str) -> TokenError:
+    with pytest.raises(TokenError) as info:
+        service.verify(token)
+    assert info.value.expired is False
+    assert info.value.reason
+    return info.value
+
+
+# --- minting ----------------------------------------------------------------------------------
+
+
+def test_mint_verify_round_trip(service: TokenService) -> None:
+    tid = uuid.uuid4()
+    iat = int(time.time())
+    token = service.mint("alice", ttl_s=600, prio=7, tid=tid, iat=iat)
+    assert service.verify(token) == Claims(tid=tid, sub="alice", iat=iat, exp=iat + 600, prio=7)
+
+
+def test_mint_defaults(service: TokenService, ring: KeyRing) -> None:
+    before = int(time.time())
+    token = service.mint("bob")
+    after = int(time.time())
+    got = service.verify(token)
+    assert got.sub == "bob"
+    assert got.prio == 5
+    assert before <= got.iat <= after
+    assert got.exp == got.iat + 900
+    assert got.tid.version == 4
+    header = jwt.get_unverified_header(token)
+    assert header["alg"] == "EdDSA"
+    assert header["kid"] == ring.current_kid
+    payload = jwt.decode(token, options={"verify_signature": False})
+    assert set(payload) == {"iss", "aud", "sub", "jti", "iat", "exp"}  # prio 5 is implied
+    assert payload["iss"] == payload["aud"] == "tokend"
+    assert payload["jti"] == str(got.tid)
+
+
+def test_minted_tokens_have_fresh_ids(service: TokenService) -> None:
+    assert service.verify(service.mint("a")).tid != service.verify(service.mint("a")).tid
+
+
+@pytest.mark.parametrize("prio", [0, 9])
+def test_mint_prio_bounds(service: TokenService, prio: int) -> None:
+    token = service.mint("alice", prio=prio)
+    assert service.verify(token).prio == prio
+    assert jwt.decode(token, options={"verify_signature": False})["prio"] == prio
+
+
+@pytest.mark.parametrize("prio", [-1, 10])
+def test_mint_refuses_prio_out_of_range(service: TokenService, prio: int) -> None:
+    with pytest.raises(ValueError):
+        service.mint("alice", prio=prio)
+
+
+def test_issuer_and_audience_come_from_settings(tmp_path: Path, ring: KeyRing) -> None:
+    other = TokenService(make_settings(tmp_path, issuer="auth", audience="api"), ring)
+    token = other.mint("alice")
+    payload = jwt.decode(token, options={"verify_signature": False})
+    assert (payload["iss"], payload["aud"]) == ("auth", "api")
+    assert other.verify(token).sub == "alice"
+    # The same key, but another issuer and audience: refused by the default service.
+    refused(TokenService(make_settings(tmp_path), ring), token)
+
+
+# --- key ring ---------------------------------------------------------------------------------
+
+
+def test_open_on_empty_dir_creates_exactly_one_key(settings: Settings) -> None:
+    directory = settings.resolved_keys_dir
+    assert not directory.exists()
+    ring = KeyRing.open(directory)
+    assert kids_on_disk(directory) == [ring.current_kid]
+    assert KID_PATTERN.match(ring.current_kid)
+
+
+def test_key_files_are_private(settings: Settings) -> None:
+    directory = settings.resolved_keys_dir
+    ring = KeyRing.open(directory)
+    ring.rotate()
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    pems = list(directory.glob("*.pem"))
+    assert len(pems) == 2
+    for pem in pems:
+        assert stat.S_IMODE(pem.stat().st_mode) == 0o600
+        key = serialization.load_pem_private_key(pem.read_bytes(), password=None)
+        assert isinstance(key, Ed25519PrivateKey)
+    # No temporary files left behind.
+    assert {p.name for p in directory.iterdir()} == {p.name for p in pems} | {".lock"}
+
+
+def test_second_open_reuses_the_key(settings: Settings) -> None:
+    directory = settings.resolved_keys_dir
+    first = KeyRing.open(directory)
+    second = KeyRing.open(directory)
+    assert second.current_kid == first.current_kid
+    assert kids_on_disk(directory) == [first.current_kid]
+    token = TokenService(settings, first).mint("alice")
+    assert TokenService(settings, second).verify(token).sub == "alice"
+
+
+def test_rotate_makes_a_new_current_key(
+    settings: Settings, ring: KeyRing, service: TokenService
+) -> None:
+    old_kid = ring.current_kid
+    old_token = service.mint("alice")
+    new_kid = ring.rotate()
+    assert new_kid != old_kid
+    assert ring.current_kid == new_kid
+    assert kids_on_disk(settings.resolved_keys_dir) == sorted([old_kid, new_kid])
+    new_token = service.mint("alice")
+    assert jwt.get_unverified_header(new_token)["kid"] == new_kid
+    assert jwt.get_unverified_header(old_token)["kid"] == old_kid
+    assert service.verify(old_token).sub == "alice"
+    assert service.verify(new_token).sub == "alice"
+
+
+def test_rotations_in_quick_succession_each_become_current(ring: KeyRing) -> None:
+    # Kids carry a one-second timestamp; rotating twice in a second must still move forward.
+    kids = [ring.current_kid]
+    for _ in range(20):
+        kids.append(ring.rotate())
+        assert ring.current_kid == kids[-1]
+    assert kids == sorted(kids)
+    assert len(set(kids)) == len(kids)
+    assert all(KID_PATTERN.match(kid) for kid in kids)
+
+
+def test_rotate_goes_after_keys_another_ring_wrote(settings: Settings) -> None:
+    a = KeyRing.open(settings.resolved_keys_dir)
+    b = KeyRing.open(settings.resolved_keys_dir)
+    b_kid = b.rotate()
+    a_kid = a.rotate()  # a has not reloaded, yet its new key must sort after b's
+    assert a_kid > b_kid
+    fresh = KeyRing.open(settings.resolved_keys_dir)
+    assert fresh.current_kid == a_kid
+    assert len(kids_on_disk(settings.resolved_keys_dir)) == 3
+
+
+def test_jwks_lists_every_key(ring: KeyRing, service: TokenService) -> None:
+    old_kid = ring.current_kid
+    old_token = service.mint("alice")
+    new_kid = ring.rotate()
+    new_token = service.mint("alice")
+    jwks = ring.jwks()
+    assert set(jwks) == {"keys"}
+    by_kid = {k["kid"]: k for k in jwks["keys"]}
+    assert set(by_kid) == {old_kid, new_kid}
+    assert len(jwks["keys"]) == 2
+    for kid, jwk in by_kid.items():
+        assert jwk["kty"] == "OKP"
+        assert jwk["crv"] == "Ed25519"
+        assert "=" not in jwk["x"]
+        raw = unb64url(jwk["x"])
+        assert len(raw) == 32
+        public = ring.public_key(kid)
+        assert public is not None
+        assert raw == public.public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        assert "d" not in jwk  # never the private part
+    # Another service can verify offline with the JWKS alone.
+    for token, kid in ((old_token, old_kid), (new_token, new_kid)):
+        key = jwt.PyJWK(by_kid[kid]).key
+        payload = jwt.decode(token, key, algorithms=["EdDSA"], audience="tokend", issuer="tokend")
+        assert payload["sub"] == "alice"
+
+
+def test_verify_picks_up_a_key_rotated_by_another_ring(settings: Settings) -> None:
+    mine = KeyRing.open(settings.resolved_keys_dir)
+    service = TokenService(settings, mine)
+    theirs = KeyRing.open(settings.resolved_keys_dir)
+    new_kid = theirs.rotate()
+    token = TokenService(settings, theirs).mint("carol")
+    assert mine.public_key(new_kid) is None
+    service._last_reload = 0  # the reload is rate-limited to once a second
+    assert service.verify(token).sub == "carol"
+    assert mine.public_key(new_kid) is not None
+
+
+def test_reload_on_unknown_kid_is_rate_limited(settings: Settings) -> None:
+    mine = KeyRing.open(settings.resolved_keys_dir)
+    service = TokenService(settings, mine)
+    theirs = KeyRing.open(settings.resolved_keys_dir)
+    theirs.rotate()
+    token = TokenService(settings, theirs).mint("carol")
+    service._last_reload = time.monotonic()  # just reloaded: no second look yet
+    assert refused(service, token).reason == "unknown kid"
+    service._last_reload = 0
+    assert service.verify(token).sub == "carol"
+
+
+def test_unknown_kid_in_a_fresh_service(settings: Settings, ring: KeyRing) -> None:
+    # A fresh service reloads once on an unknown kid, then refuses it.
+    token = sign(ring, claims(), kid="20000101T000000Z-deadbeef")
+    assert refused(TokenService(settings, ring), token).reason == "unknown kid"
+
+
+def _open_and_sign(keys_dir: str, barrier: Any, results: Any) -> None:
+    """Child process: race the others to open an empty keys dir, then sign a token."""
+    barrier.wait(timeout=20)
+    ring = KeyRing.open(Path(keys_dir))
+    sub = f"p{multiprocessing.current_process().pid}"
+    results.put((ring.current_kid, sign(ring, claims(sub=sub))))
+
+
+def test_concurrent_open_from_several_processes(settings: Settings) -> None:
+    directory = settings.resolved_keys_dir
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_open_and_sign, args=(str(directory), barrier, results))
+        for _ in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        got = [results.get(timeout=30) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    kids = {kid for kid, _ in got}
+    assert len(kids) == 1  # exactly one key was generated, and every process uses it
+    assert kids_on_disk(directory) == sorted(kids)
+    service = TokenService(settings, KeyRing.open(directory))
+    assert len({service.verify(token).sub for _, token in got}) == 4
+
+
+# --- refused tokens ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alg", ["none", "None", "NONE", "nOnE"])
+def test_alg_none_is_refused(service: TokenService, ring: KeyRing, alg: str) -> None:
+    header = {"alg": alg, "typ": "JWT", "kid": ring.current_kid}
+    refused(service, raw_token(header, claims()))
+    refused(service, raw_token({"alg": alg}, claims()))
+
+
+def _hs256(header: dict[str, Any], body: dict[str, Any], secret: bytes) -> str:
+    signing_input = f"{b64url_json(header)}.{b64url_json(body)}".encode()
+    mac = hmac.new(secret, signing_input, hashlib.sha256).digest()
+    return f"{signing_input.decode()}.{b64url(mac)}"
+
+
+def test_hs256_with_the_public_key_as_secret_is_refused(
+    service: TokenService, ring: KeyRing
+) -> None:
+    kid = ring.current_kid
+    public = ring.public_key(kid)
+    assert public is not None
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    pem = public.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    header = {"alg": "HS256", "typ": "JWT", "kid": kid}
+    for secret in (raw, pem, ring.jwks()["keys"][0]["x"].encode()):
+        refused(service, _hs256(header, claims(), secret))
+
+
+@pytest.mark.parametrize("alg", ["RS256", "ES256", "PS256", "HS512", "Ed25519", "eddsa", ""])
+def test_algorithms_outside_the_allow_list_are_refused(
+    service: TokenService, ring: KeyRing, alg: str
+) -> None:
+    header = {"alg": alg, "typ": "JWT", "kid": ring.current_kid}
+    assert refused(service, raw_token(header, claims(), b"x" * 64)).reason == (
+        "algorithm not allowed"
+    )
+
+
+def test_missing_alg_is_refused(service: TokenService, ring: KeyRing) -> None:
+    refused(service, raw_token({"kid": ring.current_kid}, claims(), b"x" * 64))
+
+
+@pytest.mark.parametrize(
+    "kid",
+    [
+        "../../etc/passwd",
+        "../" + "20000101T000000Z-deadbeef",
+        "20000101T000000Z-deadbeef/../x",
+        "20000101T000000Z-deadbeef.pem",
+        "/etc/passwd",
+        "",
+        "x" * 300,
+        123,
+        None,
+        ["a"],
+    ],
+    ids=repr,
+)
+def test_malformed_kid_is_refused(service: TokenService, ring: KeyRing, kid: Any) -> None:
+    body = claims()
+    good = sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": ring.current_kid}, body)
+    assert service.verify(good).sub == "alice"  # the hand-made token is fine but for its kid
+    refused(service, sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": kid}, body))
+
+
+def test_missing_kid_is_refused(service: TokenService, ring: KeyRing) -> None:
+    key = ring._private[ring.current_kid]
+    token = jwt.encode(claims(), key, algorithm="EdDSA")
+    assert "kid" not in jwt.get_unverified_header(token)
+    refused(service, token)
+
+
+def test_kid_of_a_valid_key_with_another_keys_signature_is_refused(
+    service: TokenService, ring: KeyRing
+) -> None:
+    stranger = Ed25519PrivateKey.generate()
+    token = jwt.encode(claims(), stranger, algorithm="EdDSA", headers={"kid": ring.current_kid})
+    refused(service, token)
+
+
+def test_tampered_payload_or_signature_is_refused(service: TokenService, ring: KeyRing) -> None:
+    token = sign(ring, claims(sub="alice"))
+    head, body, sig = token.split(".")
+    forged_body = b64url_json({**json.loads(unb64url(body)), "sub": "mallory"})
+    refused(service, f"{head}.{forged_body}.{sig}")
+    flipped = sig[:10] + ("A" if sig[10] != "A" else "B") + sig[11:]
+    refused(service, f"{head}.{body}.{flipped}")
+    refused(service, f"{head}.{body}.")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"iss": "someone-else"},
+        {"iss": ""},
+        {"aud": "other"},
+        {"aud": ""},
+        {"aud": ["tokend"]},
+        {"aud": ["tokend", "other"]},
+        {"jti": "not-a-uuid"},
+        {"jti": str(uuid.UUID(int=0x12345678_9ABC_4DEF_8123_456789ABCDEF)).upper()},
+        {"jti": uuid.UUID(int=0x12345678_9ABC_4DEF_8123_456789ABCDEF).hex},
+        {"jti": "{" + str(uuid.UUID(int=1)) + "}"},
+        {"jti": "urn:uuid:" + str(uuid.UUID(int=1))},
+        {"jti": 12345},
+        {"prio": 10},
+        {"prio": -1},
+        {"prio": "5"},
+        {"prio": 5.0},
+        {"prio": 5.5},
+        {"prio": True},
+        {"prio": False},
+        {"prio": [5]},
+        {"sub": ""},
+        {"sub": "x" * 257},
+        {"sub": 42},
+        {"exp": int(time.time()) + 900.5},
+        {"exp": "soon"},
+        {"exp": 1 << 42},
+        {"iat": "now"},
+        {"iat": float(int(time.time()))},
+    ],
+    ids=repr,
+)
+def test_bad_claims_are_refused(service: TokenService, ring: KeyRing, changes: Any) -> None:
+    refused(service, sign(ring, claims(**changes)))
+
+
+@pytest.mark.parametrize("name", ["iss", "aud", "sub", "jti", "iat", "exp"])
+def test_each_required_claim_missing_is_refused(
+    service: TokenService, ring: KeyRing, name: str
+) -> None:
+    body = claims()
+    del body[name]
+    refused(service, sign(ring, body))
+
+
+@pytest.mark.parametrize("prio", [0, 9])
+def test_prio_bounds_are_accepted(service: TokenService, ring: KeyRing, prio: int) -> None:
+    assert service.verify(sign(ring, claims(prio=prio))).prio == prio
+
+
+def test_sub_of_256_characters_is_accepted(service: TokenService, ring: KeyRing) -> None:
+    assert service.verify(sign(ring, claims(sub="x" * 256))).sub == "x" * 256
+
+
+def test_signed_malformed_payload_is_refused(service: TokenService, ring: KeyRing) -> None:
+    kid = ring.current_kid
+    head = b64url_json({"alg": "EdDSA", "typ": "JWT", "kid": kid})
+    for payload in (b"{not json", b"[1, 2]", b'"string"', b"\xff\xfe"):
+        signing_input = f"{head}.{b64url(payload)}".encode()
+        signature = ring._private[kid].sign(signing_input)
+        refused(service, f"{signing_input.decode()}.{b64url(signature)}")
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "",
+        "garbage",
+        "a.b",
+        "a.b.c",
+        "a.b.c.d",
+        "!!!.###.$$$",
+        "..",
+        b64url(b"not json") + ".e30.",
+        b64url(b"[]") + ".e30.",
+        b64url_json({"alg": "EdDSA", "kid": "20000101T000000Z-deadbeef"}) + ".%%%.abc",
+        "Bearer " + "x" * 40,
+    ],
+    ids=repr,
+)
+def test_garbage_is_refused(service: TokenService, token: str) -> None:
+    refused(service, token)
+
+
+# --- time claims and leeway -------------------------------------------------------------------
+
+
+def test_expired_beyond_leeway_is_refused_as_expired(service: TokenService, ring: KeyRing) -> None:
+    now = int(time.time())
+    with pytest.raises(TokenError) as info:
+        service.verify(sign(ring, claims(iat=now - 910, exp=now - 10)))
+    assert info.value.expired is True
+
+
+def test_expired_within_leeway_is_accepted(service: TokenService, ring: KeyRing) -> None:
+    now = int(time.time())
+    token = sign(ring, claims(iat=now - 903, exp=now - 3))
+    assert service.verify(token).exp == now - 3
+
+
+def test_zero_leeway_refuses_just_expired(tmp_path: Path, ring: KeyRing) -> None:
+    service = TokenService(make_settings(tmp_path, leeway=0), ring)
+    now = int(time.time())
+    with pytest.raises(TokenError) as info:
+        service.verify(sign(ring, claims(iat=now - 903, exp=now - 3)))
+    assert info.value.expired is True
+
+
+def test_iat_in_the_future_beyond_leeway_is_refused(service: TokenService, ring: KeyRing) -> None:
+    now = int(time.time())
+    refused(service, sign(ring, claims(iat=now + 60, exp=now + 960)))
+
+
+def test_iat_in_the_future_within_leeway_is_accepted(service: TokenService, ring: KeyRing) -> None:
+    now = int(time.time())
+    assert service.verify(sign(ring, claims(iat=now + 3, exp=now + 903))).iat == now + 3
+
+
+def test_expired_token_with_another_fault_is_not_reported_as_merely_expired(
+    service: TokenService, ring: KeyRing
+) -> None:
+    # A bad signature must never be answered with "expired" (4502): it is invalid (4501).
+    now = int(time.time())
+    stranger = Ed25519PrivateKey.generate()
+    token = jwt.encode(
+        claims(iat=now - 910, exp=now - 10),
+        stranger,
+        algorithm="EdDSA",
+        headers={"kid": ring.current_kid},
+    )
+    refused(service, token)
