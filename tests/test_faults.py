@@ -111,3 +111,18 @@ async def test_two_nodes_emit_each_event_once(
     finally:
         for node in nodes:
             assert node.stop(signal.SIGTERM) == 0
+
+
+async def test_scripts_flushed_mid_session(app, tokens: TokenService, redis, events: EventLog):
+    """NOSCRIPT (Redis restarted empty or SCRIPT FLUSH) costs a reload, never a request."""
+    async with RawClient.connect(app.port) as client:
+        await client.hello(tokens.mint("quinn"))
+        await redis.script_flush()
+        assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+        await redis.script_flush()
+        async with RawClient.connect(app.port) as other:
+            welcome = await other.hello(tokens.mint("rita"))
+        await events.wait_for("SESSION_STARTED", str(uuid.UUID(bytes=welcome.tid)))
+        await redis.script_flush()
+        # The sweeper reloads too: the dropped session still expires.
+        await events.wait_for("TOKEN_EXPIRED", str(uuid.UUID(bytes=welcome.tid)), timeout=5)

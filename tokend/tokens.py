@@ -198,10 +198,11 @@ class TokenService:
         """A new token (a fresh ``jti`` unless ``tid`` is given)."""
         if prio not in PRIO_RANGE:
             raise ValueError("prio must be 0..9")
+        ttl_s = self.default_ttl_s if ttl_s is None else ttl_s
+        if ttl_s < 1:
+            raise ValueError("ttl must be at least 1 second")
         iat = int(time.time()) if iat is None else iat
-        return self.sign(
-            Claims(tid or uuid.uuid4(), sub, iat, iat + (ttl_s or self.default_ttl_s), prio)
-        )
+        return self.sign(Claims(tid or uuid.uuid4(), sub, iat, iat + ttl_s, prio))
 
     def sign(self, claims: Claims) -> str:
         body: dict[str, Any] = {

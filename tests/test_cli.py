@@ -1,0 +1,147 @@
+"""The `tokend` command as a newcomer runs it: real processes, embedded Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support import RawClient, TokendProcess, http_get
+from tokend import config
+from tokend import protocol as p
+from tokend.tokens import KeyRing, TokenService
+
+# The environment a newcomer has: no TOKEND_* settings at all.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+
+
+def tokend(*args: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tokend", *args],
+        env={**CLEAN_ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> dict[str, str]:
+    """A fresh HOME, so the default data dir (~/.local/share/tokend) is empty."""
+    return {"HOME": str(tmp_path / "home"), "XDG_DATA_HOME": ""}
+
+
+def verifier(data_dir: Path) -> TokenService:
+    settings = config.load({"data_dir": str(data_dir)}, environ={})
+    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+
+
+def test_issue_prints_only_a_verifiable_token(home: dict[str, str], tmp_path: Path):
+    result = tokend("issue", "--sub", "alice", "--prio", "7", env=home)
+    assert result.returncode == 0, result.stderr
+    token = result.stdout.strip()
+    assert result.stdout == token + "\n"
+    claims = verifier(tmp_path / "home/.local/share/tokend").verify(token)
+    assert claims.sub == "alice" and claims.prio == 7
+    assert claims.exp - claims.iat == 900
+
+
+def test_issue_count_mints_numbered_subjects(home: dict[str, str], tmp_path: Path):
+    result = tokend("issue", "--sub", "load", "--count", "500", "--ttl", "60", env=home)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    service = verifier(tmp_path / "home/.local/share/tokend")
+    claims = [service.verify(line) for line in lines]
+    assert [c.sub for c in claims] == [f"load-{n}" for n in range(1, 501)]
+    assert len({c.tid for c in claims}) == 500
+
+
+def test_help_explains_each_command():
+    result = tokend("--help", env={})
+    assert result.returncode == 0
+    for command in ("serve", "issue", "events", "revoke", "keys"):
+        assert command in result.stdout
+
+
+async def test_serve_embedded_default_then_revoke_and_events(home: dict[str, str], tmp_path: Path):
+    data_dir = tmp_path / "home/.local/share/tokend"
+    server = TokendProcess({**CLEAN_ENV, **home})
+    server.start()
+    events_proc = None
+    try:
+        assert await http_get(server.port, "/readyz") == (200, {"status": "ready"})
+        assert (data_dir / "redis.sock").exists()
+        assert (data_dir / "keys").stat().st_mode & 0o777 == 0o700
+
+        token = tokend("issue", "--sub", "newcomer", env=home).stdout.strip()
+        tid = str(verifier(data_dir).verify(token).tid)
+        async with RawClient.connect(server.port) as client:
+            await client.hello(token)
+            await client.heartbeat()
+            revoked = await asyncio.to_thread(tokend, "revoke", tid, env=home)
+            assert revoked.returncode == 0, revoked.stderr
+            assert (await client.expect_close()).code == p.CloseCode.TOKEN_REVOKED
+
+        events_proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tokend",
+            "events",
+            "--from-start",
+            env={**CLEAN_ENV, **home},
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert events_proc.stdout is not None
+        seen = []
+        async with asyncio.timeout(15):
+            while "TOKEN_REVOKED" not in seen:
+                event = json.loads(await events_proc.stdout.readline())
+                assert event["tid"] == tid
+                seen.append(event["type"])
+        assert seen == ["SESSION_STARTED", "TOKEN_REVOKED"]
+    finally:
+        if events_proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                events_proc.kill()
+            await events_proc.wait()
+        assert server.stop(signal.SIGTERM) == 0
+    # The embedded redis-server went away with tokend.
+    assert not (data_dir / "redis.sock").exists() or not _answers(data_dir / "redis.sock")
+
+
+def _answers(sock: Path) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(unix_socket_path=str(sock), socket_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def test_bad_setting_stops_startup_with_one_line(home: dict[str, str]):
+    result = tokend("serve", env={**home, "TOKEND_EXPIRE_AFTER": "-1"})
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "expire_after" in result.stderr
+
+
+def test_revoke_rejects_non_uuid(home: dict[str, str]):
+    result = tokend("revoke", "not-a-uuid", env=home)
+    assert result.returncode == 2 and "UUID" in result.stderr
+
+
+def test_unused_tid_revoked_is_barred(home: dict[str, str], redis_server):
+    tid = str(uuid.uuid4())
+    env = {**home, "TOKEND_REDIS_URL": redis_server.url, "TOKEND_KEY_PREFIX": "clirevoke"}
+    result = tokend("revoke", tid, env=env)
+    assert result.returncode == 0 and "no live session" in result.stdout
+    again = tokend("revoke", tid, env=env)
+    assert again.returncode == 0 and "already ended" in again.stdout
