@@ -145,3 +145,39 @@ def test_unused_tid_revoked_is_barred(home: dict[str, str], redis_server):
     assert result.returncode == 0 and "no live session" in result.stdout
     again = tokend("revoke", tid, env=env)
     assert again.returncode == 0 and "already ended" in again.stdout
+
+
+async def test_tokens_never_logged(home: dict[str, str], tmp_path: Path):
+    data_dir = tmp_path / "home/.local/share/tokend"
+    server = TokendProcess(
+        {
+            **CLEAN_ENV,
+            **home,
+            "TOKEND_LOG_LEVEL": "debug",
+            "TOKEND_TOKEN_TTL": "10",
+            "TOKEND_RENEW_WINDOW": "9",
+        }
+    )
+    server.start()
+    service = verifier(data_dir)
+    good = service.mint("loggy", ttl_s=5)
+    forged = good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB")
+    renewed = ""
+    try:
+        async with RawClient.connect(server.port) as client:
+            await client.hello(good)
+            ack = await client.heartbeat()
+            assert ack.renewed and ack.token
+            renewed = ack.token
+        async with RawClient.connect(server.port) as client:
+            await client.send(p.encode(p.Hello(forged)))
+            assert (await client.expect_close()).code == p.CloseCode.INVALID_TOKEN
+    finally:
+        assert server.stop() == 0
+    assert server.process is not None and server.process.stderr is not None
+    log = json.dumps(server.log_lines) + server.process.stderr.read().decode()
+    assert "invalid token" in log or "Invalid" in log or "4501" in log
+    for token in (good, forged, renewed):
+        signature = token.rsplit(".", 1)[1]
+        assert signature not in log
+        assert token.split(".")[1] not in log  # nor the claims part
