@@ -56,6 +56,9 @@ class Settings:
     # Comma-separated JWS algorithms accepted when verifying.
     algorithms: str = "EdDSA"
     max_message_size: int = 16384
+    # Listen backlog: pending TCP connections; too small a value turns a reconnect storm
+    # into one-second SYN retransmits. The kernel caps it at net.core.somaxconn.
+    backlog: int = 4096
     # Approximate cap of each events stream shard (XADD MAXLEN ~).
     stream_maxlen: int = 100000
     log_format: str = "json"
@@ -146,6 +149,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("algorithms: name at least one JWS algorithm")
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
+    if not 1 <= settings.backlog <= 65535:
+        raise ConfigError("backlog: must be 1..65535")
     if settings.redis_pool_size < 4:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:

@@ -121,6 +121,7 @@ class App:
             ping_interval=None,
             close_timeout=2,
             server_header=None,
+            backlog=settings.backlog,
         )
         log.info(
             "listening",
