@@ -314,3 +314,21 @@ async def test_http_routes(app: App):
     status, jwks = await http_get(app.port, "/.well-known/jwks.json")
     assert status == 200 and jwks["keys"][0]["crv"] == "Ed25519"
     assert (await http_get(app.port, "/nope"))[0] == 404
+
+
+async def test_resume_from_warn_recovers(app: App, tokens: TokenService, events: EventLog):
+    token = tokens.mint("lena")
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+    tid = tid_of(welcome)
+    await events.wait_for("SESSION_WARN", tid, timeout=3)
+    async with RawClient.connect(app.port) as client:
+        assert (await client.hello(token)).resumed
+        assert not (await client.heartbeat()).was_warn
+    await events.wait_for("SESSION_RECOVERED", tid)
+    assert [e["type"] for e in events.events if e["tid"] == tid] == [
+        "SESSION_STARTED",
+        "SESSION_WARN",
+        "SESSION_RESUMED",
+        "SESSION_RECOVERED",
+    ]

@@ -12,7 +12,7 @@ if tomb then
   return {'tomb', tomb}
 end
 
-local s = redis.call('HMGET', skey, 'sub', 'exp', 'iat', 'conn')
+local s = redis.call('HMGET', skey, 'sub', 'exp', 'iat', 'conn', 'st')
 if s[1] then
   if s[1] ~= sub then
     return {'mismatch'}
@@ -26,6 +26,10 @@ if s[1] then
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   control('close', tid, s[4], 4507)
   emit('SESSION_RESUMED', tid, sub, now)
+  if s[5] == 'WARN' then
+    -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
+    emit('SESSION_RECOVERED', tid, sub, now)
+  end
   return {'resumed', exp, tonumber(s[3])}
 end
 
