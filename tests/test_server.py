@@ -332,3 +332,25 @@ async def test_resume_from_warn_recovers(app: App, tokens: TokenService, events:
         "SESSION_RESUMED",
         "SESSION_RECOVERED",
     ]
+
+
+async def test_late_heartbeat_and_resume_expire_even_before_a_sweep(
+    start_app, tokens: TokenService, events: EventLog
+):
+    # One sweep at start, then none for a minute: only the scripts can judge silence.
+    app = await start_app(sweep_interval=60)
+    late_hb, late_hello = tokens.mint("mia"), tokens.mint("ned")
+    async with RawClient.connect(app.port) as client, RawClient.connect(app.port) as other:
+        await client.hello(late_hb)
+        await other.hello(late_hello)
+        await asyncio.sleep(1.3)  # let expire_after (1.2 s) pass in silence
+        await client.send(client.heartbeat_bytes())
+        assert (await client.expect_close()).code == p.CloseCode.SESSION_EXPIRED
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(late_hello)))
+        assert (await client.expect_close()).code == p.CloseCode.SESSION_EXPIRED
+    for token in (late_hb, late_hello):
+        tid = str(tokens.verify(token).tid)
+        expired = await events.wait_for("TOKEN_EXPIRED", tid)
+        assert [e["reason"] for e in expired] == ["heartbeat_timeout"]
+        assert not events.of("SESSION_RESUMED", tid)

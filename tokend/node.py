@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -71,7 +72,9 @@ class HeartbeatBatcher:
                 del self._waiting[conn]
             if len(self._waiting):
                 self._wake.set()
-            replays = {c: r for c, r in self.unstored.items() if c not in waiting}
+            replays = {
+                c: replace(r, replayed=True) for c, r in self.unstored.items() if c not in waiting
+            }
             requests = [r for r, _ in waiting.values()] + list(replays.values())
             try:
                 results = await self.store.heartbeats(requests)
@@ -195,19 +198,28 @@ class Node:
         now, tids = await self.store.claim_due(SWEEP_BATCH, lease_ms)
         if not tids:
             return 0
-        moves = []
-        for record in await self.store.read(tids):
+        moves, vanished = [], []
+        for tid, record in zip(tids, await self.store.read(tids), strict=True):
             if record is None:
+                vanished.append(tid)
                 continue
             state, hb, exp = State(record.st), int(record.hb), int(record.exp)
             transition = due_transition(state, hb, exp, now, self.clocks)
             if transition is None:
                 await self.store.reschedule(record.tid, deadline(state, hb, exp, self.clocks))
             else:
-                moves.append((record, transition.to.value, transition.reason or ""))
-        made = await self.store.transitions(moves)
-        if made:
-            self.log.debug("swept", claimed=len(tids), transitions=made)
+                moves.append((record, transition))
+        if vanished:
+            # Only when no node swept for expire_after past the token's exp.
+            self.log.warning("sessions vanished unswept", count=len(vanished))
+            await self.store.forget(vanished)
+        took = await self.store.transitions(
+            [(record, t.to.value, t.reason or "") for record, t in moves]
+        )
+        for (record, t), made in zip(moves, took, strict=True):
+            if made:  # logged by the one node whose compare-and-set took
+                log_at = self.log.warning if t.to is State.WARN else self.log.info
+                log_at("session " + t.to.value.lower(), tid=str(record.tid), reason=t.reason)
         return len(tids)
 
     async def _listen(self) -> None:

@@ -265,7 +265,7 @@ class Session:
     async def notify_warn(self) -> None:
         """The session entered WARN (swept by some node): tell the client."""
         self.warned = True
-        self.log.warning("session warn: heartbeats missed")
+        self.log.info("notice sent: session in WARN")
         await self.link.send(p.encode(p.Notice()))
 
     async def close(self, close: Close) -> None:

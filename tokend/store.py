@@ -114,6 +114,8 @@ class HeartbeatResult:
 class HeartbeatRequest:
     tid: uuid.UUID
     conn: str
+    # Received in time but stored late (after an outage): not judged for silence.
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +240,7 @@ class Store:
         reply = await self._eval(
             HELLO,
             self.keys.script_keys(tid),
-            [str(tid), sub, prio, iat_s, exp_s, conn, self.warn_ms, self.grace_ms],
+            [str(tid), sub, prio, iat_s, exp_s, conn, self.warn_ms, self.grace_ms, self.expire_ms],
         )
         outcome = reply[0]
         if outcome in ("started", "resumed"):
@@ -255,10 +257,17 @@ class Store:
         calls = []
         for shard, members in by_shard.items():
             keys = self.keys.shard_keys(shard)
-            args: list[Any] = [self.warn_ms, self.renew_ms, self.ttl_s, self.grace_ms]
+            args: list[Any] = [
+                self.warn_ms,
+                self.renew_ms,
+                self.ttl_s,
+                self.grace_ms,
+                self.expire_ms,
+            ]
             for i in members:
-                keys += self.keys.session_keys(batch[i].tid)
-                args += [str(batch[i].tid), batch[i].conn]
+                request = batch[i]
+                keys += self.keys.session_keys(request.tid)
+                args += [str(request.tid), request.conn, "1" if request.replayed else "0"]
             calls.append((HEARTBEAT, keys, args))
         results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
         for members, replies in zip(by_shard.values(), await self._eval_many(calls), strict=True):
@@ -300,10 +309,10 @@ class Store:
             for tid, row in zip(tids, rows, strict=True)
         ]
 
-    async def transitions(self, moves: Sequence[tuple[SessionRecord, str, str]]) -> int:
-        """Compare-and-set transitions (record, target state, reason); returns how many took."""
+    async def transitions(self, moves: Sequence[tuple[SessionRecord, str, str]]) -> list[bool]:
+        """Compare-and-set transitions (record, target state, reason); which ones took."""
         if not moves:
-            return 0
+            return []
         calls = [
             (
                 TRANSITION,
@@ -312,7 +321,18 @@ class Store:
             )
             for rec, target, reason in moves
         ]
-        return sum(int(r) for r in await self._eval_many(calls))
+        return [bool(r) for r in await self._eval_many(calls)]
+
+    async def forget(self, tids: Sequence[uuid.UUID]) -> None:
+        """Drop deadline entries whose session hash is gone (its backstop TTL fired)."""
+
+        async def call() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            for tid in tids:
+                pipe.zrem(self.keys.shard_keys(self.keys.shard(tid))[0], str(tid))
+            await pipe.execute()
+
+        await self._deadline(call)
 
     async def reschedule(self, tid: uuid.UUID, deadline_ms: int) -> None:
         """Put back a claimed entry that turned out not to be due."""

@@ -1,18 +1,20 @@
 -- HEARTBEAT for a batch of sessions of one shard (spec 0x03): record it,
 -- recover a WARN session, renew a token inside its window.
 -- KEYS[3..]: pairs of (session hash, tombstone).
--- ARGV: warn_after (ms), renew_window (ms), token_ttl (s), grace (ms), then pairs of (tid, conn).
+-- ARGV: warn_after (ms), renew_window (ms), token_ttl (s), grace (ms), expire_after (ms),
+-- then triples of (tid, conn, replayed): replayed = '1' for a heartbeat the node received
+-- in time but could only store now (after an outage); it is not judged late.
 -- Returns, per session: {'ok', was_warn, renewed, exp_ms, iat_s}, {'gone', tombstone or ''}
 -- or {'taken'} (another connection holds the session).
 local warn_ms, renew_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
-local ttl_s, grace_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
+local ttl_s, grace_ms, expire_ms = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = now_ms()
 local out = {}
 
 for i = 1, (#KEYS - 2) / 2 do
   local skey, tkey = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
-  local tid, conn = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
-  local s = redis.call('HMGET', skey, 'sub', 'st', 'exp', 'iat', 'conn')
+  local tid, conn, replayed = ARGV[7 + 3 * i], ARGV[8 + 3 * i], ARGV[9 + 3 * i]
+  local s = redis.call('HMGET', skey, 'sub', 'st', 'exp', 'iat', 'conn', 'hb')
   if not s[1] then
     out[i] = {'gone', redis.call('GET', tkey) or ''}
   elseif s[5] ~= conn then
@@ -21,6 +23,10 @@ for i = 1, (#KEYS - 2) / 2 do
     local sub, exp, iat = s[1], tonumber(s[3]), tonumber(s[4])
     if exp <= now then
       finish(skey, tkey, tid, sub, exp, conn, now, 'TOKEN_EXPIRED', 'token_expired', 'expired')
+      out[i] = {'gone', 'expired'}
+    elseif replayed ~= '1' and now - tonumber(s[6]) >= expire_ms then
+      -- Silent for expire_after: expired, even if no sweep has got to it yet.
+      finish(skey, tkey, tid, sub, exp, conn, now, 'TOKEN_EXPIRED', 'heartbeat_timeout', 'expired')
       out[i] = {'gone', 'expired'}
     else
       local was_warn = 0

@@ -1,10 +1,10 @@
 -- HELLO: start a session, or resume the live one with this tid (spec 0x01).
 -- KEYS[3] session hash, KEYS[4] tombstone.
--- ARGV: tid, sub, prio, iat (s), exp (s), conn, warn_after (ms), grace (ms).
+-- ARGV: tid, sub, prio, iat (s), exp (s), conn, warn_after (ms), grace (ms), expire_after (ms).
 -- Returns {'started'|'resumed', exp_ms, iat_s}, {'tomb', reason}, {'expired'} or {'mismatch'}.
 local skey, tkey = KEYS[3], KEYS[4]
 local tid, sub, prio, iat, exp_s, conn = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-local warn_ms, grace_ms = tonumber(ARGV[11]), tonumber(ARGV[12])
+local warn_ms, grace_ms, expire_ms = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local now = now_ms()
 
 local tomb = redis.call('GET', tkey)
@@ -12,14 +12,21 @@ if tomb then
   return {'tomb', tomb}
 end
 
-local s = redis.call('HMGET', skey, 'sub', 'exp', 'iat', 'conn', 'st')
+local s = redis.call('HMGET', skey, 'sub', 'exp', 'iat', 'conn', 'st', 'hb')
 if s[1] then
   if s[1] ~= sub then
     return {'mismatch'}
   end
   local exp = tonumber(s[2])
+  -- Due but not yet swept: expire it now rather than bring it back.
   if exp <= now then
+    finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'token_expired', 'expired', 4505)
     return {'expired'}
+  end
+  if now - tonumber(s[6]) >= expire_ms then
+    finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'heartbeat_timeout', 'expired',
+           4505)
+    return {'tomb', 'expired'}
   end
   -- A resume counts as a heartbeat: the session is ACTIVE again.
   redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn, 'node', NODE)
