@@ -10,6 +10,7 @@ connection is handed to a :class:`tokend.session.Session` through a
 from __future__ import annotations
 
 import asyncio
+import gc
 import http
 import json
 import signal
@@ -176,7 +177,14 @@ class App:
 async def serve_until_signalled(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then stop gracefully."""
     app = App(settings)
-    await app.start()
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop()  # the embedded Redis, if it had started
+        raise
+    # Start-up objects live as long as the process: keep them out of every GC pass.
+    gc.collect()
+    gc.freeze()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

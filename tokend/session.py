@@ -74,7 +74,6 @@ class Session:
         "link",
         "log",
         "node",
-        "prio",
         "tid_bytes",
         "token_exp_ms",
         "warned",
