@@ -56,6 +56,16 @@ class Settings:
     # Comma-separated JWS algorithms accepted when verifying.
     algorithms: str = "EdDSA"
     max_message_size: int = 16384
+    # Exact Origin values allowed at the handshake, comma-separated; empty: no check. A
+    # handshake without Origin (a non-browser client) is always allowed; a wrong one gets 403.
+    allowed_origins: str = ""
+    # Open WebSocket connections per client IP; beyond it the handshake gets 429. 0: no cap.
+    max_connections_per_ip: int = 0
+    # Live sessions of one sub on this node; beyond it HELLO is closed with 4029. 0: no cap.
+    max_sessions_per_sub: int = 0
+    # Frames per second one connection may send after WELCOME, with bursts up to ten
+    # times that; beyond it the connection is closed with 4029. 0: no limit.
+    max_frame_rate: float = 5.0
     # Listen backlog: pending TCP connections; too small a value turns a reconnect storm
     # into one-second SYN retransmits. The kernel caps it at net.core.somaxconn.
     backlog: int = 4096
@@ -81,6 +91,10 @@ class Settings:
     @property
     def algorithm_list(self) -> list[str]:
         return [a.strip() for a in self.algorithms.split(",") if a.strip()]
+
+    @property
+    def origin_list(self) -> list[str]:
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
     @property
     def token_ttl_s(self) -> int:
@@ -149,6 +163,9 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("algorithms: name at least one JWS algorithm")
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
+    for name in ("max_connections_per_ip", "max_sessions_per_sub", "max_frame_rate"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:
         raise ConfigError("backlog: must be 1..65535")
     if settings.redis_pool_size < 4:

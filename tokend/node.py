@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
@@ -113,6 +115,8 @@ class Node:
         self.clocks = Clocks(settings.ms("warn_after"), settings.ms("expire_after"))
         self.heartbeats = HeartbeatBatcher(self.store)
         self.sessions: dict[str, Session] = {}  # by conn id
+        # Connections per tid, per sub: for the max_sessions_per_sub cap.
+        self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
         self.subscribed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         # Loops also check this: on Python 3.11 a cancel that lands as an inner
@@ -134,6 +138,10 @@ class Node:
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
         ]
+        # Ready means subscribed; if Redis is down, start anyway and say so in /readyz.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.redis_timeout):
+                await self.subscribed.wait()
 
     async def stop(self) -> None:
         self.running = False
@@ -147,11 +155,25 @@ class Node:
     # Connections
 
     def attach(self, session: Session) -> None:
+        assert session.claims is not None
         self.sessions[session.conn] = session
+        self.sub_sessions.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
 
     def detach(self, session: Session) -> None:
-        self.sessions.pop(session.conn, None)
+        if self.sessions.pop(session.conn, None) is None or session.claims is None:
+            return
         self.heartbeats.forget(session.conn)
+        tids = self.sub_sessions[session.claims.sub]
+        tids[session.claims.tid] -= 1
+        if not tids[session.claims.tid]:
+            del tids[session.claims.tid]
+            if not tids:
+                del self.sub_sessions[session.claims.sub]
+
+    def other_sessions_of(self, sub: str, tid: uuid.UUID) -> int:
+        """Sessions of ``sub`` held here, not counting ``tid`` itself (a resume)."""
+        tids = self.sub_sessions.get(sub)
+        return len(tids) - (tid in tids) if tids else 0
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -257,7 +279,6 @@ class Node:
         if session is None:
             return
         if message.get("op") == "close":
-            self.sessions.pop(session.conn, None)
             try:
                 code = CloseCode(message.get("code"))
             except ValueError:

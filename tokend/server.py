@@ -14,6 +14,7 @@ import gc
 import http
 import json
 import signal
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ class App:
         self.embedded: EmbeddedRedis | None = None
         self.node: Node | None = None
         self.server: Server | None = None
+        self.connections_per_ip: Counter[str] = Counter()
 
     @property
     def port(self) -> int:
@@ -114,6 +116,8 @@ class App:
             settings.host,
             settings.port,
             select_subprotocol=select_subprotocol,
+            # None admits handshakes without Origin: only browsers send one.
+            origins=[None, *settings.origin_list] if settings.origin_list else None,
             process_request=self._http,
             compression=None,
             max_size=settings.max_message_size,
@@ -148,12 +152,26 @@ class App:
     async def _handle(self, ws: ServerConnection) -> None:
         assert self.node is not None
         peer = ws.remote_address
-        await Session(self.node, WebSocketLink(ws), f"{peer[0]}:{peer[1]}" if peer else "?").run()
+        ip = peer[0] if peer else "?"
+        self.connections_per_ip[ip] += 1
+        try:
+            await Session(self.node, WebSocketLink(ws), f"{ip}:{peer[1] if peer else 0}").run()
+        finally:
+            self.connections_per_ip[ip] -= 1
+            if not self.connections_per_ip[ip]:
+                del self.connections_per_ip[ip]
 
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         assert self.node is not None
         path = request.path.partition("?")[0]
         if path == p.WS_PATH:
+            cap = self.settings.max_connections_per_ip
+            peer = connection.remote_address
+            if cap and peer and self.connections_per_ip[peer[0]] >= cap:
+                log.warning("handshake refused: connections per IP", peer=peer[0], cap=cap)
+                return json_response(
+                    http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
+                )
             return None
         if path == "/healthz":
             return json_response(http.HTTPStatus.OK, {"status": "ok", "node": self.node.name})

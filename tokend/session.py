@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
@@ -135,6 +136,9 @@ class Session:
             code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
             raise Close(code, exc.reason) from None
         self.log = self.log.bind(tid=str(claims.tid), sub=claims.sub)
+        cap = self.node.settings.max_sessions_per_sub
+        if cap and self.node.other_sessions_of(claims.sub, claims.tid) >= cap:
+            raise Close(p.CloseCode.RATE_LIMITED, "too many sessions for this sub")
         try:
             result = await self.node.store.hello(
                 claims.tid, claims.sub, claims.prio, claims.iat, claims.exp, self.conn
@@ -174,8 +178,17 @@ class Session:
         self.log.info("session resumed" if resumed else "session started", exp=self.exp_ms)
 
     async def _serve(self) -> None:
+        rate = self.node.settings.max_frame_rate
+        burst = 10 * rate
+        allowance, checked = burst, time.monotonic()
         while True:
             frame = await self._recv()
+            if rate:  # token bucket: refills at `rate`, holds at most `burst`
+                now = time.monotonic()
+                allowance = min(burst, allowance + (now - checked) * rate) - 1
+                checked = now
+                if allowance < 0:
+                    raise Close(p.CloseCode.RATE_LIMITED, "too many frames")
             if isinstance(frame, p.Heartbeat):
                 await self._heartbeat(frame)
             elif isinstance(frame, p.Bye):

@@ -1,0 +1,78 @@
+"""Caps and limits at the handshake and on a live connection."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from tests.support import LOOPBACK, RawClient
+from tokend import protocol as p
+from tokend.tokens import TokenService
+
+URL = "ws://{}:{}/v1/ws"
+
+
+async def test_origin_allow_list(start_app, tokens: TokenService):
+    app = await start_app(allowed_origins="https://app.example, https://admin.example")
+    url = URL.format(LOOPBACK, app.port)
+    with pytest.raises(InvalidStatus) as refused:
+        async with connect(url, origin="https://evil.example", subprotocols=["tokend.v1"]):
+            pass
+    assert refused.value.response.status_code == 403
+    async with connect(url, origin="https://admin.example", subprotocols=["tokend.v1"]) as ws:
+        await RawClient(ws).hello(tokens.mint("browser"))
+    # Non-browser clients send no Origin and are not affected.
+    async with RawClient.connect(app.port) as client:
+        await client.hello(tokens.mint("service"))
+
+
+async def test_connections_per_ip_cap(start_app):
+    app = await start_app(max_connections_per_ip=2)
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(2):
+            await stack.enter_async_context(RawClient.connect(app.port))
+        with pytest.raises(InvalidStatus) as refused:
+            async with RawClient.connect(app.port):
+                pass
+        assert refused.value.response.status_code == 429
+    # Once those are closed the address may connect again.
+    async with RawClient.connect(app.port) as client:
+        assert client.ws.subprotocol == p.SUBPROTOCOL
+
+
+async def test_sessions_per_sub_cap_allows_resume(start_app, tokens: TokenService):
+    app = await start_app(max_sessions_per_sub=1)
+    first = tokens.mint("carl")
+    async with RawClient.connect(app.port) as one:
+        await one.hello(first)
+        async with RawClient.connect(app.port) as two:
+            await two.send(p.encode(p.Hello(tokens.mint("carl"))))
+            assert (await two.expect_close()).code == p.CloseCode.RATE_LIMITED
+        # Taking over one's own session is not a second session.
+        async with RawClient.connect(app.port) as again:
+            assert (await again.hello(first)).resumed
+        async with RawClient.connect(app.port) as other_sub:
+            await other_sub.hello(tokens.mint("dora"))
+
+
+async def test_frame_flood_is_rate_limited(start_app, tokens: TokenService):
+    app = await start_app(max_frame_rate=5)
+    async with RawClient.connect(app.port) as client:
+        await client.hello(tokens.mint("flood"))
+        for _ in range(200):  # far beyond the burst of 50
+            try:
+                await client.send(client.heartbeat_bytes())
+            except Exception:
+                break
+        assert (await client.expect_close()).code == p.CloseCode.RATE_LIMITED
+
+
+async def test_normal_cadence_is_not_limited(start_app, tokens: TokenService):
+    app = await start_app(max_frame_rate=5)
+    async with RawClient.connect(app.port) as client:
+        await client.hello(tokens.mint("calm"))
+        for _ in range(40):  # within the burst, each acknowledged
+            assert isinstance(await client.heartbeat(), p.HeartbeatAck)
