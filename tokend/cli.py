@@ -1,4 +1,4 @@
-"""The ``tokend`` command: serve, issue, events, revoke, keys."""
+"""The ``tokend`` command: serve, issue, events, connect, revoke, keys."""
 
 from __future__ import annotations
 
@@ -96,6 +96,36 @@ def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
+    from websockets.exceptions import InvalidURI
+
+    from tokend import connect
+    from tokend.client import Backoff, TokendError
+
+    token = args.token
+    if token is None:
+        from tokend.tokens import KeyRing, TokenService
+
+        tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+        token = tokens.mint(args.sub, ttl_s=args.ttl)
+    try:
+        backoff = Backoff(args.backoff_base, args.backoff_cap, args.max_attempts)
+    except ValueError as exc:
+        print(f"tokend connect: {exc}", file=sys.stderr)
+        return 2
+    status: list[int] = []
+
+    async def main() -> None:
+        status.append(await connect.run(args.url or connect.default_url(settings), token, backoff))
+
+    try:
+        _run(main())
+    except (TokendError, InvalidURI) as exc:
+        print(f"tokend connect: {exc}", file=sys.stderr)
+        return 2
+    return status[0]
+
+
 def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
     from tokend.store import Store, StoreUnavailable, connect
 
@@ -179,6 +209,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     events.set_defaults(func=cmd_events)
 
+    connect = commands.add_parser(
+        "connect",
+        help="hold a session as a client and print each lifecycle change",
+        description="Connect to the server with a token (--token, or one minted for --sub "
+        "from the keys directory), heartbeat at the server's cadence and print one line "
+        "per change: connected, renewed, warned, recovered, reconnecting, resumed, ended. "
+        "Ctrl-C logs out (BYE). Exit status 0 after a logout, 1 if the session ended "
+        "otherwise.",
+    )
+    who = connect.add_mutually_exclusive_group(required=True)
+    who.add_argument("--sub", help="mint a token for this subject with the server's keys")
+    who.add_argument("--token", help="use this token")
+    connect.add_argument(
+        "--url", help="WebSocket URL (default ws://HOST:PORT/v1/ws from the settings)"
+    )
+    connect.add_argument(
+        "--ttl", type=int, help="lifetime of a minted token in seconds (default: token_ttl)"
+    )
+    connect.add_argument(
+        "--backoff-base",
+        type=float,
+        default=0.5,
+        help="first reconnect waits up to this many seconds (default 0.5)",
+    )
+    connect.add_argument(
+        "--backoff-cap",
+        type=float,
+        default=30.0,
+        help="no reconnect waits longer than this many seconds (default 30)",
+    )
+    connect.add_argument(
+        "--max-attempts",
+        type=int,
+        help="reconnect attempts in a row before giving up (default: no limit)",
+    )
+    connect.set_defaults(func=cmd_connect)
+
     revoke = commands.add_parser(
         "revoke",
         help="revoke a token by its id",
@@ -197,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=("show", "rotate"))
     keys.set_defaults(func=cmd_keys)
 
-    for sub in (serve, issue, events, revoke, keys):
+    for sub in (serve, issue, events, connect, revoke, keys):
         _add_settings(sub)
     return parser
 
