@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -17,6 +18,9 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from tokend import config
 from tokend.config import Settings
@@ -549,3 +553,41 @@ def test_expired_token_with_another_fault_is_not_reported_as_merely_expired(
         headers={"kid": ring.current_kid},
     )
     refused(service, token)
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ABCDEFabcdef0123456789-_.=+/ ", max_size=120))
+def test_verify_raises_only_token_error_on_any_text(text: str) -> None:
+    service = _fuzz_service()
+    with contextlib.suppress(TokenError):
+        service.verify(text)
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=400), st.binary(min_size=1, max_size=3))
+def test_verify_raises_only_token_error_on_mutated_tokens(at: int, junk: bytes) -> None:
+    service = _fuzz_service()
+    token = service.mint("fuzz")
+    at %= len(token)
+    mutated = token[:at] + junk.decode("latin-1") + token[at + 1 :]
+    try:
+        service.verify(mutated)
+    except TokenError:
+        pass
+    else:
+        assert mutated == token or service.verify(mutated).sub == "fuzz"
+
+
+_FUZZ: list[TokenService] = []
+
+
+def _fuzz_service() -> TokenService:
+    if not _FUZZ:
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp())
+        settings_ = config.load(
+            {"keys_dir": str(directory / "k"), "data_dir": str(directory)}, environ={}
+        )
+        _FUZZ.append(TokenService(settings_, KeyRing.open(settings_.resolved_keys_dir)))
+    return _FUZZ[0]

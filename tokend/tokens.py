@@ -8,7 +8,9 @@ signs, every key in the directory verifies (rotation).
 from __future__ import annotations
 
 import base64
+import binascii
 import fcntl
+import json
 import os
 import re
 import secrets
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jwt
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -229,31 +232,64 @@ class TokenService:
         return key
 
     def verify(self, token: str) -> Claims:
-        """Check signature, algorithm, issuer, audience, times and claim shapes."""
-        try:
-            header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError:
-            raise TokenError("malformed token") from None
+        """Check signature, algorithm, issuer, audience, times and claim shapes.
+
+        The same checks as ``jwt.decode`` with ``strict_aud`` and the required
+        claims (RFC 7515 compact serialization, RFC 7519 claims), done on the
+        primitives: PyJWT spends ~340 us per token validating base64 one character
+        at a time, more than the Ed25519 verification itself, on every HELLO.
+        """
+        segments = token.split(".")
+        if len(segments) != 3 or not all(map(_B64URL.fullmatch, segments)):
+            raise TokenError("malformed token")
+        header = _json_segment(segments[0])
         alg, kid = header.get("alg"), header.get("kid")
-        if alg not in self.algorithms:
+        # Only Ed25519 keys exist here: an allowed algorithm of another family
+        # could never verify, so it is refused rather than tried.
+        if alg not in self.algorithms or alg != "EdDSA":
             raise TokenError("algorithm not allowed")
         if not isinstance(kid, str) or not KID_PATTERN.match(kid):
             raise TokenError("missing or malformed kid")
+        key = self._key_for(kid)
         try:
-            payload = jwt.decode(
-                token,
-                self._key_for(kid),
-                algorithms=self.algorithms,
-                audience=self.audience,
-                issuer=self.issuer,
-                leeway=self.leeway,
-                options={"require": list(REQUIRED_CLAIMS), "strict_aud": True},
-            )
-        except jwt.ExpiredSignatureError:
-            raise TokenError("token expired", expired=True) from None
-        except jwt.PyJWTError as exc:
-            raise TokenError(type(exc).__name__) from None
+            key.verify(_b64decode(segments[2]), f"{segments[0]}.{segments[1]}".encode("ascii"))
+        except (InvalidSignature, binascii.Error):
+            raise TokenError("InvalidSignatureError") from None
+        payload = _json_segment(segments[1])
+        for claim in REQUIRED_CLAIMS:
+            if claim not in payload:
+                raise TokenError(f"MissingRequiredClaimError: {claim}")
+        if payload["iss"] != self.issuer:
+            raise TokenError("InvalidIssuerError")
+        if payload["aud"] != self.audience or not isinstance(payload["aud"], str):
+            raise TokenError("InvalidAudienceError")
+        now = time.time()
+        for claim in ("exp", "iat", "nbf"):
+            value = payload.get(claim)
+            if claim in payload and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise TokenError(f"{claim} must be a number")
+        if payload["exp"] <= now - self.leeway:
+            raise TokenError("token expired", expired=True)
+        if payload["iat"] > now + self.leeway or payload.get("nbf", 0) > now + self.leeway:
+            raise TokenError("ImmatureSignatureError")
         return _claims(payload)
+
+
+_B64URL = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _b64decode(segment: str) -> bytes:
+    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+
+
+def _json_segment(segment: str) -> dict[str, Any]:
+    try:
+        value = json.loads(_b64decode(segment))
+    except (ValueError, binascii.Error):
+        raise TokenError("malformed token") from None
+    if not isinstance(value, dict):
+        raise TokenError("malformed token")
+    return value
 
 
 def _claims(payload: dict[str, Any]) -> Claims:
