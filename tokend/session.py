@@ -69,6 +69,7 @@ class Session:
         "claims",
         "conn",
         "exp_ms",
+        "heartbeat_request",
         "iat_s",
         "key",
         "last_seq",
@@ -86,6 +87,7 @@ class Session:
         self.conn = f"{node.name}/{next(_conn_ids)}"
         self.log = log.bind(node=node.name, conn=self.conn, peer=peer)
         self.claims: Claims | None = None
+        self.heartbeat_request: HeartbeatRequest | None = None
         self.tid_bytes = b""
         self.key = b""
         self.last_seq = 0
@@ -155,6 +157,7 @@ class Session:
         if result.outcome == "mismatch":
             raise Close(p.CloseCode.INVALID_TOKEN, "sub does not match the session")
         self.claims = claims
+        self.heartbeat_request = self.node.store.heartbeat_request(claims.tid, self.conn)
         self.tid_bytes = claims.tid.bytes
         self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
         self.token_exp_ms = claims.exp * 1000
@@ -207,7 +210,8 @@ class Session:
         self.last_seq = hb.seq
         assert self.claims is not None
         try:
-            result = await self.node.heartbeats.submit(HeartbeatRequest(self.claims.tid, self.conn))
+            assert self.heartbeat_request is not None
+            result = await self.node.heartbeats.submit(self.heartbeat_request)
         except StoreUnavailable:
             # Not lost: the node replays it when Redis is back. Answer from what we know.
             self.log.warning("heartbeat not yet stored: store unavailable")
@@ -233,7 +237,9 @@ class Session:
                 )
             )
             self.token_exp_ms = self.exp_ms
-            self.log.info("token renewed" if result.renewed else "token re-sent", exp=self.exp_ms)
+            # debug: at renewal-storm rates an info line per renewal costs a quarter of the
+            # work; TOKEN_RENEWED on the event channel is the record of each renewal.
+            self.log.debug("token renewed" if result.renewed else "token re-sent", exp=self.exp_ms)
         await self.link.send(
             p.encode(
                 p.HeartbeatAck(

@@ -112,8 +112,12 @@ class HeartbeatResult:
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatRequest:
-    tid: uuid.UUID
+    """A connection's heartbeat for the batch; built once per connection, reused."""
+
+    tid: str
     conn: str
+    shard: int
+    keys: tuple[str, str]  # session hash, tombstone
     # Received in time but stored late (after an outage): not judged for silence.
     replayed: bool = False
 
@@ -249,11 +253,15 @@ class Store:
             return HelloResult(outcome, tomb=reply[1])
         return HelloResult(outcome)
 
+    def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
+        hash_key, tomb_key = self.keys.session_keys(tid)
+        return HeartbeatRequest(str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key))
+
     async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         """Record many heartbeats: one script call per shard, all in one round trip."""
         by_shard: dict[int, list[int]] = {}
         for i, request in enumerate(batch):
-            by_shard.setdefault(self.keys.shard(request.tid), []).append(i)
+            by_shard.setdefault(request.shard, []).append(i)
         calls = []
         for shard, members in by_shard.items():
             keys = self.keys.shard_keys(shard)
@@ -266,8 +274,8 @@ class Store:
             ]
             for i in members:
                 request = batch[i]
-                keys += self.keys.session_keys(request.tid)
-                args += [str(request.tid), request.conn, "1" if request.replayed else "0"]
+                keys += request.keys
+                args += [request.tid, request.conn, "1" if request.replayed else "0"]
             calls.append((HEARTBEAT, keys, args))
         results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
         for members, replies in zip(by_shard.values(), await self._eval_many(calls), strict=True):
