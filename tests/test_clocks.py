@@ -201,8 +201,7 @@ def test_lua_scripts_schedule_the_same_deadlines_as_clocks() -> None:
             "hb": now,
             "exp": exp,
             "warn_ms": WARN,
-            # transition.lua takes expire_after (ms) as its 7th script argument, ARGV[11].
-            "ARGV": {11: str(EXPIRE)},
+            "expire_ms": EXPIRE,
         }
         got = _eval_lua_expression(expr, names)
         state = State.WARN if name == "transition.lua" else State.ACTIVE

@@ -28,7 +28,13 @@ from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
 from tokend.protocol import CloseCode
 from tokend.session import Close, Session
-from tokend.store import HeartbeatRequest, HeartbeatResult, Store, StoreUnavailable
+from tokend.store import (
+    HeartbeatRequest,
+    HeartbeatResult,
+    SessionRecord,
+    Store,
+    StoreUnavailable,
+)
 from tokend.tokens import TokenService
 
 log = structlog.get_logger("tokend.node")
@@ -217,32 +223,36 @@ class Node:
                 await asyncio.sleep(backoff)
 
     async def _sweep_once(self, lease_ms: int) -> int:
-        now, tids = await self.store.claim_due(SWEEP_BATCH, lease_ms)
-        if not tids:
+        """Claim, inspect, judge with clocks.py, compare-and-set: three round trips."""
+        now, claimed = await self.store.claim_due(SWEEP_BATCH, lease_ms)
+        if not any(claimed):
             return 0
-        moves, vanished = [], []
-        for tid, record in zip(tids, await self.store.read(tids), strict=True):
+        moves: list[tuple[SessionRecord, str, str]] = []
+        vanished = 0
+        for tid, record in zip(
+            (t for shard in claimed for t in shard), await self.store.inspect(claimed), strict=True
+        ):
             if record is None:
-                vanished.append(tid)
+                # Only when no node swept for expire_after past the token's exp: the
+                # script drops the orphaned deadline entry.
+                vanished += 1
+                moves.append((SessionRecord(tid, "", "", ""), "GONE", ""))
                 continue
             state, hb, exp = State(record.st), int(record.hb), int(record.exp)
             transition = due_transition(state, hb, exp, now, self.clocks)
             if transition is None:
-                await self.store.reschedule(record.tid, deadline(state, hb, exp, self.clocks))
+                moves.append((record, "LATER", str(deadline(state, hb, exp, self.clocks))))
             else:
-                moves.append((record, transition))
+                moves.append((record, transition.to.value, transition.reason or ""))
         if vanished:
-            # Only when no node swept for expire_after past the token's exp.
-            self.log.warning("sessions vanished unswept", count=len(vanished))
-            await self.store.forget(vanished)
-        took = await self.store.transitions(
-            [(record, t.to.value, t.reason or "") for record, t in moves]
-        )
-        for (record, t), made in zip(moves, took, strict=True):
+            self.log.warning("sessions vanished unswept", count=vanished)
+        for (record, target, reason), made in zip(
+            moves, await self.store.transitions(moves), strict=True
+        ):
             if made:  # logged by the one node whose compare-and-set took
-                log_at = self.log.warning if t.to is State.WARN else self.log.info
-                log_at("session " + t.to.value.lower(), tid=str(record.tid), reason=t.reason)
-        return len(tids)
+                log_at = self.log.warning if target == State.WARN else self.log.info
+                log_at("session " + target.lower(), tid=record.tid, reason=reason or None)
+        return sum(map(len, claimed))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""

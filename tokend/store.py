@@ -52,9 +52,10 @@ class Script:
 HELLO = Script("hello")
 HEARTBEAT = Script("heartbeat")
 CLAIM = Script("claim")
+INSPECT = Script("inspect")
 TRANSITION = Script("transition")
 END = Script("end")
-SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END)
+SCRIPTS = (HELLO, HEARTBEAT, CLAIM, INSPECT, TRANSITION, END)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,15 @@ class Keyspace:
     def shard(tid: uuid.UUID) -> int:
         return int.from_bytes(tid.bytes[-2:], "big") % SHARDS
 
+    @staticmethod
+    def shard_of(tid: str) -> int:
+        """:meth:`shard` of a canonical tid string: its last four hex digits, mod 16."""
+        return int(tid[-4:], 16) % SHARDS
+
+    def session_keys_of(self, shard: int, tid: str) -> list[str]:
+        tag = self._tag(shard)
+        return [f"{tag}:s:{tid}", f"{tag}:t:{tid}"]
+
     def _tag(self, shard: int) -> str:
         return f"{self.prefix}:{{{self.prefix}:{shard}}}"
 
@@ -74,8 +84,7 @@ class Keyspace:
         return [f"{tag}:due", f"{tag}:events"]
 
     def session_keys(self, tid: uuid.UUID) -> list[str]:
-        tag = self._tag(self.shard(tid))
-        return [f"{tag}:s:{tid}", f"{tag}:t:{tid}"]
+        return self.session_keys_of(self.shard(tid), str(tid))
 
     def script_keys(self, tid: uuid.UUID) -> list[str]:
         return self.shard_keys(self.shard(tid)) + self.session_keys(tid)
@@ -126,7 +135,7 @@ class HeartbeatRequest:
 class SessionRecord:
     """A session hash as read by the sweeper; strings kept as read for compare-and-set."""
 
-    tid: uuid.UUID
+    tid: str
     st: str
     hb: str
     exp: str
@@ -295,57 +304,52 @@ class Store:
             )
         )
 
-    async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[uuid.UUID]]:
-        """Claim due sessions of every shard; returns Redis time and the claimed tids."""
+    async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]]]:
+        """Claim due sessions of every shard: Redis time, and the claimed tids by shard."""
         calls = [(CLAIM, self.keys.shard_keys(n), [limit, lease_ms]) for n in range(SHARDS)]
-        now, tids = 0, []
-        for reply in await self._eval_many(calls):
-            now = max(now, int(reply[0]))
-            tids += [uuid.UUID(t) for t in reply[1]]
-        return now, tids
+        replies = await self._eval_many(calls)
+        return max(int(reply[0]) for reply in replies), [reply[1] for reply in replies]
 
-    async def read(self, tids: Sequence[uuid.UUID]) -> list[SessionRecord | None]:
-        async def call() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
-            for tid in tids:
-                pipe.hmget(self.keys.session_keys(tid)[0], "st", "hb", "exp")
-            return await pipe.execute()
-
-        rows = await self._deadline(call)
+    async def inspect(self, claimed: Sequence[Sequence[str]]) -> list[SessionRecord | None]:
+        """Read claimed sessions (one script call per shard); None for a vanished one."""
+        calls, tids = [], []
+        for shard, shard_tids in enumerate(claimed):
+            if shard_tids:
+                tag = self.keys.shard_keys(shard)
+                calls.append(
+                    (
+                        INSPECT,
+                        tag + [self.keys.session_keys_of(shard, t)[0] for t in shard_tids],
+                        [],
+                    )
+                )
+                tids += shard_tids
+        rows = [row for reply in await self._eval_many(calls) for row in reply]
         return [
-            SessionRecord(tid, *row) if row[0] is not None else None
-            for tid, row in zip(tids, rows, strict=True)
+            SessionRecord(tid, *row) if row else None for tid, row in zip(tids, rows, strict=True)
         ]
 
     async def transitions(self, moves: Sequence[tuple[SessionRecord, str, str]]) -> list[bool]:
-        """Compare-and-set transitions (record, target state, reason); which ones took."""
-        if not moves:
-            return []
-        calls = [
-            (
-                TRANSITION,
-                self.keys.script_keys(rec.tid),
-                [str(rec.tid), rec.st, rec.hb, rec.exp, target, reason, self.expire_ms],
-            )
-            for rec, target, reason in moves
-        ]
-        return [bool(r) for r in await self._eval_many(calls)]
+        """Compare-and-set (record, target, reason or deadline); one call per shard.
 
-    async def forget(self, tids: Sequence[uuid.UUID]) -> None:
-        """Drop deadline entries whose session hash is gone (its backstop TTL fired)."""
-
-        async def call() -> None:
-            pipe = self.redis.pipeline(transaction=False)
-            for tid in tids:
-                pipe.zrem(self.keys.shard_keys(self.keys.shard(tid))[0], str(tid))
-            await pipe.execute()
-
-        await self._deadline(call)
-
-    async def reschedule(self, tid: uuid.UUID, deadline_ms: int) -> None:
-        """Put back a claimed entry that turned out not to be due."""
-        due = self.keys.shard_keys(self.keys.shard(tid))[0]
-        await self._deadline(lambda: self.redis.zadd(due, {str(tid): deadline_ms}, xx=True))
+        Returns which transitions took (always False for a 'LATER' reschedule).
+        """
+        by_shard: dict[int, list[int]] = {}
+        for i, (record, _, _) in enumerate(moves):
+            by_shard.setdefault(self.keys.shard_of(record.tid), []).append(i)
+        calls = []
+        for shard, members in by_shard.items():
+            keys, args = self.keys.shard_keys(shard), [self.expire_ms]
+            for i in members:
+                record, target, detail = moves[i]
+                keys += self.keys.session_keys_of(shard, record.tid)
+                args += [record.tid, record.st, record.hb, record.exp, target, detail]
+            calls.append((TRANSITION, keys, args))
+        took = [False] * len(moves)
+        for members, reply in zip(by_shard.values(), await self._eval_many(calls), strict=True):
+            for i, made in zip(members, reply, strict=True):
+                took[i] = bool(made)
+        return took
 
 
 def _heartbeat_result(reply: list[Any]) -> HeartbeatResult:
