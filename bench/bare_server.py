@@ -1,0 +1,91 @@
+"""Bare servers with tokend's framing and no logic: the baseline, and the client's ceiling.
+
+``--impl websockets`` (the baseline): same library, event loop and options as tokend
+(no compression, no pings, 16 KiB messages, backlog 4096). ``--impl picows``: a Cython
+server, much cheaper per message than any websockets server; the heartbeat scenario
+runs its load generator against it to show how far above the measured rates the
+client itself can go.
+
+Both answer a 50-byte heartbeat with a 20-byte ACK-shaped frame and any other message
+(the HELLO) with a 72-byte WELCOME-shaped frame, both prepared once at start.
+
+Run as ``python -m bench.bare_server --port PORT [--impl picows]``; prints
+``listening`` when ready and stops on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import uvloop
+from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_create_server
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.typing import Subprotocol
+
+from tokend import protocol as p
+
+ACK = p.encode(p.HeartbeatAck(seq=1, exp_ms=0))
+WELCOME = p.encode(p.Welcome(bytes(16), 0, 30_000, 90_000, 120_000, os.urandom(32)))
+
+
+async def answer(ws: ServerConnection) -> None:
+    async for message in ws:
+        await ws.send(ACK if len(message) == p.HEARTBEAT_LENGTH else WELCOME)
+
+
+class PicowsAnswer(WSListener):  # type: ignore[misc]
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if frame.msg_type == WSMsgType.BINARY:
+            reply = ACK if frame.payload_size == p.HEARTBEAT_LENGTH else WELCOME
+            transport.send(WSMsgType.BINARY, reply)
+        elif frame.msg_type == WSMsgType.CLOSE:
+            transport.send_close(frame.get_close_code())
+            transport.disconnect()
+
+
+async def run_picows(port: int, stop: asyncio.Event) -> None:
+    server = await ws_create_server(
+        lambda _request: PicowsAnswer(), "127.0.0.1", port, backlog=4096
+    )
+    print("listening", file=sys.stderr, flush=True)
+    await stop.wait()
+    server.close()
+
+
+async def run(port: int, impl: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if impl == "picows":
+        await run_picows(port, stop)
+        return
+    async with serve(
+        answer,
+        "127.0.0.1",
+        port,
+        subprotocols=[Subprotocol(p.SUBPROTOCOL)],
+        compression=None,
+        max_size=16384,
+        ping_interval=None,
+        close_timeout=2,
+        server_header=None,
+        backlog=4096,
+    ):
+        print("listening", file=sys.stderr, flush=True)
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--impl", choices=("websockets", "picows"), default="websockets")
+    args = parser.parse_args()
+    uvloop.run(run(args.port, args.impl))
+
+
+if __name__ == "__main__":
+    main()

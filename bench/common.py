@@ -1,0 +1,598 @@
+"""Shared plumbing: sizes, servers and client processes we own, statistics, the table.
+
+Every server under test runs as a child process of its own, so that its RSS and CPU
+can be read from ``/proc/<pid>``; so does every load generator (:mod:`bench.loadgen`),
+so that the client side of 10k loopback connections is spread over several processes
+and stays under the per-process open-file limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support import LOOPBACK, RedisProcess, free_port
+from tokend import config
+from tokend.protocol import WS_PATH
+from tokend.tokens import KeyRing, TokenService
+
+ROOT = Path(__file__).resolve().parent.parent
+# Descriptors a server keeps besides its connections (listener, Redis pool, logs...).
+FD_HEADROOM = 500
+
+
+class BenchError(RuntimeError):
+    """A scenario could not be measured (a process failed or a step timed out)."""
+
+
+def fd_limit() -> int:
+    """The soft open-file limit each process (server or client) has here."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How big and how long each scenario is; ``--quick`` swaps in :data:`QUICK`."""
+
+    connections: int  # closed-loop connections (heartbeat, Socket.IO round trips)
+    warmup: float  # seconds of closed loop before the measured window
+    duration: float  # seconds of the measured window
+    idle_sessions: tuple[int, ...]  # idle-memory sizes
+    storm_sessions: int  # renewal and expiry storms
+    renew_rounds: int  # renewal storms, at least a second apart
+    expire_after: float  # expiry storm's clock; every session must open before 3/4 of it
+    connects: int  # connect storm: sessions opened
+    clients: int  # client processes for the scenarios with thousands of connections
+    concurrency: int  # handshakes in flight per client process
+
+
+def max_sessions() -> int:
+    """As many sessions as the open-file limit lets one server process hold."""
+    return max(1000, fd_limit() - FD_HEADROOM)
+
+
+FULL = Sizes(
+    connections=200,
+    warmup=2.0,
+    duration=10.0,
+    idle_sessions=(10_000, max_sessions()),
+    storm_sessions=10_000,
+    renew_rounds=3,
+    expire_after=60.0,
+    connects=10_000,
+    clients=4,
+    concurrency=50,
+)
+QUICK = Sizes(
+    connections=20,
+    warmup=0.5,
+    duration=1.5,
+    idle_sessions=(200,),
+    storm_sessions=200,
+    renew_rounds=2,
+    expire_after=4.0,
+    connects=300,
+    clients=2,
+    concurrency=20,
+)
+
+
+def split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal counts (no zero parts)."""
+    parts = max(1, min(parts, total))
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+# Statistics
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence (0 when empty)."""
+    if not ordered:
+        return 0.0
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return float(ordered[min(rank, len(ordered)) - 1])
+
+
+def latency_summary(samples_us: Sequence[int]) -> dict[str, float]:
+    """p50/p99/max in milliseconds of latency samples given in microseconds."""
+    ordered = sorted(samples_us)
+    return {
+        "samples": len(ordered),
+        "p50_ms": percentile(ordered, 50) / 1000,
+        "p99_ms": percentile(ordered, 99) / 1000,
+        "max_ms": (ordered[-1] / 1000) if ordered else 0.0,
+    }
+
+
+# Results
+
+
+@dataclass(slots=True)
+class Row:
+    """One line of the result table: a tokend figure, its baseline and the target."""
+
+    scenario: str
+    metric: str
+    value: float | None
+    unit: str
+    target: str
+    met: bool | None
+    baseline_name: str = ""
+    baseline: float | None = None
+    ratio: float | None = None
+    note: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cpu_us_per_op(cpu_pct: float, rate: float) -> float:
+    """Microseconds of CPU per operation, from a CPU percentage and an operation rate.
+
+    On a shared machine this is steadier than the rate: a server that loses CPU to a
+    neighbour (or waits for a slow client) does fewer operations but not cheaper ones.
+    """
+    return cpu_pct / 100 / rate * 1e6 if rate else 0.0
+
+
+def ratio(value: float, baseline: float) -> float | None:
+    return value / baseline if baseline else None
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """A figure with its unit, e.g. ``12,345/s``, ``3.21 ms``, ``1,234 B``."""
+    if value is None:
+        return "-"
+    if unit == "ms":
+        return f"{value:.2f} ms"
+    if unit == "/s":
+        return f"{value:,.0f}/s"
+    if unit == "B":
+        return f"{value:,.0f} B"
+    return f"{value:,.4g} {unit}".strip()
+
+
+HEADER = ("scenario", "metric", "tokend", "baseline", "ratio", "target", "met")
+
+
+def table_cells(row: Row) -> tuple[str, ...]:
+    baseline = (
+        f"{row.baseline_name} {fmt(row.baseline, row.unit)}".strip()
+        if row.baseline is not None
+        else row.baseline_name or "-"
+    )
+    met = {True: "yes", False: "NO", None: "-"}[row.met]
+    ratio_text = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
+    return (
+        row.scenario,
+        row.metric,
+        fmt(row.value, row.unit),
+        baseline,
+        ratio_text,
+        row.target,
+        met,
+    )
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as an aligned plain-text table (also valid Markdown when piped)."""
+    cells = [HEADER, *(table_cells(r) for r in rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
+        for line in cells
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+# Processes
+
+
+def proc_rss(pid: int) -> int:
+    """Resident set size of a live process, in bytes (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds a live process has used so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    after_name = stat.rpartition(")")[2].split()
+    return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int, cpus: frozenset[int] | None) -> None:
+    """Restrict every thread of a process to these CPUs (no-op when ``cpus`` is None)."""
+    if cpus is None:
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def cpu_split() -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(server CPUs, everything else): the server under test gets a core to itself.
+
+    On one CPU nothing is pinned.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return frozenset(cpus[:1]), frozenset(cpus[1:])
+
+
+class CpuMeter:
+    """CPU use of some processes over a window, as a percentage of one core."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._start: tuple[float, dict[str, float]] | None = None
+
+    def start(self) -> None:
+        self._start = (time.monotonic(), {n: proc_cpu(p) for n, p in self.pids.items()})
+
+    def stop(self) -> dict[str, float]:
+        assert self._start is not None
+        began, cpu = self._start
+        wall = max(time.monotonic() - began, 1e-9)
+        return {n: round(100 * (proc_cpu(p) - cpu[n]) / wall, 1) for n, p in self.pids.items()}
+
+
+class Child:
+    """A server process the harness started and must stop; output goes to a log file."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log: Path,
+        *,
+        port: int,
+        env: dict[str, str] | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.log = log
+        self.port = port
+        self.env = env
+        self.cpus = cpus
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return f"ws://{LOOPBACK}:{self.port}{WS_PATH}"
+
+    def start(self, ready: str, timeout: float = 30.0) -> None:
+        """Start, pin to ``cpus``, and wait until ``ready`` appears in the log."""
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=ROOT,
+            )
+        pin(self.pid, self.cpus)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise BenchError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            if ready in self.log.read_text(errors="replace"):
+                pin(self.pid, self.cpus)  # threads started meanwhile
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise BenchError(f"{self.name} did not become ready in {timeout} s")
+
+    def rss(self) -> int:
+        return proc_rss(self.pid)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def child(
+    name: str,
+    argv: list[str],
+    log: Path,
+    *,
+    port: int,
+    ready: str,
+    cpus: frozenset[int] | None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Child]:
+    proc = Child(name, argv, log, port=port, env=env, cpus=cpus)
+    try:
+        proc.start(ready)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@dataclass(slots=True)
+class TokenPool:
+    """Tokens minted for a run, one per line in ``path``; ``tids[i]`` is line i's jti."""
+
+    path: Path
+    ttl_s: int
+    minted_at: float = field(default_factory=time.time)
+    tids: list[uuid.UUID] = field(default_factory=list)
+
+
+class Context:
+    """One harness run: sizes, a scratch directory, signing keys, cached measurements."""
+
+    def __init__(self, sizes: Sizes, workdir: Path, log_level: str, *, pin: bool = True) -> None:
+        self.sizes = sizes
+        self.workdir = workdir
+        self.log_level = log_level
+        # The server under test on one CPU, Redis and the load generators on the others.
+        self.server_cpus, self.other_cpus = cpu_split() if pin else (None, None)
+        self.keys_dir = workdir / "keys"
+        settings = config.load({"keys_dir": str(self.keys_dir)}, environ={})
+        self.minter = TokenService(settings, KeyRing.open(self.keys_dir))
+        self._pools: dict[int, TokenPool] = {}
+        # Measurements shared by scenarios of the same repetition (e.g. socketio reuses
+        # heartbeat's tokend figures); cleared between repetitions.
+        self.cache: dict[tuple[Any, ...], Any] = {}
+        self._serial = 0
+
+    def scratch(self, name: str) -> Path:
+        self._serial += 1
+        path = self.workdir / f"{self._serial:03d}-{name}"
+        path.mkdir(parents=True)
+        return path
+
+    def tokens(self, count: int, ttl_s: int = 3600) -> TokenPool:
+        """At least ``count`` distinct tokens of this lifetime (each opens one session).
+
+        A pool is reused across scenarios: each scenario has a fresh Redis, so a token
+        that opened a session in one scenario starts a new session in the next. A pool
+        past half its tokens' lifetime is replaced.
+        """
+        pool = self._pools.get(ttl_s)
+        if pool is None or time.time() - pool.minted_at > ttl_s / 2:
+            # New, or half its lifetime gone (a long run, --repeat): mint afresh.
+            self._serial += 1
+            path = self.workdir / f"tokens-{ttl_s}s-{self._serial:03d}.txt"
+            pool = self._pools[ttl_s] = TokenPool(path, ttl_s)
+        missing = count - len(pool.tids)
+        if missing > 0:
+            with pool.path.open("a") as out:
+                for _ in range(missing):
+                    tid = uuid.uuid4()
+                    out.write(self.minter.mint(f"bench-{tid.hex[:8]}", ttl_s=ttl_s, tid=tid))
+                    out.write("\n")
+                    pool.tids.append(tid)
+        return pool
+
+
+@contextlib.contextmanager
+def redis_server(ctx: Context) -> Iterator[RedisProcess]:
+    """A private redis-server (the embedded extra's Valkey) on a loopback port."""
+    server = RedisProcess(ctx.scratch("redis"))
+    try:
+        server.start()
+        pin(redis_pid(server), ctx.other_cpus)
+        yield server
+    finally:
+        server.stop()
+
+
+def redis_pid(server: RedisProcess) -> int:
+    assert server.process is not None
+    return server.process.pid
+
+
+@contextlib.contextmanager
+def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -> Iterator[Child]:
+    """``python -m tokend serve`` (uvloop, JSON logs to a file) as in production."""
+    port = free_port()
+    directory = ctx.scratch("tokend")
+    env = {
+        **os.environ,
+        "TOKEND_HOST": LOOPBACK,
+        "TOKEND_PORT": str(port),
+        "TOKEND_REDIS_URL": redis_url,
+        "TOKEND_KEYS_DIR": str(ctx.keys_dir),
+        "TOKEND_DATA_DIR": str(directory),
+        "TOKEND_KEY_PREFIX": "bench",
+        "TOKEND_NODE_NAME": "bench",
+        "TOKEND_LOG_FORMAT": "json",
+        "TOKEND_LOG_LEVEL": ctx.log_level,
+        **{config.env_name(k): str(v) for k, v in settings.items()},
+    }
+    env.pop("TOKEND_CONFIG", None)
+    argv = [sys.executable, "-m", "tokend", "serve"]
+    log = directory / "tokend.log"
+    with child(
+        "tokend", argv, log, port=port, ready='"listening"', cpus=ctx.server_cpus, env=env
+    ) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def bare_server(ctx: Context, impl: str = "websockets") -> Iterator[Child]:
+    """A server of :mod:`bench.bare_server`: websockets (the baseline) or picows."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.bare_server", "--port", str(port), "--impl", impl]
+    log = ctx.scratch(f"bare-{impl}") / "bare.log"
+    with child(f"bare-{impl}", argv, log, port=port, ready="listening", cpus=ctx.server_cpus) as c:
+        yield c
+
+
+# Load generator processes
+
+
+class ClientPool:
+    """Load generator processes (:mod:`bench.loadgen`), each with a slice of connections.
+
+    Every command goes to all processes at once; each answers one JSON line.
+    """
+
+    def __init__(
+        self,
+        ctx: Context,
+        name: str,
+        *,
+        url: str,
+        proto: str,
+        counts: list[int],
+        tokens: TokenPool | None = None,
+        first: int = 0,
+    ) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.url = url
+        self.proto = proto
+        self.counts = counts
+        self.tokens = tokens
+        self.first = first
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.logs = ctx.scratch(f"clients-{name}")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    async def start(self) -> None:
+        offset = self.first
+        for i, count in enumerate(self.counts):
+            job = {
+                "url": self.url,
+                "proto": self.proto,
+                "tokens": str(self.tokens.path) if self.tokens else "",
+                "first": offset,
+                "count": count,
+            }
+            offset += count
+            with (self.logs / f"client-{i}.log").open("wb") as err:
+                self.procs.append(
+                    await asyncio.create_subprocess_exec(
+                        sys.executable,
+                        "-m",
+                        "bench.loadgen",
+                        json.dumps(job),
+                        stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=err,
+                        cwd=ROOT,
+                        limit=1 << 26,
+                    )
+                )
+            pin(self.procs[-1].pid, self.ctx.other_cpus)
+
+    async def ask(self, command: str, timeout: float, **args: Any) -> list[dict[str, Any]]:
+        """Send one command to every process; their replies, in process order."""
+        line = (json.dumps({"cmd": command, **args}) + "\n").encode()
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(line)
+            await proc.stdin.drain()
+        try:
+            async with asyncio.timeout(timeout):
+                replies = await asyncio.gather(*(self._reply(p) for p in self.procs))
+        except TimeoutError:
+            raise BenchError(f"{self.name}: no answer to {command} in {timeout:.0f} s") from None
+        for reply in replies:
+            if not reply.get("ok"):
+                raise BenchError(f"{self.name}: {command} failed: {reply.get('error')}")
+        return replies
+
+    async def _reply(self, proc: asyncio.subprocess.Process) -> dict[str, Any]:
+        assert proc.stdout is not None
+        raw = await proc.stdout.readline()
+        if not raw:
+            code = await proc.wait()
+            return {"ok": False, "error": f"client exited with {code}, see {self.logs}"}
+        reply: dict[str, Any] = json.loads(raw)
+        return reply
+
+    async def stop(self) -> None:
+        """Drop every connection (no close handshake) and end the processes."""
+        for proc in self.procs:
+            if proc.returncode is None and proc.stdin is not None:
+                with contextlib.suppress(ConnectionError):
+                    proc.stdin.write(b'{"cmd": "exit"}\n')
+                    proc.stdin.close()
+        for proc in self.procs:
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def client_pool(
+    ctx: Context,
+    name: str,
+    *,
+    url: str,
+    proto: str,
+    total: int,
+    procs: int,
+    tokens: TokenPool | None = None,
+    first: int = 0,
+) -> AsyncIterator[ClientPool]:
+    pool = ClientPool(
+        ctx, name, url=url, proto=proto, counts=split(total, procs), tokens=tokens, first=first
+    )
+    try:
+        await pool.start()
+        yield pool
+    finally:
+        await pool.stop()
+
+
+async def open_all(pool: ClientPool, concurrency: int) -> dict[str, Any]:
+    """Open every connection of the pool; rate, latencies and failures, merged."""
+    replies = await pool.ask("connect", timeout=300, concurrency=concurrency)
+    opened = sum(r["opened"] for r in replies)
+    failed = sum(r["failed"] for r in replies)
+    if failed:
+        errors = [r["errors"] for r in replies if r["errors"]]
+        raise BenchError(f"{pool.name}: {failed} of {opened + failed} connects failed: {errors}")
+    span = max(r["t_end"] for r in replies) - min(r["t_start"] for r in replies)
+    return {
+        "opened": opened,
+        "seconds": round(span, 3),
+        "rate": opened / span if span > 0 else 0.0,
+        "client_cpu_s": round(sum(r["cpu_s"] for r in replies), 2),
+        **latency_summary([x for r in replies for x in r["latencies_us"]]),
+    }

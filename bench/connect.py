@@ -1,0 +1,96 @@
+"""Scenario 5, connect storm: sessions opened per second.
+
+Several client processes open connections as fast as they can with a fixed number in
+flight each, and keep them open. For tokend an opened session is handshake + HELLO +
+token verification + the HELLO script in Redis + WELCOME. The bare websockets server
+gets the same handshake and the same HELLO, answered with a WELCOME-sized frame, so
+the ratio isolates what tokend does per session. The same clients against the picows
+server of :mod:`bench.bare_server` give the load generator's own ceiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from bench.common import (
+    Child,
+    Context,
+    CpuMeter,
+    Row,
+    bare_server,
+    client_pool,
+    cpu_us_per_op,
+    open_all,
+    ratio,
+    redis_pid,
+    redis_server,
+    tokend_server,
+)
+
+RATE_TARGET = 0.8  # x bare handshakes/s
+
+
+async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -> dict[str, Any]:
+    """Open ``sizes.connects`` sessions (``proto`` tokend or bare); rate, latency, CPU."""
+    sizes = ctx.sizes
+    async with client_pool(
+        ctx,
+        proto,
+        url=server.url,
+        proto=proto,
+        total=sizes.connects,
+        procs=sizes.clients,
+        tokens=ctx.tokens(sizes.connects),
+    ) as pool:
+        meter = CpuMeter({proto: server.pid, **pids})
+        meter.start()
+        figures = await open_all(pool, sizes.concurrency)
+        cpu = meter.stop()
+    cpu["clients"] = round(100 * figures["client_cpu_s"] / figures["seconds"], 1)
+    return {**figures, "cpu_pct": cpu}
+
+
+def describe(name: str, figures: dict[str, Any]) -> str:
+    """One line: sessions, time, latency, CPU of each process, server CPU per session."""
+    cpu = ", ".join(f"{k} {v:.0f}%" for k, v in figures["cpu_pct"].items())
+    server_pct = next(iter(figures["cpu_pct"].values()))
+    return (
+        f"{name}: {figures['opened']:,} in {figures['seconds']:.2f} s, connect p50 "
+        f"{figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms; CPU {cpu}; server "
+        f"{cpu_us_per_op(server_pct, figures['rate']):.0f} us CPU/session"
+    )
+
+
+async def run(ctx: Context) -> list[Row]:
+    with bare_server(ctx, "picows") as server:
+        ceiling = await storm(ctx, "bare", server, {})
+    with bare_server(ctx) as server:
+        bare = await storm(ctx, "bare", server, {})
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(redis_server(ctx))
+        server = stack.enter_context(tokend_server(ctx, store.url))
+        tokend = await storm(ctx, "tokend", server, {"redis": redis_pid(store)})
+    rate_ratio = ratio(tokend["rate"], bare["rate"])
+    in_flight = ctx.sizes.clients * ctx.sizes.concurrency
+    return [
+        Row(
+            "connect storm",
+            f"sessions opened/s, {ctx.sizes.connects:,} ({in_flight} in flight)",
+            tokend["rate"],
+            "/s",
+            f">= {RATE_TARGET}x bare",
+            rate_ratio is not None and rate_ratio >= RATE_TARGET,
+            "bare handshake+HELLO",
+            bare["rate"],
+            rate_ratio,
+            " | ".join(
+                [
+                    describe("tokend", tokend),
+                    describe("bare", bare),
+                    describe("client ceiling (picows server)", ceiling),
+                ]
+            ),
+            {"tokend": tokend, "bare": bare, "client_ceiling": ceiling},
+        )
+    ]

@@ -1,0 +1,379 @@
+"""Load generator process: many picows WebSocket clients on one uvloop loop.
+
+picows builds and parses frames in Cython and calls back synchronously on every frame,
+without a task or a queue per connection, so one process drives far more round trips
+than a Python server can answer; the harness prints this process's CPU next to each
+figure, so a saturated client would show.
+
+:class:`bench.common.ClientPool` starts it as ``python -m bench.loadgen JOB`` where JOB
+is JSON: ``url``, ``proto`` (``tokend``, ``bare`` or ``socketio``), ``tokens`` (a file,
+one token per line), ``first`` and ``count`` (this process's slice of that file).
+Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
+
+* ``connect {concurrency}``: open the connections (tokend and bare: handshake, HELLO,
+  WELCOME; socketio: handshake, engine.io OPEN, namespace CONNECT), timed.
+* ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
+  connection; ACKs and latencies inside the measured window.
+* ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
+* ``exit``: drop every connection (no close handshake) and end.
+
+tokend and the bare server get byte-identical traffic: the same HELLO, the same
+50-byte heartbeats with a valid HMAC proof and increasing seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gc
+import hashlib
+import hmac
+import json
+import resource
+import socket
+import struct
+import sys
+import time
+from array import array
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvloop
+from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+
+from tokend import protocol as p
+
+# The heartbeat's signed part, as in tokend.protocol; checked against the codec once
+# per connection (Conn._welcome), then built here without the codec's dataclasses.
+_SIGNED = struct.Struct(">BB16sQQ")
+_ACK = p.FrameType.HEARTBEAT_ACK
+_NOTICE = p.FrameType.NOTICE
+# Socket.IO over engine.io v4: OPEN, CONNECT, EVENT and ACK packets; PING/PONG.
+_SIO_OPEN, _SIO_CONNECT, _SIO_ACK = b"0{", b"40", b"43"
+_SIO_PING, _SIO_PONG = b"2", b"3"
+CONNECT_TIMEOUT = 20.0
+_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+MAX_SAMPLES = 2_000_000
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Closed(Exception):
+    """The server closed the connection; ``code`` is its close code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"closed by server with {code}")
+        self.code = code
+
+
+class Conn(WSListener):  # type: ignore[misc]
+    """One client connection; ``on_data`` is the handler of the current phase."""
+
+    def __init__(self, gen: Generator, token: str) -> None:
+        super().__init__()
+        self.gen = gen
+        self.token = token
+        self.transport: WSTransport | None = None
+        self.ready: asyncio.Future[None] = gen.loop.create_future()
+        self.answered: asyncio.Future[p.HeartbeatAck] | None = None
+        self.on_data: Callable[[bytes], None] = self._opening
+        self.key = b""
+        self.tid = b""
+        self.exp_ms = 0
+        self.seq = 0
+        self.sent_ns = 0
+        self.mac = hmac.new(b"", digestmod=hashlib.sha256)
+
+    # picows callbacks
+
+    def on_ws_connected(self, transport: WSTransport) -> None:
+        self.transport = transport
+        if self.gen.proto != "socketio":
+            transport.send(WSMsgType.BINARY, p.encode(p.Hello(self.token)))
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if frame.msg_type == WSMsgType.CLOSE:
+            code = frame.get_close_code()
+            self._fail(Closed(int(code)))
+            transport.send_close(code)
+            transport.disconnect()
+        elif frame.msg_type in (WSMsgType.BINARY, WSMsgType.TEXT):
+            self.on_data(frame.get_payload_as_bytes())
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        self._fail(ConnectionError("disconnected"))
+
+    def _fail(self, exc: Exception) -> None:
+        for future in (self.ready, self.answered):
+            if future is not None and not future.done():
+                future.set_exception(exc)
+        if self.on_data == self._loop_reply or self.on_data == self._sio_loop_reply:
+            self.on_data = self._idle
+            self.gen.lost += 1
+            self.gen.loop_ended()
+
+    # Opening
+
+    def _opening(self, data: bytes) -> None:
+        if self.gen.proto == "socketio":
+            if data.startswith(_SIO_OPEN):
+                self._send(WSMsgType.TEXT, _SIO_CONNECT)
+            elif data.startswith(_SIO_CONNECT):
+                self.on_data = self._idle
+                self.ready.set_result(None)
+            return
+        try:
+            frame = p.decode(data)
+            if not isinstance(frame, p.Welcome):
+                raise p.ProtocolError(f"expected WELCOME, got {type(frame).__name__}")
+            self.key, self.tid, self.exp_ms = frame.session_key, frame.tid, frame.exp_ms
+            self.mac = hmac.new(self.key, digestmod=hashlib.sha256)
+            codec = p.encode(p.make_heartbeat(self.key, self.tid, 1, self.exp_ms))
+            if self._heartbeat(1) != codec:
+                raise p.ProtocolError("load generator heartbeat differs from tokend.protocol")
+        except p.ProtocolError as exc:
+            self.ready.set_exception(exc)
+            return
+        self.on_data = self._idle
+        self.ready.set_result(None)
+
+    def _idle(self, data: bytes) -> None:
+        if data == _SIO_PING and self.gen.proto == "socketio":
+            self._send(WSMsgType.TEXT, _SIO_PONG)
+
+    # Heartbeats
+
+    def _heartbeat(self, seq: int) -> bytes:
+        signed = _SIGNED.pack(p.FrameType.HEARTBEAT, 0, self.tid, seq, self.exp_ms)
+        mac = self.mac.copy()
+        mac.update(signed)
+        return signed + mac.digest()[: p.MAC_LENGTH]
+
+    def _send(self, kind: WSMsgType, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.send(kind, data)
+
+    def send_next(self) -> None:
+        """Send the next heartbeat (as a Socket.IO emit with ack for socketio)."""
+        self.seq += 1
+        frame = self._heartbeat(self.seq)
+        if self.gen.proto == "socketio":
+            event = b'42%d["hb","%s"]' % (self.seq, base64.b64encode(frame))
+            self.sent_ns = time.perf_counter_ns()
+            self._send(WSMsgType.TEXT, event)
+        else:
+            self.sent_ns = time.perf_counter_ns()
+            self._send(WSMsgType.BINARY, frame)
+
+    # Closed loop
+
+    def start_loop(self) -> None:
+        self.on_data = self._sio_loop_reply if self.gen.proto == "socketio" else self._loop_reply
+        self.send_next()
+
+    def _loop_reply(self, data: bytes) -> None:
+        if data[0] != _ACK:
+            return  # a NOTICE: not an answer
+        self._answered()
+
+    def _sio_loop_reply(self, data: bytes) -> None:
+        if data.startswith(_SIO_ACK):
+            self._answered()
+        elif data == _SIO_PING:
+            self._send(WSMsgType.TEXT, _SIO_PONG)
+
+    def _answered(self) -> None:
+        gen = self.gen
+        now = time.perf_counter_ns()
+        if now >= gen.window_end:
+            self.on_data = self._idle
+            gen.loop_ended()
+            return
+        if now >= gen.window_start:
+            gen.acks += 1
+            if len(gen.latencies) < MAX_SAMPLES:
+                gen.latencies.append((now - self.sent_ns) // 1000)
+        self.send_next()
+
+    # Burst
+
+    def burst(self) -> asyncio.Future[p.HeartbeatAck]:
+        self.answered = self.gen.loop.create_future()
+        self.on_data = self._burst_reply
+        self.seq += 1
+        self._send(
+            WSMsgType.BINARY, p.encode(p.make_heartbeat(self.key, self.tid, self.seq, self.exp_ms))
+        )
+        return self.answered
+
+    def _burst_reply(self, data: bytes) -> None:
+        if data[0] == _NOTICE:
+            return
+        frame = p.decode(data)
+        assert self.answered is not None and isinstance(frame, p.HeartbeatAck)
+        if frame.token:
+            self.exp_ms = frame.exp_ms
+        self.on_data = self._idle
+        self.answered.set_result(frame)
+
+
+class Generator:
+    """This process's connections and the commands that drive them."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.url: str = job["url"]
+        self.proto: str = job["proto"]
+        tokens = [""] * job["count"]
+        if job["tokens"]:
+            with open(job["tokens"]) as fh:
+                lines = fh.read().split()
+            tokens = lines[job["first"] : job["first"] + job["count"]]
+            if len(tokens) != job["count"]:
+                raise SystemExit(f"token file has too few tokens for {job}")
+        self.conns = [Conn(self, t) for t in tokens]
+        self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
+        self.latencies: array[int] = array("q")
+        self.acks = 0
+        self.lost = 0
+        self.running = 0
+        self.window_start = self.window_end = 0
+        self.ended = asyncio.Event()
+
+    async def connect(self, concurrency: int) -> dict[str, Any]:
+        errors: Counter[str] = Counter()
+        latencies: list[int] = []
+        pending = iter(self.conns)
+        cpu0, t_start = cpu_seconds(), time.time()
+
+        async def one(conn: Conn) -> None:
+            began = time.perf_counter_ns()
+            try:
+                async with asyncio.timeout(CONNECT_TIMEOUT):
+                    await ws_connect(
+                        lambda: conn,
+                        self.url,
+                        extra_headers=self.headers,
+                        websocket_handshake_timeout=CONNECT_TIMEOUT,
+                    )
+                    await conn.ready
+            except Closed as exc:
+                errors[f"close {exc.code}"] += 1
+            except Exception as exc:
+                errors[type(exc).__name__] += 1
+            else:
+                latencies.append((time.perf_counter_ns() - began) // 1000)
+
+        async def lane() -> None:
+            for conn in pending:
+                await one(conn)
+
+        await asyncio.gather(*(lane() for _ in range(max(1, concurrency))))
+        return {
+            "opened": len(latencies),
+            "failed": sum(errors.values()),
+            "errors": dict(errors),
+            "t_start": t_start,
+            "t_end": time.time(),
+            "cpu_s": cpu_seconds() - cpu0,
+            "latencies_us": latencies,
+        }
+
+    async def closed_loop(self, warmup: float, duration: float) -> dict[str, Any]:
+        self.latencies = array("q")
+        self.acks = self.lost = 0
+        live = [c for c in self.conns if c.ready.done() and not c.ready.exception()]
+        self.running = len(live)
+        self.ended.clear()
+        now = time.perf_counter_ns()
+        self.window_start = now + int(warmup * 1e9)
+        self.window_end = self.window_start + int(duration * 1e9)
+        for conn in live:
+            conn.start_loop()
+        if not live:
+            self.ended.set()
+        try:
+            async with asyncio.timeout(warmup + duration + 10):
+                await self.ended.wait()
+        except TimeoutError:
+            pass
+        return {
+            "acks": self.acks,
+            "window_s": duration,
+            "unfinished": self.running,
+            "lost": self.lost,
+            "latencies_us": self.latencies.tolist(),
+        }
+
+    def loop_ended(self) -> None:
+        self.running -= 1
+        if self.running <= 0:
+            self.ended.set()
+
+    async def burst(self) -> dict[str, Any]:
+        cpu0, t_start = cpu_seconds(), time.time()
+        replies = await asyncio.gather(
+            *(c.burst() for c in self.conns if c.ready.done() and not c.ready.exception()),
+            return_exceptions=True,
+        )
+        acks = [r for r in replies if isinstance(r, p.HeartbeatAck)]
+        return {
+            "acks": len(acks),
+            "renewed": sum(a.renewed for a in acks),
+            "resent": sum(a.resent for a in acks),
+            "failed": len(replies) - len(acks),
+            "t_start": t_start,
+            "t_end": time.time(),
+            "cpu_s": cpu_seconds() - cpu0,
+        }
+
+    def drop(self) -> None:
+        """Reset every connection: no close handshake, no FIN, so no TIME_WAIT.
+
+        Thousands of client-side TIME_WAIT sockets would crowd the loopback ephemeral
+        ports and slow every later connect() (the kernel searches for a free port).
+        """
+        for conn in self.conns:
+            if conn.transport is not None and not conn.transport.is_disconnected:
+                sock = conn.transport.underlying_transport.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
+                conn.transport.disconnect(graceful=False)
+
+
+async def serve(job: dict[str, Any]) -> None:
+    # Collections traverse every held connection: run them between commands only.
+    gc.disable()
+    gen = Generator(job)
+    commands: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
+        "connect": gen.connect,
+        "loop": gen.closed_loop,
+        "burst": gen.burst,
+    }
+    reader = asyncio.StreamReader()
+    await gen.loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        args = json.loads(line)
+        name = args.pop("cmd")
+        if name == "exit":
+            break
+        try:
+            reply = {"ok": True, **await commands[name](**args)}
+        except Exception as exc:
+            reply = {"ok": False, "error": repr(exc)}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+        gc.collect()
+    gen.drop()
+
+
+def main() -> None:
+    uvloop.run(serve(json.loads(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

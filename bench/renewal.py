@@ -1,0 +1,165 @@
+"""Scenario 3, renewal storm: every session inside its renew window heartbeats at once.
+
+tokend runs with ``token_ttl`` 120 s and ``renew_window`` 119 s and the tokens are
+minted for 60 s, so every heartbeat renews (a renewal needs a new whole second, so
+storms are at least a second apart). All clients send one heartbeat on every
+connection at once; the rate is renewed ACKs over the time from the first send to the
+last ACK, summed over the storms.
+
+Baseline: what Redis alone does for the same renewals, a redis-py (hiredis) pipelined
+EVALSHA loop, one call per session, of a script doing the renewal's Redis work
+(HMGET, PEXPIREAT, XADD and PUBLISH of the event, HSET, ZADD) on the same keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from bench.common import (
+    Context,
+    CpuMeter,
+    Row,
+    client_pool,
+    cpu_us_per_op,
+    open_all,
+    ratio,
+    redis_pid,
+    redis_server,
+    tokend_server,
+)
+from tokend.store import Keyspace
+
+RATE_TARGET = 20_000  # renewals/s
+TOKEN_TTL_S, RENEW_WINDOW_S, MINTED_TTL_S = 120, 119, 60
+PIPELINE = 1000
+GAP_S = 1.1
+
+RENEW_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local s = redis.call('HMGET', KEYS[1], 'sub', 'st', 'exp', 'iat', 'conn', 'hb')
+local iat = math.floor(now / 1000)
+local exp = (iat + tonumber(ARGV[2])) * 1000
+redis.call('PEXPIREAT', KEYS[1], exp + 120000)
+local json = cjson.encode({v = 1, type = 'TOKEN_RENEWED', tid = ARGV[1], sub = s[1],
+                           at = now, node = 'bench'})
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', 'event', json)
+redis.call('PUBLISH', 'bench:events', json)
+redis.call('HSET', KEYS[1], 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat)
+redis.call('ZADD', KEYS[2], math.min(now + 90000, exp), ARGV[1])
+return {'ok', 0, 1, exp, iat}
+"""
+
+
+def redis_loop(url: str, tids: Sequence[uuid.UUID], rounds: int) -> dict[str, Any]:
+    """The baseline: seeded sessions renewed by pipelined EVALSHA, ``rounds`` times."""
+    client = redis.Redis.from_url(url)
+    keys = Keyspace("bench")
+    calls = []
+    seed = client.pipeline(transaction=False)
+    for tid in tids:
+        session = keys.session_keys(tid)[0]
+        due, stream = keys.shard_keys(keys.shard(tid))
+        calls.append((session, due, stream, str(tid)))
+        seed.hset(session, mapping={"sub": "bench", "st": "ACTIVE", "hb": 0, "exp": 0, "iat": 0})
+    seed.execute()
+    sha = client.script_load(RENEW_LUA)
+    began = time.perf_counter()
+    for _ in range(rounds):
+        for start in range(0, len(calls), PIPELINE):
+            pipe = client.pipeline(transaction=False)
+            for session, due, stream, tid in calls[start : start + PIPELINE]:
+                pipe.evalsha(sha, 3, session, due, stream, tid, TOKEN_TTL_S)
+            pipe.execute()
+    seconds = time.perf_counter() - began
+    client.close()
+    return {
+        "renewals": len(calls) * rounds,
+        "seconds": seconds,
+        "rate": len(calls) * rounds / seconds,
+    }
+
+
+async def tokend_storms(ctx: Context) -> dict[str, Any]:
+    sizes = ctx.sizes
+    tokens = ctx.tokens(sizes.storm_sessions, ttl_s=MINTED_TTL_S)
+    storms = []
+    with (
+        redis_server(ctx) as store,
+        tokend_server(ctx, store.url, token_ttl=TOKEN_TTL_S, renew_window=RENEW_WINDOW_S) as server,
+    ):
+        async with client_pool(
+            ctx,
+            "tokend",
+            url=server.url,
+            proto="tokend",
+            total=sizes.storm_sessions,
+            procs=sizes.clients,
+            tokens=tokens,
+        ) as pool:
+            await open_all(pool, sizes.concurrency)
+            meter = CpuMeter({"tokend": server.pid, "redis": redis_pid(store)})
+            for n in range(sizes.renew_rounds):
+                if n:
+                    await asyncio.sleep(GAP_S)
+                meter.start()
+                replies = await pool.ask("burst", timeout=120)
+                cpu = meter.stop()
+                span = max(r["t_end"] for r in replies) - min(r["t_start"] for r in replies)
+                storms.append(
+                    {
+                        "acks": sum(r["acks"] for r in replies),
+                        "renewed": sum(r["renewed"] for r in replies),
+                        "failed": sum(r["failed"] for r in replies),
+                        "seconds": span,
+                        "cpu_pct": {
+                            **cpu,
+                            "clients": round(100 * sum(r["cpu_s"] for r in replies) / span, 1),
+                        },
+                    }
+                )
+    renewed = sum(s["renewed"] for s in storms)
+    seconds = sum(s["seconds"] for s in storms)
+    return {"storms": storms, "renewed": renewed, "seconds": seconds, "rate": renewed / seconds}
+
+
+async def run(ctx: Context) -> list[Row]:
+    sizes = ctx.sizes
+    tokend = await tokend_storms(ctx)
+    tids = ctx.tokens(sizes.storm_sessions, ttl_s=MINTED_TTL_S).tids[: sizes.storm_sessions]
+    with redis_server(ctx) as store:
+        meter = CpuMeter({"redis": redis_pid(store), "redis-py loop": os.getpid()})
+        meter.start()
+        bare = await asyncio.to_thread(redis_loop, store.url, tids, sizes.renew_rounds)
+        bare["cpu_pct"] = meter.stop()
+    expected = sizes.storm_sessions * sizes.renew_rounds
+    storms = "; ".join(
+        f"{s['renewed']:,}/{s['acks']:,} renewed in {s['seconds']:.2f} s "
+        f"(CPU {', '.join(f'{k} {v:.0f}%' for k, v in s['cpu_pct'].items())}; tokend "
+        f"{cpu_us_per_op(s['cpu_pct']['tokend'], s['renewed'] / s['seconds']):.0f} us "
+        "CPU/renewal)"
+        for s in tokend["storms"]
+    )
+    return [
+        Row(
+            "renewal storm",
+            f"renewals/s, {sizes.storm_sessions:,} sessions x {sizes.renew_rounds}",
+            tokend["rate"],
+            "/s",
+            f">= {RATE_TARGET:,}/s, all renewed",
+            tokend["rate"] >= RATE_TARGET and tokend["renewed"] == expected,
+            "Redis EVALSHA loop",
+            bare["rate"],
+            ratio(tokend["rate"], bare["rate"]),
+            f"{tokend['renewed']:,} of {expected:,} renewed; {storms} | Redis EVALSHA loop: "
+            f"CPU {', '.join(f'{k} {v:.0f}%' for k, v in bare['cpu_pct'].items())}",
+            {"tokend": tokend, "redis_loop": bare},
+        )
+    ]

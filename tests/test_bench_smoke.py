@@ -1,0 +1,49 @@
+"""The benchmark harness still runs: one tiny ``python -m bench --quick``, no npm.
+
+Real benchmark numbers come from ``python -m bench`` (docs/performance.md); this only
+keeps the harness from rotting. It needs the ``bench`` extra (picows).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("picows", reason="the bench extra is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_heartbeat_and_connect_storm(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "heartbeat",
+            "connect",
+            "--quick",
+            "--connections=10",
+            "--warmup=0.3",
+            "--duration=1",
+            "--connects=60",
+            "--clients=1",
+            f"--json={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scenario"] for r in rows] == ["heartbeat", "heartbeat", "connect storm"]
+    for row in rows:
+        assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
+        assert row["met"] in (True, False)
+    assert "| heartbeat " in done.stdout and "| connect storm " in done.stdout
