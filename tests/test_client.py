@@ -267,7 +267,7 @@ async def test_revocation_is_terminal(start_app: StartApp, tokens: TokenService)
 async def test_takeover_is_terminal_and_the_newcomer_gets_the_current_token(
     start_app: StartApp, tokens: TokenService
 ):
-    app = await start_app(token_ttl=10, renew_window=9)
+    app = await start_app(token_ttl=30, renew_window=9)
     old_token = tokens.mint("twice", ttl_s=5)
     async with connect(url_of(app.port), old_token, backoff=FAST) as first:
         first_changes = Recorder(first)

@@ -40,7 +40,7 @@ async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: TokenService, e
 
 
 async def test_renewal_inside_window(start_app, tokens: TokenService, events: EventLog):
-    app = await start_app(token_ttl=10, renew_window=9)
+    app = await start_app(token_ttl=30, renew_window=9)
     token = tokens.mint("bob", ttl_s=5)
     async with RawClient.connect(app.port) as client:
         welcome = await client.hello(token)
@@ -51,7 +51,7 @@ async def test_renewal_inside_window(start_app, tokens: TokenService, events: Ev
         assert renewed.tid.bytes == welcome.tid
         assert renewed.sub == "bob"
         assert renewed.exp * 1000 == ack.exp_ms
-        assert renewed.exp - renewed.iat == 10
+        assert renewed.exp - renewed.iat == 30
         await events.wait_for("TOKEN_RENEWED", tid_of(welcome))
         # The next heartbeat, holding the new exp, is outside the window: no renewal.
         ack2 = await client.heartbeat()
@@ -59,7 +59,7 @@ async def test_renewal_inside_window(start_app, tokens: TokenService, events: Ev
 
 
 async def test_stale_exp_gets_token_resent(start_app, tokens: TokenService):
-    app = await start_app(token_ttl=10, renew_window=9)
+    app = await start_app(token_ttl=30, renew_window=9)
     async with RawClient.connect(app.port) as client:
         welcome = await client.hello(tokens.mint("carol", ttl_s=5))
         first = await client.heartbeat(exp_ms=welcome.exp_ms)
@@ -238,7 +238,7 @@ async def test_expired_session_tombstone_refuses_hello(
 async def test_resume_after_drop_with_older_token(
     start_app, tokens: TokenService, events: EventLog
 ):
-    app = await start_app(token_ttl=10, renew_window=9)
+    app = await start_app(token_ttl=30, renew_window=9)
     old_token = tokens.mint("hank", ttl_s=5)
     async with RawClient.connect(app.port) as client:
         welcome = await client.hello(old_token)
