@@ -163,12 +163,15 @@ class Node:
     def attach(self, session: Session) -> None:
         assert session.claims is not None
         self.sessions[session.conn] = session
-        self.sub_sessions.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
+        if self.settings.max_sessions_per_sub:
+            self.sub_sessions.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
 
     def detach(self, session: Session) -> None:
         if self.sessions.pop(session.conn, None) is None or session.claims is None:
             return
         self.heartbeats.forget(session.conn)
+        if not self.settings.max_sessions_per_sub:
+            return
         tids = self.sub_sessions[session.claims.sub]
         tids[session.claims.tid] -= 1
         if not tids[session.claims.tid]:

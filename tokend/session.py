@@ -22,7 +22,7 @@ from tokend.tokens import Claims, TokenError
 if TYPE_CHECKING:
     from tokend.node import Node
 
-log = structlog.get_logger("tokend.session")
+_log = structlog.get_logger("tokend.session")
 _conn_ids = itertools.count(1)
 
 # Tombstone reason -> close code for a HELLO or heartbeat on an ended session.
@@ -74,8 +74,8 @@ class Session:
         "key",
         "last_seq",
         "link",
-        "log",
         "node",
+        "peer",
         "tid_bytes",
         "token_exp_ms",
         "warned",
@@ -85,7 +85,7 @@ class Session:
         self.node = node
         self.link = link
         self.conn = f"{node.name}/{next(_conn_ids)}"
-        self.log = log.bind(node=node.name, conn=self.conn, peer=peer)
+        self.peer = peer
         self.claims: Claims | None = None
         self.heartbeat_request: HeartbeatRequest | None = None
         self.tid_bytes = b""
@@ -95,6 +95,20 @@ class Session:
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
         self.warned = False
+
+    @property
+    def log(self) -> structlog.typing.FilteringBoundLogger:
+        """This connection's logger, built per line rather than kept: an idle session
+        should cost little more than its socket (docs/performance.md, idle memory)."""
+        if self.claims is None:
+            return _log.bind(node=self.node.name, conn=self.conn, peer=self.peer)
+        return _log.bind(
+            node=self.node.name,
+            conn=self.conn,
+            peer=self.peer,
+            tid=str(self.claims.tid),
+            sub=self.claims.sub,
+        )
 
     async def run(self) -> None:
         """Serve the connection until it closes; never raises."""
@@ -113,9 +127,12 @@ class Session:
 
     async def _recv(self) -> p.Frame:
         try:
-            data = await self.link.recv()
+            return self._decode(await self.link.recv())
         except TextMessage:
             raise Close(p.CloseCode.PROTOCOL_ERROR, "text message") from None
+
+    @staticmethod
+    def _decode(data: bytes) -> p.Frame:
         try:
             frame = p.decode(data)
         except p.ProtocolError as exc:
@@ -137,7 +154,7 @@ class Session:
         except TokenError as exc:
             code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
             raise Close(code, exc.reason) from None
-        self.log = self.log.bind(tid=str(claims.tid), sub=claims.sub)
+        self.claims = claims
         cap = self.node.settings.max_sessions_per_sub
         if cap and self.node.other_sessions_of(claims.sub, claims.tid) >= cap:
             raise Close(p.CloseCode.RATE_LIMITED, "too many sessions for this sub")
@@ -156,7 +173,6 @@ class Session:
             raise Close(p.CloseCode.TOKEN_EXPIRED, "token expired")
         if result.outcome == "mismatch":
             raise Close(p.CloseCode.INVALID_TOKEN, "sub does not match the session")
-        self.claims = claims
         self.heartbeat_request = self.node.store.heartbeat_request(claims.tid, self.conn)
         self.tid_bytes = claims.tid.bytes
         self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
@@ -184,8 +200,13 @@ class Session:
         rate = self.node.settings.max_frame_rate
         burst = 10 * rate
         allowance, checked = burst, time.monotonic()
+        link = self.link
         while True:
-            frame = await self._recv()
+            # Awaited here, not in a helper: one coroutine frame less per idle session.
+            try:
+                frame = self._decode(await link.recv())
+            except TextMessage:
+                raise Close(p.CloseCode.PROTOCOL_ERROR, "text message") from None
             if rate:  # token bucket: refills at `rate`, holds at most `burst`
                 now = time.monotonic()
                 allowance = min(burst, allowance + (now - checked) * rate) - 1
