@@ -354,3 +354,44 @@ async def test_late_heartbeat_and_resume_expire_even_before_a_sweep(
         expired = await events.wait_for("TOKEN_EXPIRED", tid)
         assert [e["reason"] for e in expired] == ["heartbeat_timeout"]
         assert not events.of("SESSION_RESUMED", tid)
+
+
+async def test_renewals_cross_a_key_rotation(start_app, tokens: TokenService, settings):
+    import json
+    import subprocess
+    import sys
+
+    import jwt
+
+    from tests.support import http_get
+
+    # Clocks long enough to span a `tokend keys rotate` subprocess.
+    app = await start_app(token_ttl=30, renew_window=29, warn_after=10, expire_after=20)
+    async with RawClient.connect(app.port) as client:
+        await client.hello(tokens.mint("rosa", ttl_s=5))
+        before = await client.heartbeat()
+        assert before.renewed and before.token is not None
+        old_kid = jwt.get_unverified_header(before.token)["kid"]
+        rotated = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "tokend", "keys", "rotate"],
+            env={"PATH": "/usr/bin:/bin", "TOKEND_KEYS_DIR": settings.keys_dir},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        new_kid = rotated.stdout.strip()
+        assert new_kid > old_kid
+        await asyncio.sleep(1.1)  # the server looks at its keys directory once a second
+        after = await client.heartbeat()
+        assert after.renewed and after.token is not None
+        assert jwt.get_unverified_header(after.token)["kid"] == new_kid
+        assert tokens.verify(after.token).sub == "rosa"
+    # The token signed with the old key still opens the session.
+    async with RawClient.connect(app.port) as client:
+        assert (await client.hello(before.token)).resumed
+    status, jwks = await http_get(app.port, "/.well-known/jwks.json")
+    assert status == 200
+    assert {k["kid"] for k in jwks["keys"]} >= {old_kid, new_kid}
+    assert json.dumps(jwks).count("Ed25519") == len(jwks["keys"])

@@ -32,6 +32,7 @@ from tokend.config import Settings
 KID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "exp")
 DEFAULT_PRIO = 5
+REFRESH_INTERVAL = 1.0  # seconds between looks at the keys directory for rotated keys
 PRIO_RANGE = range(10)
 
 
@@ -107,6 +108,8 @@ class KeyRing:
         self.directory = directory
         self._private: dict[str, Ed25519PrivateKey] = {}
         self._public: dict[str, Ed25519PublicKey] = {}
+        self._mtime = 0  # the directory's mtime at the last reload
+        self._checked = 0.0  # monotonic time of the last look at the directory
 
     @classmethod
     def open(cls, directory: Path) -> KeyRing:
@@ -134,8 +137,19 @@ class KeyRing:
         self._public[kid] = key.public_key()
         return kid
 
+    def refresh(self) -> None:
+        """Reload if the directory changed (another process rotated); at most once a second."""
+        now = time.monotonic()
+        if now - self._checked < REFRESH_INTERVAL:
+            return
+        self._checked = now
+        if self.directory.stat().st_mtime_ns != self._mtime:
+            self.reload()
+
     def reload(self) -> None:
         """Re-read the directory (picks up keys rotated by another process)."""
+        # Taken before reading, so a key added meanwhile changes it again.
+        self._mtime = self.directory.stat().st_mtime_ns
         for path in sorted(self.directory.glob("*.pem")):
             kid = path.stem
             if kid in self._private or not KID_PATTERN.match(kid):
@@ -173,6 +187,7 @@ class KeyRing:
         return {"keys": keys}
 
     def sign(self, claims: dict[str, Any]) -> str:
+        self.refresh()  # a key rotated in by `tokend keys rotate` signs from now on
         kid = self.current_kid
         return jwt.encode(claims, self._private[kid], algorithm="EdDSA", headers={"kid": kid})
 
@@ -187,7 +202,6 @@ class TokenService:
         self.leeway = settings.leeway
         self.algorithms = settings.algorithm_list
         self.default_ttl_s = settings.token_ttl_s
-        self._last_reload = 0.0
 
     def mint(
         self,
@@ -222,10 +236,9 @@ class TokenService:
 
     def _key_for(self, kid: str) -> Ed25519PublicKey:
         key = self.keys.public_key(kid)
-        if key is None and time.monotonic() - self._last_reload > 1.0:
-            # A key rotated in by another process since we loaded the directory.
-            self._last_reload = time.monotonic()
-            self.keys.reload()
+        if key is None:
+            # Perhaps a key rotated in by another process since we last looked.
+            self.keys.refresh()
             key = self.keys.public_key(kid)
         if key is None:
             raise TokenError("unknown kid")
