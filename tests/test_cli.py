@@ -13,10 +13,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import redis as redis_lib
 
 from tests.support import RawClient, TokendProcess, http_get
 from tokend import config
 from tokend import protocol as p
+from tokend.store import Keyspace
 from tokend.tokens import KeyRing, TokenService
 
 # The environment a newcomer has: no TOKEND_* settings at all.
@@ -181,3 +183,50 @@ async def test_tokens_never_logged(home: dict[str, str], tmp_path: Path):
         signature = token.rsplit(".", 1)[1]
         assert signature not in log
         assert token.split(".")[1] not in log  # nor the claims part
+
+
+async def test_events_group_delivers_each_event_once(home: dict[str, str], redis_server):
+    env = {**home, "TOKEND_REDIS_URL": redis_server.url, "TOKEND_KEY_PREFIX": "cligroup"}
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+
+    client = redis_lib.Redis.from_url(redis_server.url)
+
+    async def pending() -> int:
+        total = 0
+        for stream in Keyspace("cligroup").streams():
+            with contextlib.suppress(redis_lib.ResponseError):  # no group on it yet
+                total += (await asyncio.to_thread(client.xpending, stream, "audit"))["pending"]
+        return total
+
+    async def next_event_of_a_fresh_reader() -> dict:
+        reader = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tokend",
+            "events",
+            "--group",
+            "audit",
+            "--from-start",
+            "--consumer",
+            "audit-1",
+            env={**CLEAN_ENV, **env},
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert reader.stdout is not None
+        try:
+            async with asyncio.timeout(15):
+                line = await reader.stdout.readline()
+                # Acknowledged once the reader asks for the next one: wait for XACK.
+                while await pending():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            reader.kill()
+            await reader.wait()
+        return json.loads(line)
+
+    assert (await asyncio.to_thread(tokend, "revoke", first, env=env)).returncode == 0
+    assert (await next_event_of_a_fresh_reader())["tid"] == first
+    assert (await asyncio.to_thread(tokend, "revoke", second, env=env)).returncode == 0
+    # A restarted reader of the same group gets the next event, not the first again.
+    assert (await next_event_of_a_fresh_reader())["tid"] == second
+    client.close()

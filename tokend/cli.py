@@ -87,7 +87,14 @@ def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
     async def main() -> None:
         redis = connect(_redis_url(settings), settings)
         keys = Keyspace(settings.key_prefix)
-        stream = events.from_start(redis, keys) if args.from_start else events.live(redis, keys)
+        if args.group:
+            consumer = args.consumer or settings.resolved_node_name
+            start = "0" if args.from_start else "$"
+            stream = events.durable(redis, keys, args.group, consumer, start=start)
+        elif args.from_start:
+            stream = events.from_start(redis, keys)
+        else:
+            stream = events.live(redis, keys)
         async for event in stream:
             print(json.dumps(event, separators=(",", ":")), flush=True)
 
@@ -206,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-start",
         action="store_true",
         help="replay the event stream from its start, then follow it",
+    )
+    events.add_argument(
+        "--group",
+        help="read through this consumer group (at-least-once; acknowledged once printed); "
+        "a new group starts at new events, or at the oldest kept with --from-start",
+    )
+    events.add_argument(
+        "--consumer", help="this reader's name in the group (default: the node name)"
     )
     events.set_defaults(func=cmd_events)
 
