@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import uuid
 from pathlib import Path
@@ -126,3 +127,13 @@ async def test_scripts_flushed_mid_session(app, tokens: TokenService, redis, eve
         await redis.script_flush()
         # The sweeper reloads too: the dropped session still expires.
         await events.wait_for("TOKEN_EXPIRED", str(uuid.UUID(bytes=welcome.tid)), timeout=5)
+
+
+async def test_readyz_reports_a_dead_background_task(app):
+    assert app.node is not None
+    sweeper = next(t for t in app.node._tasks if t.get_name() == "sweeper")
+    sweeper.cancel()  # stands in for a task that crashed
+    with contextlib.suppress(asyncio.CancelledError):
+        await sweeper
+    status, body = await http_get(app.port, "/readyz")
+    assert status == 503 and "sweeper" in body["node"]

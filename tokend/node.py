@@ -149,6 +149,13 @@ class Node:
             async with asyncio.timeout(self.settings.redis_timeout):
                 await self.subscribed.wait()
 
+    def failed_task(self) -> str | None:
+        """The name of a background task that ended on its own (a bug), if any."""
+        for task in self._tasks:
+            if task.done():
+                return task.get_name()
+        return None
+
     async def stop(self) -> None:
         self.running = False
         tasks = self._tasks + list(self._background)

@@ -178,6 +178,9 @@ class App:
         if path == "/readyz":
             problems = {}
             redis_problem = await self.node.store.ready()
+            failed = self.node.failed_task()
+            if failed:
+                problems["node"] = f"background task {failed!r} stopped; restart this node"
             if redis_problem:
                 problems["redis"] = redis_problem
             elif not self.node.subscribed.is_set():
