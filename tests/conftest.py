@@ -40,6 +40,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
 
 
 @pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A Redis of this test alone, persisting to an AOF so that it can be killed."""
+    server = RedisProcess(tmp_path / "own-redis", aof=True)
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
 def keys_dir(tmp_path: Path) -> Path:
     return tmp_path / "keys"
 

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import jwt
@@ -200,15 +200,6 @@ async def test_resumes_after_a_server_restart(
         await eventually(lambda: session.stats.acks > acks)
         assert session.connected and session.error is None
     assert Change.ENDED not in recorder.kinds()[:-1]
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    """A Redis of this test alone, persisting to an AOF so that it can be killed."""
-    server = RedisProcess(tmp_path / "own-redis", aof=True)
-    server.start()
-    yield server
-    server.kill()
 
 
 async def test_survives_a_redis_outage(

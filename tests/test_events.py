@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -136,14 +135,6 @@ async def test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_t
     first = await reader
     assert first["tid"] == new != old
     await tail.aclose()
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path / "own-redis", aof=True)
-    server.start()
-    yield server
-    server.kill()
 
 
 async def test_durable_waits_out_a_redis_outage(

@@ -22,58 +22,52 @@ from tokend import protocol as p
 from tokend.tokens import TokenService
 
 
-async def test_redis_outage_and_restart(start_app, tokens: TokenService, tmp_path: Path):
-    redis_proc = RedisProcess(tmp_path / "redis-aof", aof=True)
-    redis_proc.start()
-    try:
-        # Clocks long enough that a short outage must not warn or expire anyone.
-        app = await start_app(
-            redis_url=redis_proc.url, warn_after=4, expire_after=6, redis_timeout=0.5
-        )
-        client_redis = aioredis.from_url(redis_proc.url, decode_responses=True)
-        async with (
-            EventLog(client_redis, f"{app.settings.key_prefix}:events") as events,
-            RawClient.connect(app.port) as held,
-        ):
-            welcome = await held.hello(tokens.mint("olga"))
-            tid = str(uuid.UUID(bytes=welcome.tid))
-            await events.wait_for("SESSION_STARTED", tid)
-            assert (await http_get(app.port, "/readyz"))[0] == 200
+async def test_redis_outage_and_restart(start_app, tokens: TokenService, own_redis: RedisProcess):
+    redis_proc = own_redis
+    # Clocks long enough that a short outage must not warn or expire anyone.
+    app = await start_app(redis_url=redis_proc.url, warn_after=4, expire_after=6, redis_timeout=0.5)
+    client_redis = aioredis.from_url(redis_proc.url, decode_responses=True)
+    async with (
+        EventLog(client_redis, f"{app.settings.key_prefix}:events") as events,
+        RawClient.connect(app.port) as held,
+    ):
+        welcome = await held.hello(tokens.mint("olga"))
+        tid = str(uuid.UUID(bytes=welcome.tid))
+        await events.wait_for("SESSION_STARTED", tid)
+        assert (await http_get(app.port, "/readyz"))[0] == 200
 
-            redis_proc.kill()
-            status, body = await http_get(app.port, "/readyz")
-            assert status == 503 and "redis" in body
+        redis_proc.kill()
+        status, body = await http_get(app.port, "/readyz")
+        assert status == 503 and "redis" in body
 
-            # New clients are told to come back later, never left hanging.
-            async with RawClient.connect(app.port) as newcomer:
-                await newcomer.send(p.encode(p.Hello(tokens.mint("pete"))))
-                assert (await newcomer.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+        # New clients are told to come back later, never left hanging.
+        async with RawClient.connect(app.port) as newcomer:
+            await newcomer.send(p.encode(p.Hello(tokens.mint("pete"))))
+            assert (await newcomer.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
 
-            # The open connection is neither closed nor expired: its heartbeats are
-            # acknowledged from what the node knows.
-            for _ in range(3):
-                ack = await held.heartbeat()
-                assert ack.exp_ms == welcome.exp_ms
-
-            redis_proc.start()  # same port, same AOF
-            # readyz is what an operator polls; poll it the same way, bounded.
-            async with asyncio.timeout(10):
-                while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
-                    await asyncio.sleep(0.1)
+        # The open connection is neither closed nor expired: its heartbeats are
+        # acknowledged from what the node knows.
+        for _ in range(3):
             ack = await held.heartbeat()
             assert ack.exp_ms == welcome.exp_ms
-        # The session survived in the AOF and is still live: a new connection resumes it.
-        async with RawClient.connect(app.port) as again:
-            assert (await again.hello(tokens.mint("olga", tid=uuid.UUID(tid)))).resumed
-        history = [
-            e["type"]
-            for e in await stream_events(client_redis, app.settings.key_prefix)
-            if e["tid"] == tid
-        ]
-        await client_redis.aclose()
-        assert history == ["SESSION_STARTED", "SESSION_RESUMED"]
-    finally:
-        redis_proc.stop()
+
+        redis_proc.start()  # same port, same AOF
+        # readyz is what an operator polls; poll it the same way, bounded.
+        async with asyncio.timeout(10):
+            while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        ack = await held.heartbeat()
+        assert ack.exp_ms == welcome.exp_ms
+    # The session survived in the AOF and is still live: a new connection resumes it.
+    async with RawClient.connect(app.port) as again:
+        assert (await again.hello(tokens.mint("olga", tid=uuid.UUID(tid)))).resumed
+    history = [
+        e["type"]
+        for e in await stream_events(client_redis, app.settings.key_prefix)
+        if e["tid"] == tid
+    ]
+    await client_redis.aclose()
+    assert history == ["SESSION_STARTED", "SESSION_RESUMED"]
 
 
 async def test_two_nodes_emit_each_event_once(
