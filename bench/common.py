@@ -150,6 +150,13 @@ def cpu_us_per_op(cpu_pct: float, rate: float) -> float:
     return cpu_pct / 100 / rate * 1e6 if rate else 0.0
 
 
+def cpu_summary(figures: dict[str, Any], unit: str) -> str:
+    """ "CPU <each process>; server <N> us CPU/<unit>"; the server is the first process."""
+    cpu = ", ".join(f"{k} {v:.0f}%" for k, v in figures["cpu_pct"].items())
+    server_pct = next(iter(figures["cpu_pct"].values()))
+    return f"CPU {cpu}; server {cpu_us_per_op(server_pct, figures['rate']):.0f} us CPU/{unit}"
+
+
 def ratio(value: float, baseline: float) -> float | None:
     return value / baseline if baseline else None
 

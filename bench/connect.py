@@ -20,7 +20,7 @@ from bench.common import (
     Row,
     bare_server,
     client_pool,
-    cpu_us_per_op,
+    cpu_summary,
     open_all,
     ratio,
     redis_pid,
@@ -53,12 +53,10 @@ async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -
 
 def describe(name: str, figures: dict[str, Any]) -> str:
     """One line: sessions, time, latency, CPU of each process, server CPU per session."""
-    cpu = ", ".join(f"{k} {v:.0f}%" for k, v in figures["cpu_pct"].items())
-    server_pct = next(iter(figures["cpu_pct"].values()))
     return (
         f"{name}: {figures['opened']:,} in {figures['seconds']:.2f} s, connect p50 "
-        f"{figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms; CPU {cpu}; server "
-        f"{cpu_us_per_op(server_pct, figures['rate']):.0f} us CPU/session"
+        f"{figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms; "
+        + cpu_summary(figures, "session")
     )
 
 

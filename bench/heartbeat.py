@@ -24,7 +24,7 @@ from bench.common import (
     Row,
     bare_server,
     client_pool,
-    cpu_us_per_op,
+    cpu_summary,
     latency_summary,
     open_all,
     ratio,
@@ -109,12 +109,9 @@ async def bare_figures(ctx: Context, impl: str = "websockets") -> dict[str, Any]
 
 def describe(name: str, figures: dict[str, Any]) -> str:
     """One line: rate, latency, CPU of each process and the server's CPU per ACK."""
-    cpu = ", ".join(f"{k} {v:.0f}%" for k, v in figures["cpu_pct"].items())
-    server_pct = next(iter(figures["cpu_pct"].values()))
     return (
         f"{name}: {figures['rate']:,.0f} ACK/s, p50 {figures['p50_ms']:.2f} ms, "
-        f"p99 {figures['p99_ms']:.2f} ms; CPU {cpu}; server "
-        f"{cpu_us_per_op(server_pct, figures['rate']):.0f} us CPU/ACK"
+        f"p99 {figures['p99_ms']:.2f} ms; " + cpu_summary(figures, "ACK")
     )
 
 
