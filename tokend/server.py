@@ -29,7 +29,7 @@ from tokend import protocol as p
 from tokend.config import Settings
 from tokend.embedded import EmbeddedRedis
 from tokend.node import Node
-from tokend.session import LinkClosed, Session, TextMessage
+from tokend.session import LinkClosed, Session
 from tokend.store import connect
 from tokend.tokens import KeyRing, TokenService
 
@@ -44,14 +44,11 @@ class WebSocketLink:
     def __init__(self, ws: ServerConnection) -> None:
         self.ws = ws
 
-    async def recv(self) -> bytes:
+    async def recv(self) -> bytes | str:
         try:
-            message = await self.ws.recv()
+            return await self.ws.recv()
         except ConnectionClosed:
             raise LinkClosed from None
-        if isinstance(message, str):
-            raise TextMessage
-        return message
 
     async def send(self, data: bytes) -> None:
         try:

@@ -33,10 +33,6 @@ TOMBSTONE_CODES = {
 }
 
 
-class TextMessage(Exception):
-    """The peer sent a text message, which protocol v1 forbids (4503)."""
-
-
 class LinkClosed(Exception):
     """The peer went away."""
 
@@ -44,8 +40,9 @@ class LinkClosed(Exception):
 class Link(Protocol):
     """What a session needs from its transport."""
 
-    async def recv(self) -> bytes:
-        """Next binary message; raises TextMessage or LinkClosed."""
+    async def recv(self) -> bytes | str:
+        """Next message, str for a text message (which the session refuses with 4503);
+        raises LinkClosed."""
         ...
 
     async def send(self, data: bytes) -> None: ...
@@ -100,15 +97,10 @@ class Session:
     def log(self) -> structlog.typing.FilteringBoundLogger:
         """This connection's logger, built per line rather than kept: an idle session
         should cost little more than its socket (docs/performance.md, idle memory)."""
-        if self.claims is None:
-            return _log.bind(node=self.node.name, conn=self.conn, peer=self.peer)
-        return _log.bind(
-            node=self.node.name,
-            conn=self.conn,
-            peer=self.peer,
-            tid=str(self.claims.tid),
-            sub=self.claims.sub,
-        )
+        fields = {"node": self.node.name, "conn": self.conn, "peer": self.peer}
+        if self.claims is not None:
+            fields |= {"tid": str(self.claims.tid), "sub": self.claims.sub}
+        return _log.bind(**fields)
 
     async def run(self) -> None:
         """Serve the connection until it closes; never raises."""
@@ -125,14 +117,10 @@ class Session:
         finally:
             self.node.detach(self)
 
-    async def _recv(self) -> p.Frame:
-        try:
-            return self._decode(await self.link.recv())
-        except TextMessage:
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "text message") from None
-
     @staticmethod
-    def _decode(data: bytes) -> p.Frame:
+    def _decode(data: bytes | str) -> p.Frame:
+        if isinstance(data, str):
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "text message")
         try:
             frame = p.decode(data)
         except p.ProtocolError as exc:
@@ -144,7 +132,7 @@ class Session:
     async def _hello(self) -> None:
         try:
             async with asyncio.timeout(self.node.settings.hello_timeout):
-                frame = await self._recv()
+                frame = self._decode(await self.link.recv())
         except TimeoutError:
             raise Close(p.CloseCode.HELLO_TIMEOUT, "no HELLO in time") from None
         if not isinstance(frame, p.Hello):
@@ -203,10 +191,7 @@ class Session:
         link = self.link
         while True:
             # Awaited here, not in a helper: one coroutine frame less per idle session.
-            try:
-                frame = self._decode(await link.recv())
-            except TextMessage:
-                raise Close(p.CloseCode.PROTOCOL_ERROR, "text message") from None
+            frame = self._decode(await link.recv())
             if rate:  # token bucket: refills at `rate`, holds at most `burst`
                 now = time.monotonic()
                 allowance = min(burst, allowance + (now - checked) * rate) - 1
