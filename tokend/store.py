@@ -63,13 +63,13 @@ class Keyspace:
     prefix: str
 
     @staticmethod
-    def shard(tid: uuid.UUID) -> int:
-        return int.from_bytes(tid.bytes[-2:], "big") % SHARDS
-
-    @staticmethod
     def shard_of(tid: str) -> int:
-        """:meth:`shard` of a canonical tid string: its last four hex digits, mod 16."""
+        """A canonical tid string's shard: its last four hex digits (two bytes), mod 16."""
         return int(tid[-4:], 16) % SHARDS
+
+    @classmethod
+    def shard(cls, tid: uuid.UUID) -> int:
+        return cls.shard_of(str(tid))
 
     def session_keys_of(self, shard: int, tid: str) -> list[str]:
         tag = self._tag(shard)
