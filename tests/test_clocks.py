@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokend.clocks import Clocks, ExpiryReason, State, Transition, deadline, due_transition
+from tokend.clocks import (
+    Clocks,
+    ExpiryReason,
+    State,
+    Transition,
+    deadline,
+    due_transition,
+    serving_rank,
+)
 
 WARN = 90_000
 EXPIRE = 120_000
@@ -209,3 +217,12 @@ def test_lua_scripts_schedule_the_same_deadlines_as_clocks() -> None:
         # The token's exp caps the deadline there too.
         names["exp"] = now + 1
         assert _eval_lua_expression(expr, names) == deadline(state, now, now + 1, CLOCKS)
+
+
+def test_serving_rank_orders_prio_then_warn_last():
+    active = sorted(range(10), key=lambda prio: serving_rank(prio, warned=False))
+    assert active == list(range(9, -1, -1))  # higher prio served first
+    # Every WARN session after every ACTIVE one, whatever the prios.
+    assert max(serving_rank(prio, warned=False) for prio in range(10)) < min(
+        serving_rank(prio, warned=True) for prio in range(10)
+    )

@@ -76,3 +76,12 @@ def due_transition(
     if state is State.ACTIVE and silent_ms >= clocks.warn_after_ms:
         return Transition(State.WARN)
     return None
+
+
+def serving_rank(prio: int, warned: bool) -> int:
+    """Order in which waiting heartbeats are served under overload: lowest first.
+
+    Higher token ``prio`` first; a session in WARN after every ACTIVE one (spec
+    "Session state machine": QoS degraded in WARN). Ranks run 0..19.
+    """
+    return (10 if warned else 0) + 9 - prio

@@ -48,6 +48,9 @@ class Settings:
     redis_timeout: float = 2.5
     # Connections this node may open to Redis; callers wait (up to redis_timeout) beyond it.
     redis_pool_size: int = 64
+    # Most heartbeats stored in one Redis round trip. When more wait, higher token prio
+    # goes first and sessions in WARN last (load shedding in priority order).
+    heartbeat_batch: int = 2000
     # How often every node sweeps the deadline set for due WARN/EXPIRED transitions.
     sweep_interval: float = 0.1
     issuer: str = "tokend"
@@ -168,6 +171,8 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:
         raise ConfigError("backlog: must be 1..65535")
+    if settings.heartbeat_batch < 1:
+        raise ConfigError("heartbeat_batch: must be at least 1")
     if settings.redis_pool_size < 4:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import uuid
 from collections import Counter
@@ -40,7 +41,6 @@ from tokend.tokens import TokenService
 log = structlog.get_logger("tokend.node")
 
 SWEEP_BATCH = 1000
-HEARTBEAT_BATCH = 2000
 MAX_BACKOFF = 2.0
 
 
@@ -48,21 +48,38 @@ class HeartbeatBatcher:
     """Coalesces concurrent heartbeats into one store call per flush.
 
     A flush starts as soon as the previous one ends, so a lone heartbeat waits for
-    no timer while a busy node sends large batches.
+    no timer while a busy node sends large batches. A flush takes at most
+    ``batch_size`` heartbeats; when more wait (Redis or the node is overloaded), the
+    best-ranked go first (:func:`tokend.clocks.serving_rank`) and the rest wait for the next flush.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, batch_size: int) -> None:
         self.store = store
-        self._waiting: dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult]]] = {}
+        self.batch_size = batch_size
+        self._waiting: dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult], int]] = {}
         # Heartbeats acknowledged during an outage, to be stored when Redis is back.
         self.unstored: dict[str, HeartbeatRequest] = {}
         self._wake = asyncio.Event()
 
-    def submit(self, request: HeartbeatRequest) -> asyncio.Future[HeartbeatResult]:
+    def submit(self, request: HeartbeatRequest, rank: int) -> asyncio.Future[HeartbeatResult]:
         future: asyncio.Future[HeartbeatResult] = asyncio.get_running_loop().create_future()
-        self._waiting[request.conn] = (request, future)
+        self._waiting[request.conn] = (request, future, rank)
         self._wake.set()
         return future
+
+    def _take(self) -> dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult]]]:
+        """Remove and return the next flush's heartbeats, best-ranked first."""
+        entries = self._waiting.items()
+        if len(entries) > self.batch_size:
+            entries = heapq.nsmallest(self.batch_size, entries, key=lambda e: e[1][2])
+            self._wake.set()  # the rest go in the next flush
+        taken = {conn: (request, future) for conn, (request, future, _) in entries}
+        if len(taken) == len(self._waiting):
+            self._waiting.clear()
+        else:
+            for conn in taken:
+                del self._waiting[conn]
+        return taken
 
     def forget(self, conn: str) -> None:
         self.unstored.pop(conn, None)
@@ -75,11 +92,7 @@ class HeartbeatBatcher:
         while node.running:
             await self._wake.wait()
             self._wake.clear()
-            waiting = dict(list(self._waiting.items())[:HEARTBEAT_BATCH])
-            for conn in waiting:
-                del self._waiting[conn]
-            if len(self._waiting):
-                self._wake.set()
+            waiting = self._take()
             replays = {
                 c: replace(r, replayed=True) for c, r in self.unstored.items() if c not in waiting
             }
@@ -119,7 +132,7 @@ class Node:
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
         self.clocks = Clocks(settings.ms("warn_after"), settings.ms("expire_after"))
-        self.heartbeats = HeartbeatBatcher(self.store)
+        self.heartbeats = HeartbeatBatcher(self.store, settings.heartbeat_batch)
         self.sessions: dict[str, Session] = {}  # by conn id
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}

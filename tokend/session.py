@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from tokend import protocol as p
+from tokend.clocks import serving_rank
 from tokend.store import HeartbeatRequest, HeartbeatResult, StoreUnavailable
 from tokend.tokens import Claims, TokenError
 
@@ -217,7 +218,9 @@ class Session:
         assert self.claims is not None
         try:
             assert self.heartbeat_request is not None
-            result = await self.node.heartbeats.submit(self.heartbeat_request)
+            result = await self.node.heartbeats.submit(
+                self.heartbeat_request, serving_rank(self.claims.prio, self.warned)
+            )
         except StoreUnavailable:
             # Not lost: the node replays it when Redis is back. Answer from what we know.
             self.log.warning("heartbeat not yet stored: store unavailable")
