@@ -41,6 +41,9 @@ from tokend.tokens import TokenService
 log = structlog.get_logger("tokend.node")
 
 SWEEP_BATCH = 1000
+# Shortest pause between sweeps that found work ahead: bounds the round trips a node
+# spends on deadlines falling due one by one.
+MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
 
 
@@ -223,33 +226,45 @@ class Node:
 
     async def _sweep(self) -> None:
         """Claim due sessions and make their transitions, forever."""
+        interval = self.settings.sweep_interval
         lease_ms = max(1000, 10 * self.settings.ms("sweep_interval"))
-        backoff = self.settings.sweep_interval
+        backoff = interval
         while self.running:
+            pause = interval
             try:
                 if self.heartbeats.unstored:
                     # Heartbeats held through an outage go in before any deadline is
                     # judged, or their sessions would be warned or expired wrongly.
                     self.heartbeats.kick()
-                    claimed = 0
                 else:
-                    claimed = await self._sweep_once(lease_ms)
-                backoff = self.settings.sweep_interval
+                    pause = await self._sweep_once(lease_ms, interval)
+                backoff = interval
             except StoreUnavailable as exc:
                 self.log.warning("sweep skipped: store unavailable", error=str(exc))
-                backoff = min(backoff * 2, MAX_BACKOFF)
-                claimed = 0
+                pause = backoff = min(backoff * 2, MAX_BACKOFF)
             except Exception:
                 self.log.exception("sweep failed")
-                claimed = 0
-            if claimed < SWEEP_BATCH:
-                await asyncio.sleep(backoff)
+            if pause:
+                await asyncio.sleep(pause)
 
-    async def _sweep_once(self, lease_ms: int) -> int:
-        """Claim, inspect, judge with clocks.py, compare-and-set: three round trips."""
-        now, claimed = await self.store.claim_due(SWEEP_BATCH, lease_ms)
-        if not any(claimed):
-            return 0
+    async def _sweep_once(self, lease_ms: int, interval: float) -> float:
+        """Claim, inspect, judge with clocks.py, compare-and-set: three round trips.
+
+        Returns how long to wait before the next sweep: none when a shard filled its
+        batch (more may be due there), else until the earliest deadline left, within
+        [MIN_SWEEP_PAUSE, interval]: a deadline is met within a few milliseconds
+        rather than up to a whole interval late.
+        """
+        now, claimed, next_due = await self.store.claim_due(SWEEP_BATCH, lease_ms)
+        if any(claimed):
+            await self._judge(claimed, now)
+        if any(len(tids) >= SWEEP_BATCH for tids in claimed):
+            return 0.0
+        until_due = interval if next_due is None else (next_due - now) / 1000
+        return min(interval, max(MIN_SWEEP_PAUSE, until_due))
+
+    async def _judge(self, claimed: list[list[str]], now: int) -> None:
+        """Decide the claimed sessions with clocks.py and compare-and-set the moves."""
         moves: list[tuple[SessionRecord, str, str]] = []
         vanished = 0
         for tid, record in zip(
@@ -275,7 +290,6 @@ class Node:
             if made:  # logged by the one node whose compare-and-set took
                 log_at = self.log.warning if target == State.WARN else self.log.info
                 log_at("session " + target.lower(), tid=record.tid, reason=reason or None)
-        return sum(map(len, claimed))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""

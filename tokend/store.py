@@ -304,11 +304,20 @@ class Store:
             )
         )
 
-    async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]]]:
-        """Claim due sessions of every shard: Redis time, and the claimed tids by shard."""
+    async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]], int | None]:
+        """Claim due sessions of every shard.
+
+        Returns Redis time, the claimed tids by shard, and the earliest deadline left
+        in any shard (None when no session is left to judge).
+        """
         calls = [(CLAIM, self.keys.shard_keys(n), [limit, lease_ms]) for n in range(SHARDS)]
         replies = await self._eval_many(calls)
-        return max(int(reply[0]) for reply in replies), [reply[1] for reply in replies]
+        upcoming = [int(float(reply[2])) for reply in replies if reply[2]]
+        return (
+            max(int(reply[0]) for reply in replies),
+            [reply[1] for reply in replies],
+            min(upcoming, default=None),
+        )
 
     async def inspect(self, claimed: Sequence[Sequence[str]]) -> list[SessionRecord | None]:
         """Read claimed sessions (one script call per shard); None for a vanished one."""
