@@ -93,8 +93,10 @@ class TokendProcess:
 
     def __init__(self, env: dict[str, str], port: int | None = None) -> None:
         self.port = port or free_port()
+        self.admin_port = free_port()
         self.env = {
             **os.environ,
+            "TOKEND_ADMIN_PORT": str(self.admin_port),
             **env,
             "TOKEND_PORT": str(self.port),
             "TOKEND_HOST": LOOPBACK,
