@@ -141,6 +141,7 @@ class AdminServer:
         self.draining = draining
         self.token = self.settings.admin_token.encode()
         self.ring = EventRing()
+        self.dashboard_dir = DASHBOARD_DIR
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -289,7 +290,9 @@ class AdminServer:
         if path == "/dashboard" or path.startswith("/dashboard/"):
             self._require_enabled()
             _only(request, "GET")
-            return await _static(path.removeprefix("/dashboard").strip("/") or "index.html")
+            return await _static(
+                self.dashboard_dir, path.removeprefix("/dashboard").strip("/") or "index.html"
+            )
         if path.startswith("/v1/"):
             self._require_enabled()
             self._authenticate(request)
@@ -444,13 +447,13 @@ def _bounded(name: str, value: object, allowed: range) -> int:
     return value
 
 
-async def _static(name: str) -> Response:
-    """A file of tokend/dashboard/, by a name that cannot leave that directory."""
+async def _static(directory: Path, name: str) -> Response:
+    """A file of ``directory`` (tokend/dashboard/), by a name that cannot leave it."""
     segments = name.split("/")
     suffix = Path(name).suffix
     if not all(_SEGMENT.fullmatch(s) for s in segments) or suffix not in DASHBOARD_TYPES:
         raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", "no such dashboard file")
-    path = DASHBOARD_DIR.joinpath(*segments)
+    path = directory.joinpath(*segments)
     try:
         data = await asyncio.to_thread(path.read_bytes)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
