@@ -14,6 +14,7 @@ import pytest
 from redis import asyncio as aioredis
 
 from tests.support import EventLog, HttpReply, RawClient, eventually, http_request
+from tokend import cli as tokend_cli
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import TokenService
@@ -286,3 +287,34 @@ async def test_dashboard_files_served_safely(admin_app: App, tmp_path: Path) -> 
     ):
         assert_error(await call(admin_app, "GET", path), 404, "not_found")
     assert_error(await call(admin_app, "DELETE", "/dashboard/app.js"), 405, "method_not_allowed")
+
+
+async def test_cli_reads_sessions_through_the_same_store_functions(
+    admin_app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = admin_app.settings
+    flags = ["--redis-url", settings.redis_url, "--key-prefix", settings.key_prefix]
+    # The test process's log settings, which cli.main() configures again.
+    flags += ["--log-format", "console", "--log-level", "warning"]
+
+    async def cli(*args: str) -> tuple[int, str]:
+        status = await asyncio.to_thread(tokend_cli.main, [*args, *flags])
+        return status, capsys.readouterr().out
+
+    minted = [await mint(admin_app, f"cli-{n}") for n in range(3)]
+    async with raw_clients(admin_app.port, 3) as clients:
+        for client, m in zip(clients, minted, strict=True):
+            await client.hello(m["token"])
+        status, out = await cli("sessions", "show", minted[0]["tid"])
+        api_view = (await api(admin_app, "GET", f"/v1/sessions/{minted[0]['tid']}")).json()
+        assert status == 0 and json.loads(out) == api_view
+        status, out = await cli("sessions", "list")
+        listed = [json.loads(line) for line in out.splitlines()]
+        api_list = (await api(admin_app, "GET", "/v1/sessions")).json()["sessions"]
+        assert status == 0 and listed == api_list and len(listed) == 3
+        status, out = await cli("sessions", "list", "--limit", "2")
+        assert out.count("\n") == 2
+        status, out = await cli("sessions", "list", "--state", "WARN")
+        assert (status, out) == (0, "")
+    status, _ = await cli("sessions", "show", str(uuid.uuid4()))
+    assert status == 1
