@@ -18,6 +18,7 @@ from tests.support import (
     EventLog,
     HttpReply,
     RawClient,
+    RedisProcess,
     TokendProcess,
     eventually,
     http_request,
@@ -361,3 +362,16 @@ async def test_every_admin_call_logged_without_tokens(
     text = json.dumps(node.log_lines)
     for secret in (ADMIN_TOKEN, "not-the-token", minted.json()["token"]):
         assert secret not in text
+
+
+async def test_redis_down_is_503_store_unavailable(
+    start_app: StartApp, own_redis: RedisProcess
+) -> None:
+    app = await start_app(admin_token=ADMIN_TOKEN, redis_url=own_redis.url)
+    assert (await api(app, "GET", "/v1/stats")).status == 200
+    own_redis.kill()
+    assert_error(await api(app, "GET", "/v1/stats"), 503, "store_unavailable")
+    assert_error(await api(app, "GET", "/v1/sessions"), 503, "store_unavailable")
+    ready = await call(app, "GET", "/readyz")
+    assert ready.status == 503 and "redis" in ready.json()
+    assert (await call(app, "GET", "/metrics")).status == 200
