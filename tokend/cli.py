@@ -22,6 +22,8 @@ _SETTING_HELP = {
     "keys_dir": "signing keys directory (default <data dir>/keys)",
     "data_dir": "data directory (default ~/.local/share/tokend)",
     "node_name": "this node's name in events and logs (default <host>-<pid>)",
+    "workers": "processes sharing the port under one supervisor (default 1); "
+    "each is a node named <node_name>-w<i>",
 }
 
 
@@ -57,7 +59,14 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from tokend.server import serve_until_signalled
 
-    _run(serve_until_signalled(settings))
+    def serve(settings: Settings) -> None:
+        _run(serve_until_signalled(settings))
+
+    if settings.workers > 1:
+        from tokend.workers import supervise
+
+        return supervise(settings, serve)
+    serve(settings)
     return 0
 
 
@@ -181,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the server",
         description="Serve /v1/ws, /healthz, /readyz and /.well-known/jwks.json. With no "
-        "Redis URL, starts a private redis-server under the data dir and stops it on exit.",
+        "Redis URL, starts a private redis-server under the data dir and stops it on exit. "
+        "With --workers N, a supervisor runs N processes on the port (SO_REUSEPORT) and "
+        "exits 1 when one of them dies.",
     )
     serve.set_defaults(func=cmd_serve)
 
