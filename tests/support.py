@@ -1,17 +1,20 @@
-"""Real parts for tests: a redis-server process, tokend processes, a raw v1 client."""
+"""Real parts for tests: a redis-server process, tokend processes, a raw v1 client,
+a load balancer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,9 @@ from redis import asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from tokend import config
 from tokend import protocol as p
+from tokend.config import Settings
 from tokend.embedded import find_server_binary
 
 LOOPBACK = "127.0.0.1"
@@ -88,8 +93,18 @@ class RedisProcess:
         self.stop(signal.SIGKILL)
 
 
+def node_env(settings: Settings) -> dict[str, str]:
+    """Every setting as its ``TOKEND_*`` variable: a tokend process configured like ``settings``."""
+    return {config.env_name(name): str(getattr(settings, name)) for name in config.FIELDS}
+
+
 class TokendProcess:
-    """``tokend serve`` as a child process on a loopback port."""
+    """``tokend serve`` as a child process on a loopback port.
+
+    Its stderr (JSON log lines) is read all along by a thread into ``log_lines``, so
+    that a busy node never blocks on a full pipe; a line that is not JSON is kept as
+    ``{"raw": line}``.
+    """
 
     def __init__(self, env: dict[str, str], port: int | None = None) -> None:
         self.port = port or free_port()
@@ -100,10 +115,15 @@ class TokendProcess:
             "TOKEND_HOST": LOOPBACK,
             "TOKEND_LOG_FORMAT": "json",
         }
+        # A supervisor's workers each log their own `listening` line.
+        self.listeners = int(self.env.get("TOKEND_WORKERS", "1"))
         self.process: subprocess.Popen[bytes] | None = None
         self.log_lines: list[dict[str, Any]] = []
+        self._listening = threading.Semaphore(0)
+        self._output_ended = False
+        self._reader: threading.Thread | None = None
 
-    def start(self, timeout: float = 20) -> None:
+    def launch(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tokend", "serve"],
             env=self.env,
@@ -111,24 +131,118 @@ class TokendProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        deadline = time.monotonic() + timeout
-        assert self.process.stderr is not None
-        while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
-                raise RuntimeError(f"tokend exited: {self.process.wait()}")
-            with contextlib.suppress(ValueError):
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+
+    def _read_log(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        for line in self.process.stderr:
+            try:
                 entry = json.loads(line)
-                self.log_lines.append(entry)
-                if entry.get("event") == "listening":
-                    return
-        raise RuntimeError("tokend did not start listening")
+            except ValueError:
+                entry = {"raw": line.decode(errors="replace")}
+            self.log_lines.append(entry)
+            if entry.get("event") == "listening":
+                self._listening.release()
+        self._output_ended = True
+        self._listening.release()  # wake a waiter to see the exit
+
+    def wait_listening(self, timeout: float = 20) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        for _ in range(self.listeners):
+            if not self._listening.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"tokend did not start listening; log: {self.log_lines[-5:]}")
+            if self._output_ended:
+                raise RuntimeError(f"tokend exited: {self.process.wait(timeout)}")
+
+    def start(self, timeout: float = 20) -> None:
+        self.launch()
+        self.wait_listening(timeout)
+
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        return [entry for entry in self.log_lines if entry.get("event") == event]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(timeout=timeout)
+        status = self.process.wait(timeout=timeout)
+        if self._reader is not None:
+            # Output ends when the last process holding the pipe (a child too) exits.
+            self._reader.join(timeout=timeout)
+        return status
+
+    def kill(self) -> int:
+        return self.stop(signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_nodes(settings: Settings, *names: str) -> Iterator[list[TokendProcess]]:
+    """One tokend process per name, configured like ``settings``, started together;
+    each is stopped (SIGTERM) at the end unless the test already stopped it."""
+    nodes = [TokendProcess({**node_env(settings), "TOKEND_NODE_NAME": name}) for name in names]
+    try:
+        for node in nodes:
+            node.launch()
+        for node in nodes:
+            node.wait_listening()
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.process is not None:
+                node.stop()
+
+
+class RoundRobinProxy:
+    """A TCP load balancer on loopback, as a test's stand-in for HAProxy.
+
+    Each connection goes to the next backend in turn; one that refuses is skipped
+    (as a failed health check would take it out). Bytes pass through untouched, so
+    WebSocket upgrades do too; when either side closes, both are closed.
+    """
+
+    def __init__(self, backends: list[int]) -> None:
+        self.backends = backends
+        self._turn = itertools.count()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> RoundRobinProxy:
+        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        for _ in self.backends:
+            port = self.backends[next(self._turn) % len(self.backends)]
+            with contextlib.suppress(OSError):
+                up_reader, up_writer = await asyncio.open_connection(LOOPBACK, port)
+                break
+        else:
+            writer.close()
+            self._writers.discard(writer)
+            return
+        self._writers.add(up_writer)
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
 
 
 class Closed(Exception):
