@@ -239,6 +239,16 @@ async def test_a_dead_worker_stops_the_supervisor_with_status_1(
     assert not alive
 
 
+async def test_workers_die_with_a_sigkilled_supervisor(make_settings: Callable[..., Settings]):
+    supervisor = supervisor_of(make_settings(redis_url="", node_name="pool"), 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    assert len(children) == 3, children  # two workers and the embedded Redis
+    assert supervisor.kill() == -signal.SIGKILL
+    _, alive = await asyncio.to_thread(psutil.wait_procs, children, 10)
+    assert not alive
+
+
 def test_several_workers_need_a_fixed_port(make_settings: Callable[..., Settings]):
     with pytest.raises(ConfigError, match="workers"):
         make_settings(workers=2, port=0)
