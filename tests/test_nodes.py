@@ -93,6 +93,32 @@ async def test_session_hops_three_nodes_then_revocation_finds_it(
     ]
 
 
+async def test_a_restarted_node_keeps_its_new_connections_when_old_sessions_move(
+    make_settings: Callable[..., Settings], tokens: TokenService
+):
+    """A node restarted under the same name numbers its connections afresh: the
+    takeover of a session it held before dying must not close the new connection
+    that reuses the old one's number."""
+    settings = make_settings(heartbeat_interval=5.0, warn_after=20.0, expire_after=30.0)
+    old_token, new_token = tokens.mint("before-crash"), tokens.mint("after-restart")
+    with running_nodes(settings, "node-a", "node-b") as (a, b):
+        async with RawClient.connect(a.port) as before:
+            await before.hello(old_token)
+            a.kill()
+        restarted = TokendProcess(a.env, port=a.port)
+        restarted.start()
+        try:
+            async with RawClient.connect(restarted.port) as after:
+                await after.hello(new_token)
+                async with RawClient.connect(b.port) as moved:
+                    assert (await moved.hello(old_token)).resumed
+                    await moved.heartbeat()
+                # Still open: a heartbeat is answered.
+                assert isinstance(await after.heartbeat(), p.HeartbeatAck)
+        finally:
+            assert restarted.stop() == 0
+
+
 # Enough time for 1,000 HELLOs on a shared 2-core machine before the first expiry.
 KILL_CLOCKS: dict[str, Any] = {"heartbeat_interval": 1.0, "warn_after": 5.0, "expire_after": 6.0}
 SESSIONS = 1000
