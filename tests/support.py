@@ -119,7 +119,7 @@ class TokendProcess:
         self.listeners = int(self.env.get("TOKEND_WORKERS", "1"))
         self.process: subprocess.Popen[bytes] | None = None
         self.log_lines: list[dict[str, Any]] = []
-        self._listening = threading.Semaphore(0)
+        self._logged = threading.Condition()
         self._output_ended = False
         self._reader: threading.Thread | None = None
 
@@ -141,27 +141,34 @@ class TokendProcess:
                 entry = json.loads(line)
             except ValueError:
                 entry = {"raw": line.decode(errors="replace")}
-            self.log_lines.append(entry)
-            if entry.get("event") == "listening":
-                self._listening.release()
-        self._output_ended = True
-        self._listening.release()  # wake a waiter to see the exit
+            with self._logged:
+                self.log_lines.append(entry)
+                self._logged.notify_all()
+        with self._logged:
+            self._output_ended = True
+            self._logged.notify_all()
 
-    def wait_listening(self, timeout: float = 20) -> None:
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        return [entry for entry in self.log_lines if entry.get("event") == event]
+
+    def wait_logged(self, event: str, count: int = 1, timeout: float = 20) -> list[dict[str, Any]]:
+        """The log lines of ``event`` once there are ``count``; raises if tokend exits first."""
         assert self.process is not None
-        deadline = time.monotonic() + timeout
-        for _ in range(self.listeners):
-            if not self._listening.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(f"tokend did not start listening; log: {self.log_lines[-5:]}")
-            if self._output_ended:
+        with self._logged:
+            if not self._logged.wait_for(
+                lambda: len(self.logged(event)) >= count or self._output_ended, timeout
+            ):
+                raise RuntimeError(f"tokend did not log {event!r}; log: {self.log_lines[-5:]}")
+            if len(self.logged(event)) < count:
                 raise RuntimeError(f"tokend exited: {self.process.wait(timeout)}")
+            return self.logged(event)
 
     def start(self, timeout: float = 20) -> None:
         self.launch()
         self.wait_listening(timeout)
 
-    def logged(self, event: str) -> list[dict[str, Any]]:
-        return [entry for entry in self.log_lines if entry.get("event") == event]
+    def wait_listening(self, timeout: float = 20) -> None:
+        self.wait_logged("listening", self.listeners, timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.process is not None

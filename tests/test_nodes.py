@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 from redis import asyncio as aioredis
 
 from tests.support import (
+    LOOPBACK,
     EventLog,
     RawClient,
     TokendProcess,
@@ -261,6 +263,31 @@ async def test_a_dead_worker_stops_the_supervisor_with_status_1(
     supervisor.stop()
     (died,) = supervisor.logged("worker died")
     assert died["node"] == "pool-w2" and died["exitcode"] == -signal.SIGKILL
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
+# A WebSocket opening handshake (RFC 6455 section 1.3's example key).
+UPGRADE = (
+    b"GET /v1/ws HTTP/1.1\r\nHost: tokend\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+async def test_a_second_signal_kills_workers_still_stopping(make_settings: Callable[..., Settings]):
+    supervisor = supervisor_of(make_settings(node_name="pool"), 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    # A client that never answers the close frame holds its worker's graceful stop
+    # for close_timeout.
+    with socket.create_connection((LOOPBACK, supervisor.port)) as mute:
+        mute.sendall(UPGRADE)
+        assert mute.recv(1024).startswith(b"HTTP/1.1 101")
+        assert supervisor.process is not None
+        supervisor.process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(supervisor.wait_logged, "signal received, stopping workers")
+        assert supervisor.stop(signal.SIGTERM) == 1
+    assert supervisor.logged("signal received again, killing workers")
     _, alive = psutil.wait_procs(children, timeout=5)
     assert not alive
 

@@ -9,7 +9,8 @@ spreads new connections over them.
 
 * SIGTERM or SIGINT to the supervisor is forwarded to every worker as SIGTERM;
   each stops gracefully (close 1001, sessions stay resumable). The supervisor
-  waits for all of them, stops the embedded Redis and exits 0.
+  waits for all of them, stops the embedded Redis and exits 0. A second signal
+  meanwhile kills the workers still stopping (exit 1).
 * A worker that dies on its own (or fails to start) is logged with its node
   name, pid and exit status; the supervisor stops the other workers the same way
   and exits 1. It does not restart it: a crash is a bug or a resource problem
@@ -76,11 +77,8 @@ def supervise(settings: Settings, serve: Callable[[Settings], object]) -> int:
             workers.append(worker)
             log.info("worker started", node=own.node_name, pid=worker.pid)
         status = _wait_for_stop(workers)
+        _stop(workers)
         for worker in workers:
-            if worker.is_alive():
-                worker.terminate()  # SIGTERM: a graceful stop
-        for worker in workers:
-            worker.join()
             if worker.exitcode != 0 and status == 0:
                 log.error("worker stopped uncleanly", node=worker.name, exitcode=worker.exitcode)
                 status = 1
@@ -110,3 +108,17 @@ def _wait_for_stop(workers: list[BaseProcess]) -> int:
             for worker in dead:
                 log.error("worker died", node=worker.name, pid=worker.pid, exitcode=worker.exitcode)
             return 1
+
+
+def _stop(workers: list[BaseProcess]) -> None:
+    """SIGTERM every live worker (a graceful stop) and wait for all of them; another
+    SIGTERM or SIGINT meanwhile kills those still stopping."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    while alive := [worker for worker in workers if worker.is_alive()]:
+        # A worker exiting after the check leaves its SIGCHLD pending: no lost wake-up.
+        if signal.sigwaitinfo(_WATCHED).si_signo != signal.SIGCHLD:
+            log.warning("signal received again, killing workers", nodes=[w.name for w in alive])
+            for worker in alive:
+                worker.kill()
