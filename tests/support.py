@@ -230,18 +230,23 @@ class RoundRobinProxy:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
-        for _ in self.backends:
-            port = self.backends[next(self._turn) % len(self.backends)]
-            with contextlib.suppress(OSError):
-                up_reader, up_writer = await asyncio.open_connection(LOOPBACK, port)
-                break
-        else:
+        upstream = await self._open_next()
+        if upstream is None:
             writer.close()
             self._writers.discard(writer)
             return
+        up_reader, up_writer = upstream
         self._writers.add(up_writer)
         await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
         self._writers -= {writer, up_writer}
+
+    async def _open_next(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the next backend that accepts one, if any does."""
+        for _ in self.backends:
+            port = self.backends[next(self._turn) % len(self.backends)]
+            with contextlib.suppress(OSError):
+                return await asyncio.open_connection(LOOPBACK, port)
+        return None
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

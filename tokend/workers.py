@@ -39,7 +39,7 @@ log = structlog.get_logger("tokend.workers")
 _WATCHED = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
 
 
-def worker_settings(settings: Settings, redis_url: str, index: int) -> Settings:
+def _worker_settings(settings: Settings, redis_url: str, index: int) -> Settings:
     return replace(
         settings, redis_url=redis_url, node_name=f"{settings.resolved_node_name}-w{index}"
     )
@@ -71,7 +71,7 @@ def supervise(settings: Settings, serve: Callable[[Settings], object]) -> int:
     workers: list[BaseProcess] = []
     try:
         for index in range(1, settings.workers + 1):
-            own = worker_settings(settings, redis_url, index)
+            own = _worker_settings(settings, redis_url, index)
             worker = context.Process(target=_work, args=(serve, own), name=own.node_name)
             worker.start()
             workers.append(worker)
