@@ -188,6 +188,8 @@ async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
         assert counts[tid, "SESSION_RESUMED"] == 1, tid
         assert counts[tid, "SESSION_CLOSED"] == 1, tid
         assert counts[tid, "TOKEN_EXPIRED"] == 0, tid
+    for tid in left:
+        assert counts[tid, "SESSION_STARTED"] == counts[tid, "SESSION_WARN"] == 1, tid
     lateness = []
     for event in history:
         if event["type"] != "TOKEN_EXPIRED":
