@@ -18,12 +18,14 @@ RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
 
 USER tokend
 # Listen on every interface of the container; the nodes of a deployment share the
-# signing keys (one volume at /keys) and a Redis (TOKEND_REDIS_URL).
+# signing keys (one volume at /keys) and a Redis: set TOKEND_REDIS_URL (the image
+# has no embedded redis-server).
 ENV TOKEND_HOST=0.0.0.0 \
     TOKEND_PORT=8765 \
     TOKEND_DATA_DIR=/data \
     TOKEND_KEYS_DIR=/keys
 EXPOSE 8765
+# Shell form, so that a TOKEND_PORT given at run time is the one checked.
 HEALTHCHECK --interval=5s --timeout=3s \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8765/readyz', timeout=2)"]
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:${TOKEND_PORT}/readyz', timeout=2)"
 CMD ["tokend", "serve"]
