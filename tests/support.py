@@ -29,6 +29,9 @@ from tokend.config import Settings
 from tokend.embedded import find_server_binary
 
 LOOPBACK = "127.0.0.1"
+# Clocks no test step outlasts (a subprocess's start-up included): no WARN or expiry
+# where a test is about something else.
+CALM_CLOCKS: dict[str, Any] = {"heartbeat_interval": 5.0, "warn_after": 20.0, "expire_after": 30.0}
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from redis import asyncio as aioredis
 
-from tests.support import EventLog, RawClient, RoundRobinProxy, running_nodes
+from tests.support import CALM_CLOCKS, EventLog, RawClient, RoundRobinProxy, running_nodes
 from tokend import config
 from tokend.cli import build_parser
 from tokend.config import Settings
@@ -141,7 +141,7 @@ async def test_the_same_topology_on_loopback_survives_a_node_kill(
     make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
 ):
     """One Redis, the two nodes as processes, a round-robin balancer in front."""
-    settings = make_settings(heartbeat_interval=5.0, warn_after=20.0, expire_after=30.0)
+    settings = make_settings(**CALM_CLOCKS)
     token = tokens.mint("behind-the-lb")
     with running_nodes(settings, *sorted(NODES)) as nodes:
         by_name = dict(zip(sorted(NODES), nodes, strict=True))

@@ -21,6 +21,7 @@ import pytest
 from redis import asyncio as aioredis
 
 from tests.support import (
+    CALM_CLOCKS,
     LOOPBACK,
     EventLog,
     RawClient,
@@ -51,8 +52,7 @@ async def refused_with(port: int, token: str) -> int | None:
 async def test_session_hops_three_nodes_then_revocation_finds_it(
     make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
 ):
-    # Clocks that outlast the revoke command's start-up: no WARN in the history.
-    settings = make_settings(heartbeat_interval=5.0, warn_after=20.0, expire_after=30.0)
+    settings = make_settings(**CALM_CLOCKS)
     token = tokens.mint("hopper")
     with running_nodes(settings, "node-a", "node-b", "node-c") as nodes:
         a, b, c = nodes
@@ -101,7 +101,7 @@ async def test_a_restarted_node_keeps_its_new_connections_when_old_sessions_move
     """A node restarted under the same name numbers its connections afresh: the
     takeover of a session it held before dying must not close the new connection
     that reuses the old one's number."""
-    settings = make_settings(heartbeat_interval=5.0, warn_after=20.0, expire_after=30.0)
+    settings = make_settings(**CALM_CLOCKS)
     old_token, new_token = tokens.mint("before-crash"), tokens.mint("after-restart")
     with running_nodes(settings, "node-a", "node-b") as (a, b):
         async with RawClient.connect(a.port) as before:
