@@ -1,9 +1,11 @@
-"""Real parts for tests: a redis-server process, tokend processes, a raw v1 client."""
+"""Real parts for tests: a redis-server process, tokend processes, a raw v1 client,
+a load balancer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,11 +24,17 @@ from redis import asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from tokend import config
 from tokend import protocol as p
+from tokend.config import Settings
 from tokend.embedded import find_server_binary
 
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
+
+# Clocks no test step outlasts (a subprocess's start-up included): no WARN or expiry
+# where a test is about something else.
+CALM_CLOCKS: dict[str, Any] = {"heartbeat_interval": 5.0, "warn_after": 20.0, "expire_after": 30.0}
 
 
 def free_port() -> int:
@@ -91,25 +99,43 @@ class RedisProcess:
         self.stop(signal.SIGKILL)
 
 
+def node_env(settings: Settings) -> dict[str, str]:
+    """Every setting as its ``TOKEND_*`` variable: a tokend process configured like ``settings``."""
+    return {config.env_name(name): str(getattr(settings, name)) for name in config.FIELDS}
+
+
 class TokendProcess:
-    """``tokend serve`` as a child process on a loopback port."""
+    """``tokend serve`` as a child process on a loopback port.
+
+    Its stderr (JSON log lines) is read all along by a thread into ``log_lines``, so
+    that a busy node never blocks on a full pipe; a line that is not JSON is kept as
+    ``{"raw": line}``.
+    """
 
     def __init__(self, env: dict[str, str], port: int | None = None) -> None:
         self.port = port or free_port()
-        self.admin_port = free_port()
+        # A known admin port, unless the test names one (-1: off) or runs workers (then
+        # 0: each worker takes a free one; consecutive ports may not be free).
+        admin_port = env.get("TOKEND_ADMIN_PORT", "0")
+        workers = int(env.get("TOKEND_WORKERS", "1"))
+        self.admin_port = free_port() if admin_port == "0" and workers == 1 else int(admin_port)
         self.env = {
             **os.environ,
-            "TOKEND_ADMIN_PORT": str(self.admin_port),
             **env,
+            "TOKEND_ADMIN_PORT": str(self.admin_port),
             "TOKEND_PORT": str(self.port),
             "TOKEND_HOST": LOOPBACK,
             "TOKEND_LOG_FORMAT": "json",
         }
+        # A supervisor's workers each log their own `listening` line.
+        self.listeners = workers
         self.process: subprocess.Popen[bytes] | None = None
         self.log_lines: list[dict[str, Any]] = []
-        self.log_reader: threading.Thread | None = None
+        self._logged = threading.Condition()
+        self._output_ended = False
+        self._reader: threading.Thread | None = None
 
-    def start(self, timeout: float = 20) -> None:
+    def launch(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tokend", "serve"],
             env=self.env,
@@ -117,41 +143,130 @@ class TokendProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        deadline = time.monotonic() + timeout
-        assert self.process.stderr is not None
-        while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
-                raise RuntimeError(f"tokend exited: {self.process.wait()}")
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                self.log_lines.append(entry)
-                if entry.get("event") == "listening":
-                    return
-        raise RuntimeError("tokend did not start listening")
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
 
-    def follow_log(self) -> None:
-        """Keep reading the log after start (into ``log_lines``), so a chatty child never
-        blocks on a full stderr pipe."""
+    def _read_log(self) -> None:
         assert self.process is not None and self.process.stderr is not None
-        stderr = self.process.stderr
+        for line in self.process.stderr:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = {"raw": line.decode(errors="replace")}
+            with self._logged:
+                self.log_lines.append(entry)
+                self._logged.notify_all()
+        with self._logged:
+            self._output_ended = True
+            self._logged.notify_all()
 
-        def read() -> None:
-            for line in stderr:
-                with contextlib.suppress(ValueError):
-                    self.log_lines.append(json.loads(line))
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        return [entry for entry in self.log_lines if entry.get("event") == event]
 
-        self.log_reader = threading.Thread(target=read, daemon=True)
-        self.log_reader.start()
+    def wait_logged(self, event: str, count: int = 1, timeout: float = 20) -> list[dict[str, Any]]:
+        """The log lines of ``event`` once there are ``count``; raises if tokend exits first."""
+        assert self.process is not None
+        with self._logged:
+            if not self._logged.wait_for(
+                lambda: len(self.logged(event)) >= count or self._output_ended, timeout
+            ):
+                raise RuntimeError(f"tokend did not log {event!r}; log: {self.log_lines[-5:]}")
+            if len(self.logged(event)) < count:
+                raise RuntimeError(f"tokend exited: {self.process.wait(timeout)}")
+            return self.logged(event)
+
+    def start(self, timeout: float = 20) -> None:
+        self.launch()
+        self.wait_listening(timeout)
+
+    def wait_listening(self, timeout: float = 20) -> None:
+        self.wait_logged("listening", self.listeners, timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(sig)
         status = self.process.wait(timeout=timeout)
-        if self.log_reader is not None:
-            self.log_reader.join(timeout)  # every line the child wrote is in log_lines
+        if self._reader is not None:
+            # Output ends when the last process holding the pipe (a child too) exits.
+            self._reader.join(timeout=timeout)
         return status
+
+    def kill(self) -> int:
+        return self.stop(signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_nodes(settings: Settings, *names: str) -> Iterator[list[TokendProcess]]:
+    """One tokend process per name, configured like ``settings``, started together;
+    each is stopped (SIGTERM) at the end unless the test already stopped it."""
+    nodes = [TokendProcess({**node_env(settings), "TOKEND_NODE_NAME": name}) for name in names]
+    try:
+        for node in nodes:
+            node.launch()
+        for node in nodes:
+            node.wait_listening()
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.process is not None:
+                node.stop()
+
+
+class RoundRobinProxy:
+    """A TCP load balancer on loopback, as a test's stand-in for HAProxy.
+
+    Each connection goes to the next backend in turn; one that refuses is skipped
+    (as a failed health check would take it out). Bytes pass through untouched, so
+    WebSocket upgrades do too; when either side closes, both are closed.
+    """
+
+    def __init__(self, backends: list[int]) -> None:
+        self.backends = backends
+        self._turn = itertools.count()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> RoundRobinProxy:
+        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        upstream = await self._open_next()
+        if upstream is None:
+            writer.close()
+            self._writers.discard(writer)
+            return
+        up_reader, up_writer = upstream
+        self._writers.add(up_writer)
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+    async def _open_next(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the next backend that accepts one, if any does."""
+        for _ in self.backends:
+            port = self.backends[next(self._turn) % len(self.backends)]
+            with contextlib.suppress(OSError):
+                return await asyncio.open_connection(LOOPBACK, port)
+        return None
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
 
 
 class Closed(Exception):

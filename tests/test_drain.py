@@ -43,7 +43,6 @@ def node_env(make_settings: Callable[..., Settings], tmp_path: Path) -> dict[str
 def start_node(env: dict[str, str], name: str, **more: str) -> TokendProcess:
     node = TokendProcess({**env, "TOKEND_NODE_NAME": name, **more})
     node.start()
-    node.follow_log()
     return node
 
 

@@ -28,6 +28,8 @@ _SETTING_HELP = {
     "keys_dir": "signing keys directory (default <data dir>/keys)",
     "data_dir": "data directory (default ~/.local/share/tokend)",
     "node_name": "this node's name in events and logs (default <host>-<pid>)",
+    "workers": "processes sharing the port under one supervisor (default 1); "
+    "each is a node named <node_name>-w<i>",
 }
 
 
@@ -63,7 +65,14 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from tokend.server import serve_until_signalled
 
-    _run(serve_until_signalled(settings))
+    def serve(settings: Settings) -> None:
+        _run(serve_until_signalled(settings))
+
+    if settings.workers > 1:
+        from tokend.workers import supervise
+
+        return supervise(settings, serve)
+    serve(settings)
     return 0
 
 
@@ -236,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve /v1/ws, /healthz, /readyz and /.well-known/jwks.json, and on the "
         "admin port /metrics, the admin API and the dashboard (docs/operations.md). With no "
         "Redis URL, starts a private redis-server under the data dir and stops it on exit. "
-        "SIGTERM drains (1001 spread over drain_period); a second signal exits at once.",
+        "SIGTERM drains (1001 spread over drain_period); a second signal exits at once. "
+        "With --workers N, a supervisor runs N processes on the port (SO_REUSEPORT; worker i "
+        "on admin port + i - 1) and exits 1 when one of them dies.",
     )
     serve.set_defaults(func=cmd_serve)
 

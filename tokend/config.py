@@ -74,6 +74,9 @@ class Settings:
     backlog: int = 4096
     # Approximate cap of each events stream shard (XADD MAXLEN ~).
     stream_maxlen: int = 100000
+    # Processes serving the port together (SO_REUSEPORT), under one supervisor;
+    # each is a node named <node_name>-w<i>. More than 1 needs a fixed port.
+    workers: int = 1
     log_format: str = "json"
     log_level: str = "info"
     # Bearer token of the admin API (/v1/* on the admin listener); empty: admin API and
@@ -193,6 +196,11 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:
         raise ConfigError("stream_maxlen: must be at least 1")
+    if settings.workers < 1:
+        raise ConfigError("workers: must be at least 1")
+    if settings.workers > 1 and settings.port == 0:
+        # Port 0 would give every worker a port of its own.
+        raise ConfigError("workers: more than 1 needs a fixed port, not 0")
     for name, allowed in _CHOICES.items():
         if getattr(settings, name) not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}")

@@ -54,7 +54,8 @@ def socket_url(data_dir: Path) -> str:
     return f"unix://{data_dir / SOCKET_NAME}"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Have this process sent SIGTERM when its parent dies, even by SIGKILL."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -110,7 +111,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             # Its own session: a Ctrl-C meant for tokend must not stop Redis under it.
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         client = redis.Redis(unix_socket_path=str(sock), socket_timeout=0.5)
         deadline = time.monotonic() + START_TIMEOUT

@@ -23,7 +23,9 @@ def configure(fmt: str = "json", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line (print() makes two): the workers of `serve --workers`
+        # share stderr, and a pipe keeps writes up to PIPE_BUF (4 KiB) whole.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     # websockets and redis log through the standard library; keep them quiet but visible.

@@ -333,7 +333,13 @@ class Node:
         except (ValueError, KeyError, TypeError):
             self.log.warning("malformed control message")
             return
-        if session is None:
+        # A node restarted under the same name numbers its connections afresh: a
+        # message about a connection of its previous life must not reach a new one.
+        if (
+            session is None
+            or session.claims is None
+            or str(session.claims.tid) != message.get("tid")
+        ):
             return
         if message.get("op") == "close":
             try:

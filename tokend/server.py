@@ -141,6 +141,8 @@ class App:
             close_timeout=2,
             server_header=None,
             backlog=settings.backlog,
+            # Workers of one supervisor share the port; the kernel spreads connections.
+            reuse_port=settings.workers > 1,
         )
         log.info(
             "listening",

@@ -1,0 +1,309 @@
+"""Several tokend nodes as real processes on one Redis (issue 5): any node accepts any
+session, revocation reaches every node, a SIGKILLed node's clocks live on, and
+``tokend serve --workers N`` runs N nodes on one port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import pytest
+from redis import asyncio as aioredis
+
+from tests.support import (
+    CALM_CLOCKS,
+    LOOPBACK,
+    EventLog,
+    RawClient,
+    TokendProcess,
+    node_env,
+    running_nodes,
+    stream_events,
+)
+from tokend import protocol as p
+from tokend.config import ConfigError, Settings
+from tokend.embedded import socket_url
+from tokend.tokens import TokenService
+
+# Spec "Session states and clocks" and issue 5: an old connection is closed within 1 s.
+CROSS_NODE_CLOSE_S = 1.0
+
+
+def tid_of(welcome: p.Welcome) -> str:
+    return str(uuid.UUID(bytes=welcome.tid))
+
+
+async def refused_with(port: int, token: str) -> int | None:
+    async with RawClient.connect(port) as client:
+        await client.send(p.encode(p.Hello(token)))
+        return (await client.expect_close()).code
+
+
+async def test_session_hops_three_nodes_then_revocation_finds_it(
+    make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
+):
+    settings = make_settings(**CALM_CLOCKS)
+    token = tokens.mint("hopper")
+    with running_nodes(settings, "node-a", "node-b", "node-c") as nodes:
+        a, b, c = nodes
+        async with EventLog(redis, f"{settings.key_prefix}:events") as events:
+            async with RawClient.connect(a.port) as on_a:
+                tid = tid_of(await on_a.hello(token))
+                await on_a.heartbeat()
+                # Takeover: B resumes while A's connection is still open.
+                async with RawClient.connect(b.port) as on_b:
+                    assert (await on_b.hello(token)).resumed
+                    closed = await on_a.expect_close(timeout=CROSS_NODE_CLOSE_S)
+                    assert closed.code == p.CloseCode.TAKEN_OVER
+                    await on_b.heartbeat()
+            # B's connection dropped without BYE: the session resumes on C.
+            async with RawClient.connect(c.port) as on_c:
+                assert (await on_c.hello(token)).resumed
+                await on_c.heartbeat()
+                revoke = await asyncio.to_thread(
+                    subprocess.run,
+                    [sys.executable, "-m", "tokend", "revoke", tid],
+                    env={**a.env, "TOKEND_NODE_NAME": "operator"},
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                assert revoke.returncode == 0, revoke.stderr
+                assert "revoked live session" in revoke.stdout
+                closed = await on_c.expect_close(timeout=CROSS_NODE_CLOSE_S)
+                assert closed.code == p.CloseCode.TOKEN_REVOKED
+            # The tombstone bars the token on every node.
+            for node in nodes:
+                assert await refused_with(node.port, token) == p.CloseCode.TOKEN_REVOKED
+            await events.wait_for("TOKEN_REVOKED", tid)
+    history = [(e["type"], e["node"]) for e in await stream_events(redis, settings.key_prefix)]
+    assert history == [
+        ("SESSION_STARTED", "node-a"),
+        ("SESSION_RESUMED", "node-b"),
+        ("SESSION_RESUMED", "node-c"),
+        ("TOKEN_REVOKED", "operator"),
+    ]
+
+
+async def test_a_restarted_node_keeps_its_new_connections_when_old_sessions_move(
+    make_settings: Callable[..., Settings], tokens: TokenService
+):
+    """A node restarted under the same name numbers its connections afresh: the
+    takeover of a session it held before dying must not close the new connection
+    that reuses the old one's number."""
+    settings = make_settings(**CALM_CLOCKS)
+    old_token, new_token = tokens.mint("before-crash"), tokens.mint("after-restart")
+    with running_nodes(settings, "node-a", "node-b") as (a, b):
+        async with RawClient.connect(a.port) as before:
+            await before.hello(old_token)
+            a.kill()
+        restarted = TokendProcess(a.env, port=a.port)
+        restarted.start()
+        try:
+            async with RawClient.connect(restarted.port) as after:
+                await after.hello(new_token)
+                async with RawClient.connect(b.port) as moved:
+                    assert (await moved.hello(old_token)).resumed
+                    await moved.heartbeat()
+                # Still open: a heartbeat is answered.
+                assert isinstance(await after.heartbeat(), p.HeartbeatAck)
+        finally:
+            assert restarted.stop() == 0
+
+
+# Enough time for 1,000 HELLOs on a shared 2-core machine before the first expiry.
+KILL_CLOCKS: dict[str, Any] = {"heartbeat_interval": 1.0, "warn_after": 5.0, "expire_after": 6.0}
+SESSIONS = 1000
+CONCURRENCY = 100  # connections opening at once
+# Time for the sweeper's batch and the event's write, on top of the spec's bound.
+SLACK_S = 0.5
+# How long a duplicate TOKEN_EXPIRED would take to show: several sweeps.
+DUPLICATE_GRACE_S = 0.5
+
+
+async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
+    make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
+):
+    settings = make_settings(**KILL_CLOCKS)
+    minted = [tokens.mint(f"crowd-{n}") for n in range(SESSIONS)]
+    gate = asyncio.Semaphore(CONCURRENCY)
+    with running_nodes(settings, "node-a", "node-b") as (doomed, survivor):
+        async with (
+            EventLog(redis, f"{settings.key_prefix}:events") as events,
+            contextlib.AsyncExitStack() as held,
+        ):
+
+            async def hold(token: str) -> tuple[str, RawClient]:
+                async with gate:
+                    client = await held.enter_async_context(RawClient.connect(doomed.port))
+                    return tid_of(await client.hello(token)), client
+
+            sessions = await asyncio.gather(*(hold(token) for token in minted))
+
+            async def beat(client: RawClient) -> tuple[float, float]:
+                sent = time.time()
+                await client.heartbeat()
+                return sent, time.time()
+
+            # Each session's last heartbeat lies between its send and its ACK.
+            last_beat = dict(
+                zip(
+                    (tid for tid, _ in sessions),
+                    await asyncio.gather(*(beat(client) for _, client in sessions)),
+                    strict=True,
+                )
+            )
+            assert doomed.kill() == -signal.SIGKILL
+            async with asyncio.timeout(10):
+                await asyncio.gather(*(client.ws.wait_closed() for _, client in sessions))
+
+            async def resume(token: str) -> None:
+                async with gate, RawClient.connect(survivor.port) as client:
+                    assert (await client.hello(token)).resumed
+                    await client.send(p.encode(p.Bye()))
+                    assert (await client.expect_close()).code == p.CloseCode.NORMAL
+
+            await asyncio.gather(*(resume(token) for token in minted[::2]))
+            resumed = {tid for tid, _ in sessions[::2]}
+            left = {tid for tid, _ in sessions[1::2]}
+            await events.wait_for(
+                "TOKEN_EXPIRED", count=len(left), timeout=settings.expire_after + 10
+            )
+            await asyncio.sleep(DUPLICATE_GRACE_S)
+
+    history = await stream_events(redis, settings.key_prefix)
+    counts = Counter((e["tid"], e["type"]) for e in history)
+    for tid in resumed:
+        assert counts[tid, "SESSION_STARTED"] == 1, tid
+        assert counts[tid, "SESSION_RESUMED"] == 1, tid
+        assert counts[tid, "SESSION_CLOSED"] == 1, tid
+        assert counts[tid, "TOKEN_EXPIRED"] == 0, tid
+    for tid in left:
+        assert counts[tid, "SESSION_STARTED"] == counts[tid, "SESSION_WARN"] == 1, tid
+    lateness = []
+    for event in history:
+        if event["type"] != "TOKEN_EXPIRED":
+            continue
+        assert event["tid"] in left and event["node"] == "node-b", event
+        assert event["reason"] == "heartbeat_timeout", event
+        sent, acked = last_beat[event["tid"]]
+        at = event["at"] / 1000
+        # Not before its clock ran out; not later than one sweep after (+ slack).
+        assert at >= sent + settings.expire_after, event
+        assert at <= acked + settings.expire_after + settings.sweep_interval + SLACK_S, event
+        lateness.append(at - (acked + settings.expire_after))
+    assert sorted(e["tid"] for e in history if e["type"] == "TOKEN_EXPIRED") == sorted(left)
+    kinds = Counter(e["type"] for e in history)
+    print(
+        f"\nSIGKILL of a node holding {SESSIONS} sessions: "
+        f"{kinds['SESSION_RESUMED']} resumed on the other node "
+        f"({kinds['SESSION_CLOSED']} then logged out), {kinds['TOKEN_EXPIRED']} expired "
+        f"(each exactly once; latest {max(lateness):.3f} s after last ACK + expire_after), "
+        f"{kinds['SESSION_STARTED']} started, {kinds['SESSION_WARN']} warned"
+    )
+
+
+def supervisor_of(settings: Settings, workers: int) -> TokendProcess:
+    return TokendProcess({**node_env(settings), "TOKEND_WORKERS": str(workers)})
+
+
+def descendants(process: TokendProcess) -> list[psutil.Process]:
+    assert process.process is not None
+    return psutil.Process(process.process.pid).children(recursive=True)
+
+
+async def test_workers_share_one_port_and_one_redis_and_stop_together(
+    make_settings: Callable[..., Settings], tokens: TokenService
+):
+    # The embedded default: the supervisor starts the one Redis its workers share.
+    settings = make_settings(redis_url="", node_name="pool")
+    supervisor = supervisor_of(settings, 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    try:
+        assert len(children) == 3, children  # two workers and the embedded Redis
+        events_redis = aioredis.from_url(
+            socket_url(settings.resolved_data_dir), decode_responses=True
+        )
+        async with EventLog(events_redis, f"{settings.key_prefix}:events") as events:
+            for n in range(20):
+                async with RawClient.connect(supervisor.port) as client:
+                    await client.hello(tokens.mint(f"spread-{n}"))
+            started = await events.wait_for("SESSION_STARTED", count=20)
+        await events_redis.aclose()
+        # The kernel spread the connections over both workers (all 20 on one worker
+        # while both listen: a chance of 2**-19).
+        assert {e["node"] for e in started} == {"pool-w1", "pool-w2"}
+    finally:
+        status = supervisor.stop(signal.SIGTERM)
+    assert status == 0
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
+async def test_a_dead_worker_stops_the_supervisor_with_status_1(
+    make_settings: Callable[..., Settings],
+):
+    supervisor = supervisor_of(make_settings(node_name="pool"), 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    workers = {e["node"]: e["pid"] for e in supervisor.logged("worker started")}
+    assert set(workers) == {"pool-w1", "pool-w2"}
+    psutil.Process(workers["pool-w2"]).kill()
+    assert supervisor.process is not None
+    assert await asyncio.to_thread(supervisor.process.wait, 15) == 1
+    supervisor.stop()
+    (died,) = supervisor.logged("worker died")
+    assert died["node"] == "pool-w2" and died["exitcode"] == -signal.SIGKILL
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
+# A WebSocket opening handshake (RFC 6455 section 1.3's example key).
+UPGRADE = (
+    b"GET /v1/ws HTTP/1.1\r\nHost: tokend\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+async def test_a_second_signal_kills_workers_still_stopping(make_settings: Callable[..., Settings]):
+    supervisor = supervisor_of(make_settings(node_name="pool"), 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    # A client that never answers the close frame holds its worker's graceful stop
+    # for close_timeout.
+    with socket.create_connection((LOOPBACK, supervisor.port)) as mute:
+        mute.sendall(UPGRADE)
+        assert mute.recv(1024).startswith(b"HTTP/1.1 101")
+        assert supervisor.process is not None
+        supervisor.process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(supervisor.wait_logged, "signal received, stopping workers")
+        assert supervisor.stop(signal.SIGTERM) == 1
+    assert supervisor.logged("signal received again, killing workers")
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
+async def test_workers_die_with_a_sigkilled_supervisor(make_settings: Callable[..., Settings]):
+    supervisor = supervisor_of(make_settings(redis_url="", node_name="pool"), 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    assert len(children) == 3, children  # two workers and the embedded Redis
+    assert supervisor.kill() == -signal.SIGKILL
+    _, alive = await asyncio.to_thread(psutil.wait_procs, children, 10)
+    assert not alive
+
+
+def test_several_workers_need_a_fixed_port(make_settings: Callable[..., Settings]):
+    with pytest.raises(ConfigError, match="workers"):
+        make_settings(workers=2, port=0)
