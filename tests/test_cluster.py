@@ -1,0 +1,281 @@
+"""tokend on a Redis Cluster (three masters) and through Sentinel (docs/scaling.md).
+
+The module's ``redis_server`` is a local Redis Cluster, so the conformance and
+event-reader tests imported below run unchanged against it, with
+``TOKEND_REDIS_URL=redis+cluster://...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from redis.cluster import key_slot
+
+from tests.support import (
+    EventLog,
+    RawClient,
+    RedisClusterProcess,
+    RedisProcess,
+    RedisSentinelProcess,
+    http_get,
+    stream_events,
+)
+from tests.test_events import (  # noqa: F401 - collected here, against the cluster
+    keys,
+    test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left,
+    test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end,
+    test_from_start_replays_what_the_streams_hold,
+)
+from tests.test_server import (  # noqa: F401 - collected here, against the cluster
+    test_bye_closes_1000_and_leaves_tombstone,
+    test_hello_welcome_and_heartbeat_ack,
+    test_renewal_inside_window,
+    test_revoke_closes_connection_and_bars_token,
+    test_silence_expires_once,
+    test_takeover_closes_older_connection,
+    test_warn_notice_then_recovery,
+    tid_of,
+)
+from tokend import protocol as p
+from tokend.config import Settings
+from tokend.server import App
+from tokend.store import (
+    SHARDS,
+    Client,
+    Keyspace,
+    SessionRecord,
+    Store,
+    connect,
+    slot_groups,
+)
+from tokend.tokens import TokenService
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcess]:
+    """Overrides conftest's: every app and client of this module is on the cluster."""
+    cluster = RedisClusterProcess(tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+async def redis(settings: Settings) -> AsyncIterator[Client]:
+    client = connect(settings.redis_url, settings)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(redis: Client, settings: Settings) -> Store:
+    store = Store(redis, settings, "node-test")
+    await store.load_scripts()
+    return store
+
+
+def test_the_shards_span_every_master(redis_server: RedisClusterProcess, settings: Settings):
+    """Else the tests below would not show that calls are routed per slot."""
+    streams = Keyspace(settings.key_prefix).streams()
+    share = RedisClusterProcess.SLOTS // len(redis_server.nodes)
+    owners = {min(key_slot(s.encode()) // share, len(redis_server.nodes) - 1) for s in streams}
+    assert owners == set(range(len(redis_server.nodes)))
+
+
+async def test_stream_reads_are_grouped_by_slot(redis: Client, settings: Settings):
+    groups = await slot_groups(redis, Keyspace(settings.key_prefix).streams())
+    assert len(groups) == SHARDS
+    assert sorted(s for g in groups for s in g) == sorted(Keyspace(settings.key_prefix).streams())
+
+
+# Every script, through the Store, on sessions of all 16 shards -------------------------
+
+
+def tid_in_shard(shard: int) -> uuid.UUID:
+    """A random tid whose shard (its last hex digits, mod 16) is ``shard``."""
+    return uuid.UUID(int=(uuid.uuid4().int & ~0xF) | shard)
+
+
+async def start_sessions(store: Store) -> list[uuid.UUID]:
+    """One live session in each shard (HELLO), as connection ``c-<tid>``."""
+    tids = [tid_in_shard(n) for n in range(SHARDS)]
+    now = int(time.time())
+    for tid in tids:
+        result = await store.hello(tid, "sub", 5, now, now + 60, f"c-{tid}")
+        assert result.outcome == "started"
+    return tids
+
+
+async def claim_all(store: Store, tids: list[uuid.UUID]) -> list[list[str]]:
+    """Make every session due now, then CLAIM them: one tid per shard."""
+    for tid in tids:
+        await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
+    _, claimed = await store.claim_due(100, 1000)
+    assert sorted(t for shard in claimed for t in shard) == sorted(map(str, tids))
+    return claimed
+
+
+async def inspected(store: Store, tids: list[uuid.UUID]) -> list[SessionRecord]:
+    records = await store.inspect(await claim_all(store, tids))
+    assert all(r is not None for r in records)
+    return [r for r in records if r is not None]
+
+
+async def drive_hello(store: Store) -> None:
+    await start_sessions(store)
+
+
+async def drive_heartbeat(store: Store) -> None:
+    tids = await start_sessions(store)
+    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    assert [r.outcome for r in results] == ["ok"] * SHARDS
+
+
+async def drive_claim(store: Store) -> None:
+    await claim_all(store, await start_sessions(store))
+
+
+async def drive_inspect(store: Store) -> None:
+    records = await inspected(store, await start_sessions(store))
+    assert {r.st for r in records} == {"ACTIVE"}
+
+
+async def drive_transition(store: Store) -> None:
+    records = await inspected(store, await start_sessions(store))
+    took = await store.transitions([(r, "WARN", "") for r in records])
+    assert took == [True] * SHARDS
+
+
+async def drive_end(store: Store) -> None:
+    tids = await start_sessions(store)
+    for tid in tids:
+        ended = await store.end(tid, conn=f"c-{tid}", event="SESSION_CLOSED", tomb="bye", code=None)
+        assert ended == 1
+
+
+DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
+    "hello": drive_hello,
+    "heartbeat": drive_heartbeat,
+    "claim": drive_claim,
+    "inspect": drive_inspect,
+    "transition": drive_transition,
+    "end": drive_end,
+}
+LUA_SCRIPTS = sorted(
+    Path(f.name).stem
+    for f in (resources.files("tokend") / "lua").iterdir()
+    if f.name.endswith(".lua") and not f.name.startswith("_")
+)
+
+
+@pytest.mark.parametrize("script", LUA_SCRIPTS)
+async def test_every_script_runs_on_the_cluster_without_crossslot(store: Store, script: str):
+    """Each tokend/lua script, called through the Store for a session in every shard.
+
+    A new script fails here until it has a driver: a CROSSSLOT (keys of several
+    slots in one call) would raise from the Store.
+    """
+    assert script in DRIVERS, f"no cluster test drives tokend/lua/{script}.lua; add one"
+    await DRIVERS[script](store)
+
+
+async def test_scripts_reload_on_every_master_after_a_flush(store: Store, redis: Client):
+    """Each master has its own script cache: NOSCRIPT on any of them is recovered."""
+    tids = await start_sessions(store)
+    await redis.script_flush()  # on every primary
+    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    assert [r.outcome for r in results] == ["ok"] * SHARDS
+    assert await store.ready() is None
+
+
+# Two nodes on the cluster ------------------------------------------------------------------
+
+
+async def test_two_nodes_resume_across_and_close_the_old_connection_with_4507(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService, events: EventLog
+):
+    node_a = await start_app(node_name="node-a")
+    node_b = await start_app(node_name="node-b")
+    token = tokens.mint("roamer")
+    async with RawClient.connect(node_a.port) as first, RawClient.connect(node_b.port) as second:
+        welcome = await first.hello(token)
+        resumed = await second.hello(token)
+        assert resumed.resumed and resumed.tid == welcome.tid
+        assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
+        assert isinstance(await second.heartbeat(), p.HeartbeatAck)
+    resumes = await events.wait_for("SESSION_RESUMED", tid_of(welcome))
+    assert resumes[0]["node"] == "node-b"
+
+
+async def test_two_sweeping_nodes_expire_a_session_exactly_once(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    events: EventLog,
+    redis: Client,
+):
+    node_a = await start_app(node_name="node-a")
+    await start_app(node_name="node-b")
+    tids = []
+    for n in range(4):  # several sessions, so both sweepers race for some
+        async with RawClient.connect(node_a.port) as client:
+            tids.append(tid_of(await client.hello(tokens.mint(f"quiet-{n}"))))
+    for tid in tids:
+        await events.wait_for("TOKEN_EXPIRED", tid, timeout=5)
+    await asyncio.sleep(0.5)  # long enough for a duplicate to show, if there were one
+    for tid in tids:
+        assert len(events.of("TOKEN_EXPIRED", tid)) == 1
+        assert len(events.of("SESSION_WARN", tid)) == 1
+    stream = await stream_events(redis, node_a.settings.key_prefix)
+    assert sorted(e["tid"] for e in stream if e["type"] == "TOKEN_EXPIRED") == sorted(tids)
+
+
+async def test_readyz_on_the_cluster(app: App):
+    status, body = await http_get(app.port, "/readyz")
+    assert status == 200, body
+
+
+# Sentinel ----------------------------------------------------------------------------------
+
+
+# Sentinel is a mode of the server binary (--sentinel), so wherever the tests can start
+# a redis-server they can start a sentinel: no separate binary to skip on.
+@pytest.fixture(scope="module")
+def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelProcess]:
+    directory = tmp_path_factory.mktemp("sentinel")
+    master = RedisProcess(directory / "master")
+    master.start()
+    watcher = RedisSentinelProcess(directory / "sentinel", master)
+    watcher.start()
+    yield watcher
+    watcher.stop()
+    master.stop()
+
+
+async def test_serves_a_session_through_sentinel(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    sentinel: RedisSentinelProcess,
+):
+    app = await start_app(redis_url=sentinel.url)
+    status, body = await http_get(app.port, "/readyz")
+    assert status == 200, body
+    settings = app.settings
+    client = connect(settings.redis_url, settings)
+    try:
+        async with EventLog(client, f"{settings.key_prefix}:events") as events:
+            async with RawClient.connect(app.port) as raw:
+                welcome = await raw.hello(tokens.mint("watched"))
+                assert (await raw.heartbeat()).seq == 1
+                await raw.send(p.encode(p.Bye()))
+                assert (await raw.expect_close()).code == p.CloseCode.NORMAL
+            await events.wait_for("SESSION_CLOSED", tid_of(welcome))
+        master = sentinel.master
+        assert (await client.connection_pool.get_master_address())[1] == master.port
+    finally:
+        await client.aclose()
