@@ -51,6 +51,7 @@ from tokend.store import (
     Keyspace,
     SessionRecord,
     Store,
+    _multi_host,
     connect,
     slot_groups,
 )
@@ -279,3 +280,88 @@ async def test_serves_a_session_through_sentinel(
         assert (await client.connection_pool.get_master_address())[1] == master.port
     finally:
         await client.aclose()
+
+
+# Two nodes renewing one session at once ------------------------------------------------------
+
+
+async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
+    make_settings: Callable[..., Settings], redis: Client
+):
+    """Two Stores heartbeat one session together inside its renew window (spec "Renewal").
+
+    Each renewal boundary (the token's new exp moves on by whole seconds) is won by
+    exactly one of them, with one TOKEN_RENEWED; exp and the key's expiry never go back.
+    """
+    settings = make_settings(token_ttl=2, renew_window=1.5)
+    clients = [connect(settings.redis_url, settings) for _ in range(2)]
+    stores = [Store(client, settings, f"node-{n}") for n, client in enumerate(clients)]
+    tid = tid_in_shard(3)
+    hash_key = stores[0].keys.session_keys(tid)[0]
+    now = int(time.time())
+    try:
+        assert (await stores[0].hello(tid, "both", 5, now, now + 1, "c")).outcome == "started"
+        request = stores[0].heartbeat_request(tid, "c")
+        exps, expiries, wins = [now * 1000 + 1000], [await redis.pexpiretime(hash_key)], 0
+        async with asyncio.timeout(10):
+            while wins < 3:
+                replies = await asyncio.gather(*(s.heartbeats([request]) for s in stores))
+                results = [reply[0] for reply in replies]
+                assert [r.outcome for r in results] == ["ok", "ok"]
+                assert sum(r.renewed for r in results) <= 1
+                wins += sum(r.renewed for r in results)
+                exps += sorted(r.exp_ms for r in results)
+                expiries.append(await redis.pexpiretime(hash_key))
+                await asyncio.sleep(0.2)  # the heartbeat cadence, well inside expire_after
+        assert exps == sorted(exps), "a renewal shortened the token"
+        assert expiries == sorted(expiries), "a renewal shortened the session's expiry"
+        assert len(set(exps)) == wins + 1  # each new exp came from exactly one win
+        renewed = [
+            e
+            for e in await stream_events(redis, settings.key_prefix)
+            if e["tid"] == str(tid) and e["type"] == "TOKEN_RENEWED"
+        ]
+        assert len(renewed) == wins
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+# URL schemes (docs/scaling.md) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "options"),
+    [
+        (
+            "redis+cluster://10.0.0.1:7000,10.0.0.2:7001",
+            [("10.0.0.1", 7000), ("10.0.0.2", 7001)],
+            {},
+        ),
+        (
+            "rediss+cluster://u:p%40ss@a.example,[::1]:7002/0?ssl_cert_reqs=none",
+            [("a.example", 6379), ("::1", 7002)],
+            {"username": "u", "password": "p@ss", "ssl": True, "db": 0, "ssl_cert_reqs": "none"},
+        ),
+    ],
+)
+def test_cluster_url(url: str, hosts: list[tuple[str, int]], options: dict[str, object]):
+    parsed_hosts, parsed, service = _multi_host(url, 6379, service=False)
+    assert parsed_hosts == hosts
+    assert parsed == options
+    assert service == ""
+
+
+def test_sentinel_url_names_its_service_and_db():
+    hosts, options, service = _multi_host(
+        "redis+sentinel://:secret@s1:26380,s2/mymaster/2", 26379, service=True
+    )
+    assert hosts == [("s1", 26380), ("s2", 26379)]
+    assert service == "mymaster"
+    assert options == {"password": "secret", "db": 2}
+
+
+@pytest.mark.parametrize("url", ["redis+sentinel://s1:26379", "redis+sentinel:///svc"])
+def test_sentinel_url_without_host_or_service_is_refused(url: str):
+    with pytest.raises(ValueError, match="host:port and /service"):
+        _multi_host(url, 26379, service=True)

@@ -56,8 +56,8 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     rexc.SlotNotCoveredError,
 )
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
 class StoreUnavailable(Exception):
@@ -184,7 +184,7 @@ def connect(url: str, settings: Settings) -> Client:
     }
     scheme = url.partition("://")[0].lower()
     if scheme in CLUSTER_SCHEMES:
-        hosts, kwargs, _ = _multi_host(url, CLUSTER_SCHEMES[scheme], 6379, service=False)
+        hosts, kwargs, _ = _multi_host(url, 6379, service=False)
         return RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in hosts],
             # Per cluster node: the Store's calls plus the control subscription.
@@ -193,7 +193,7 @@ def connect(url: str, settings: Settings) -> Client:
             **kwargs,
         )
     if scheme in SENTINEL_SCHEMES:
-        hosts, kwargs, service = _multi_host(url, SENTINEL_SCHEMES[scheme], 26379, service=True)
+        hosts, kwargs, service = _multi_host(url, 26379, service=True)
         sentinel_options = {k: v for k, v in options.items() if k.startswith("socket_")}
         if kwargs.get("ssl"):
             sentinel_options["ssl"] = True
@@ -214,12 +214,12 @@ def connect(url: str, settings: Settings) -> Client:
 
 
 def _multi_host(
-    url: str, plain_scheme: str, default_port: int, *, service: bool
+    url: str, default_port: int, *, service: bool
 ) -> tuple[list[tuple[str, int]], dict[str, Any], str]:
     """Split ``scheme://[user:pass@]host:port[,host:port...][/service][/db][?query]``.
 
     Returns the hosts, the connection options of the rest (parsed as redis-py parses
-    a ``redis://`` URL; ``ssl`` set for ``rediss``) and, when ``service``, the
+    a ``redis://`` URL; ``ssl`` set for ``rediss+...``) and, when ``service``, the
     Sentinel service name (the path's first part, required).
     """
     parts = urlsplit(url)
@@ -234,6 +234,7 @@ def _multi_host(
     name = path.pop(0) if service and path else ""
     if not hosts[0][0] or (service and not name):
         raise ValueError(f"{parts.scheme}:// URL needs host:port" + (" and /service" * service))
+    plain_scheme = parts.scheme.partition("+")[0]
     single = f"{plain_scheme}://{userinfo + '@' if userinfo else ''}{hostlist.split(',')[0]}"
     kwargs = parse_url(single + "/" + "/".join(path) + (f"?{parts.query}" if parts.query else ""))
     for key in ("host", "port"):
