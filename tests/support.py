@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.cluster import key_slot
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -115,6 +116,11 @@ class RedisClusterProcess:
             for n in range(masters)
         ]
 
+    def master_of(self, key: str) -> int:
+        """Which node (index) serves ``key``'s slot, as :meth:`start` assigned them."""
+        share = self.SLOTS // len(self.nodes)
+        return min(key_slot(key.encode()) // share, len(self.nodes) - 1)
+
     @property
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"{LOOPBACK}:{n.port}" for n in self.nodes)
@@ -123,7 +129,7 @@ class RedisClusterProcess:
         for node in self.nodes:
             node.start()
         clients = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]
-        share = self.SLOTS // len(self.nodes)
+        share = self.SLOTS // len(self.nodes)  # the split master_of() assumes
         for n, client in enumerate(clients):
             last = self.SLOTS - 1 if n == len(clients) - 1 else (n + 1) * share - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, last)

@@ -8,6 +8,8 @@ event-reader tests imported below run unchanged against it, with
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -15,8 +17,9 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from redis.cluster import key_slot
+from redis.asyncio.cluster import RedisCluster
 
+from tests import test_cli, test_events
 from tests.support import (
     EventLog,
     RawClient,
@@ -26,8 +29,15 @@ from tests.support import (
     http_get,
     stream_events,
 )
+from tests.test_cli import (  # noqa: F401 - collected here, against the cluster
+    CLEAN_ENV,
+    test_unused_tid_revoked_is_barred,
+    tokend,
+)
 from tests.test_events import (  # noqa: F401 - collected here, against the cluster
-    keys,
+    next_event,
+    one_session,
+    poll,
     test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left,
     test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end,
     test_from_start_replays_what_the_streams_hold,
@@ -42,6 +52,7 @@ from tests.test_server import (  # noqa: F401 - collected here, against the clus
     test_warn_notice_then_recovery,
     tid_of,
 )
+from tokend import events
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.server import App
@@ -56,6 +67,10 @@ from tokend.store import (
     slot_groups,
 )
 from tokend.tokens import TokenService
+
+# Fixtures of those modules, for the tests taken from them.
+home = test_cli.home
+keys = test_events.keys
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +99,82 @@ async def store(redis: Client, settings: Settings) -> Store:
 def test_the_shards_span_every_master(redis_server: RedisClusterProcess, settings: Settings):
     """Else the tests below would not show that calls are routed per slot."""
     streams = Keyspace(settings.key_prefix).streams()
-    share = RedisClusterProcess.SLOTS // len(redis_server.nodes)
-    owners = {min(key_slot(s.encode()) // share, len(redis_server.nodes) - 1) for s in streams}
-    assert owners == set(range(len(redis_server.nodes)))
+    assert {redis_server.master_of(s) for s in streams} == set(range(len(redis_server.nodes)))
 
 
 async def test_stream_reads_are_grouped_by_slot(redis: Client, settings: Settings):
     groups = await slot_groups(redis, Keyspace(settings.key_prefix).streams())
     assert len(groups) == SHARDS
     assert sorted(s for g in groups for s in g) == sorted(Keyspace(settings.key_prefix).streams())
+
+
+async def test_live_hears_the_events_of_every_master(
+    app: App,
+    tokens: TokenService,
+    redis: Client,
+    keys: Keyspace,
+    redis_server: RedisClusterProcess,
+):
+    """tokend.events.live subscribes on one node; PUBLISH on any master reaches it.
+
+    Each session's events come in order; those of sessions on different masters
+    may not (each master's messages reach the subscribed node over the cluster bus).
+    """
+    stream = events.live(redis, keys)
+    first = asyncio.create_task(next_event(stream))
+
+    async def subscribed() -> bool:
+        counts = await redis.pubsub_numsub(keys.events_channel, target_nodes=RedisCluster.ALL_NODES)
+        return bool(counts[0][1])
+
+    await poll(subscribed)
+    masters: set[int] = set()
+    expected = []
+    for n in range(40):  # random tids: until their shards are on every master
+        tid = await one_session(app, tokens, f"u{n}")
+        masters.add(redis_server.master_of(keys.shard_keys(Keyspace.shard_of(tid))[1]))
+        expected += [("SESSION_STARTED", tid), ("SESSION_CLOSED", tid)]
+        if len(masters) == len(redis_server.nodes):
+            break
+    assert len(masters) == len(redis_server.nodes)
+    heard = [await first] + [await next_event(stream) for _ in expected[1:]]
+    assert sorted((e["tid"], e["type"]) for e in heard) == sorted((t, k) for k, t in expected)
+    for _, tid in expected[::2]:
+        assert [e["type"] for e in heard if e["tid"] == tid] == [
+            "SESSION_STARTED",
+            "SESSION_CLOSED",
+        ]
+    await stream.aclose()
+
+
+async def test_cli_events_replays_the_shards_of_every_master(
+    home: dict[str, str], redis_server: RedisClusterProcess
+):
+    """``tokend revoke`` and ``tokend events --from-start`` on the cluster."""
+    env = {**home, "TOKEND_REDIS_URL": redis_server.url, "TOKEND_KEY_PREFIX": "clicluster"}
+    keyspace = Keyspace("clicluster")
+    by_master = {redis_server.master_of(keyspace.shard_keys(n)[1]): n for n in range(SHARDS)}
+    tids = [str(tid_in_shard(shard)) for shard in by_master.values()]  # one per master
+    for tid in tids:
+        assert (await asyncio.to_thread(tokend, "revoke", tid, env=env)).returncode == 0
+    reader = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tokend",
+        "events",
+        "--from-start",
+        env={**CLEAN_ENV, **env},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert reader.stdout is not None
+    try:
+        async with asyncio.timeout(15):
+            lines = [json.loads(await reader.stdout.readline()) for _ in tids]
+    finally:
+        reader.kill()
+        await reader.wait()
+    assert sorted(e["tid"] for e in lines) == sorted(tids)
+    assert {e["type"] for e in lines} == {"TOKEN_REVOKED"}
 
 
 # Every script, through the Store, on sessions of all 16 shards -------------------------
