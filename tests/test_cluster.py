@@ -17,15 +17,18 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from tests import test_cli, test_events
 from tests.support import (
+    LOOPBACK,
     EventLog,
     RawClient,
     RedisClusterProcess,
     RedisProcess,
     RedisSentinelProcess,
+    free_port,
     http_get,
     stream_events,
 )
@@ -65,6 +68,7 @@ from tokend.store import (
     _multi_host,
     connect,
     slot_groups,
+    subscription,
 )
 from tokend.tokens import TokenService
 
@@ -447,3 +451,18 @@ def test_sentinel_url_names_its_service_and_db():
 def test_sentinel_url_without_host_or_service_is_refused(url: str):
     with pytest.raises(ValueError, match="host:port and /service"):
         _multi_host(url, 26379, service=True)
+
+
+async def test_an_unreachable_cluster_is_an_outage_not_a_crash(
+    make_settings: Callable[..., Settings],
+):
+    """As with one Redis: /readyz says so, and the control listener's retry loop goes on."""
+    settings = make_settings(redis_url=f"redis+cluster://{LOOPBACK}:{free_port()}")
+    client = connect(settings.redis_url, settings)
+    try:
+        problem = await Store(client, settings, "node-test").ready()
+        assert problem is not None and problem.startswith("redis unreachable")
+        with pytest.raises(rexc.ConnectionError):
+            await subscription(client)
+    finally:
+        await client.aclose()
