@@ -57,7 +57,7 @@ from tests.test_server import (  # noqa: F401 - collected here, against the clus
 )
 from tokend import events
 from tokend import protocol as p
-from tokend.config import Settings
+from tokend.config import ConfigError, Settings
 from tokend.server import App
 from tokend.store import (
     SHARDS,
@@ -447,10 +447,28 @@ def test_sentinel_url_names_its_service_and_db():
     assert options == {"password": "secret", "db": 2}
 
 
-@pytest.mark.parametrize("url", ["redis+sentinel://s1:26379", "redis+sentinel:///svc"])
-def test_sentinel_url_without_host_or_service_is_refused(url: str):
-    with pytest.raises(ValueError, match="host:port and /service"):
-        _multi_host(url, 26379, service=True)
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis+sentinel://s1:26379", "needs host:port and /service"),
+        ("redis+sentinel:///svc", "needs host:port and /service"),
+        ("redis+cluster://a:70x0", "invalid literal"),
+        ("redis+cluster://", "needs host:port"),
+        ("mysql://a:3306", "scheme"),
+    ],
+)
+def test_an_unusable_url_is_a_configuration_error(url: str, problem: str, settings: Settings):
+    with pytest.raises(ConfigError, match=f"^redis_url: .*{problem}"):
+        connect(url, settings)
+
+
+def test_cli_reports_an_unusable_url_in_one_line(home: dict[str, str]):
+    tid = str(uuid.uuid4())
+    result = tokend("revoke", tid, env={**home, "TOKEND_REDIS_URL": "redis+sentinel://s1"})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "tokend: configuration error: redis_url: redis+sentinel:// URL needs host:port and /service"
+    ]
 
 
 async def test_an_unreachable_cluster_is_an_outage_not_a_crash(

@@ -37,7 +37,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
-from tokend.config import Settings
+from tokend.config import ConfigError, Settings
 
 SHARDS = 16
 T = TypeVar("T")
@@ -174,8 +174,16 @@ def connect(url: str, settings: Settings) -> Client:
 
     On one Redis and through Sentinel the pool waits (up to the deadline) instead
     of failing when full; a Cluster client cannot wait, so :class:`Store` bounds
-    its own concurrency to ``redis_pool_size`` instead.
+    its own concurrency to ``redis_pool_size`` instead. A URL that cannot be used
+    raises ConfigError. Connections are made on first use.
     """
+    try:
+        return _client(url, settings)
+    except ValueError as exc:  # redis-py's and _multi_host's word for a bad URL
+        raise ConfigError(f"redis_url: {exc}") from None
+
+
+def _client(url: str, settings: Settings) -> Client:
     options: dict[str, Any] = {
         "decode_responses": True,
         "socket_timeout": settings.redis_timeout,
