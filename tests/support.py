@@ -14,13 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
-from redis import asyncio as aioredis
+from redis.cluster import key_slot
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -28,6 +28,7 @@ from tokend import config
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.embedded import find_server_binary
+from tokend.store import Client, subscription
 
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
@@ -46,10 +47,13 @@ def free_port() -> int:
 class RedisProcess:
     """A private redis-server on a loopback port, never the machine's shared one."""
 
-    def __init__(self, directory: Path, *, aof: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, aof: bool = False, extra_args: Sequence[str] = ()
+    ) -> None:
         self.directory = directory
         self.port = free_port()
         self.aof = aof
+        self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -75,6 +79,7 @@ class RedisProcess:
                 "always",
                 "--logfile",
                 str(self.directory / "redis.log"),
+                *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -102,6 +107,105 @@ class RedisProcess:
 def node_env(settings: Settings) -> dict[str, str]:
     """Every setting as its ``TOKEND_*`` variable: a tokend process configured like ``settings``."""
     return {config.env_name(name): str(getattr(settings, name)) for name in config.FIELDS}
+
+
+class RedisClusterProcess:
+    """Three cluster-enabled masters on loopback ports, no replicas, all slots assigned."""
+
+    SLOTS = 16384
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.bus_ports = [free_port() for _ in range(masters)]
+        self.nodes = [
+            RedisProcess(
+                directory / f"node-{n}",
+                # An explicit bus port: the default (port + 10000) may be taken or too high.
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-port",
+                    str(self.bus_ports[n]),
+                    "--cluster-node-timeout",
+                    "5000",
+                ),
+            )
+            for n in range(masters)
+        ]
+
+    def master_of(self, key: str) -> int:
+        """Which node (index) serves ``key``'s slot, as :meth:`start` assigned them."""
+        share = self.SLOTS // len(self.nodes)
+        return min(key_slot(key.encode()) // share, len(self.nodes) - 1)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"{LOOPBACK}:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 20) -> None:
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]
+        share = self.SLOTS // len(self.nodes)  # the split master_of() assumes
+        for n, client in enumerate(clients):
+            last = self.SLOTS - 1 if n == len(clients) - 1 else (n + 1) * share - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, last)
+            client.execute_command(
+                "CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.bus_ports[0]
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(c.cluster("INFO")["cluster_state"] == "ok" for c in clients):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+class RedisSentinelProcess:
+    """A redis-server in sentinel mode watching ``master`` as service ``service``."""
+
+    def __init__(self, directory: Path, master: RedisProcess, service: str = "tokend") -> None:
+        self.directory = directory
+        self.master = master
+        self.service = service
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://{LOOPBACK}:{self.port}/{self.service}/0"
+
+    def start(self, timeout: float = 10) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        conf = self.directory / "sentinel.conf"  # sentinel rewrites its config file
+        conf.write_text(
+            f"port {self.port}\nbind {LOOPBACK}\ndir {self.directory}\n"
+            f"logfile {self.directory / 'sentinel.log'}\n"
+            f"sentinel monitor {self.service} {LOOPBACK} {self.master.port} 1\n"
+        )
+        self.process = subprocess.Popen(
+            [find_server_binary(), str(conf), "--sentinel"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError((self.directory / "sentinel.log").read_text())
+            with contextlib.suppress(redis.RedisError):
+                if client.sentinel_get_master_addr_by_name(self.service):
+                    return
+            time.sleep(0.02)
+        raise RuntimeError("redis sentinel did not start")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
 
 
 class TokendProcess:
@@ -356,7 +460,7 @@ class RawClient:
 class EventLog:
     """Collects the events published on the channel, for awaiting and counting."""
 
-    def __init__(self, client: aioredis.Redis, channel: str) -> None:
+    def __init__(self, client: Client, channel: str) -> None:
         self.client = client
         self.channel = channel
         self.events: list[dict[str, Any]] = []
@@ -378,8 +482,8 @@ class EventLog:
     async def _run(self, subscribed: asyncio.Event) -> None:
         """Collect events; resubscribe if Redis goes away (events meanwhile are missed)."""
         while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
+                pubsub = await subscription(self.client)
                 await pubsub.subscribe(self.channel)
                 subscribed.set()
                 async for message in pubsub.listen():
@@ -471,7 +575,7 @@ async def http_request(
     )
 
 
-async def stream_events(client: aioredis.Redis, prefix: str) -> list[dict[str, Any]]:
+async def stream_events(client: Client, prefix: str) -> list[dict[str, Any]]:
     """Every event in the durable stream shards, oldest first."""
     from tokend.store import Keyspace
 

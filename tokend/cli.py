@@ -377,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(settings.log_format, settings.log_level)
     try:
         return int(args.func(settings, args))
+    except ConfigError as exc:  # found on use, e.g. a redis_url that cannot be parsed
+        print(f"tokend: configuration error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         from tokend.embedded import EmbeddedError
 

@@ -17,9 +17,13 @@ shards, :meth:`tokend.store.Keyspace.streams`; one field, ``event``).
   must not miss an event (audit, billing, revocation lists); handlers must
   tolerate seeing an event twice.
 
-All three read the shards of one Redis (not a Cluster) and want a client made
-with ``decode_responses=True`` (as :func:`tokend.store.connect` makes). See
-``docs/events.md``.
+All three want a client made by :func:`tokend.store.connect` (or any with
+``decode_responses=True``): one Redis, a Redis Cluster or a Sentinel-named master.
+On a Cluster the shards live in different slots, so the stream readers send one
+read per slot (:func:`tokend.store.slot_groups`) instead of one for all 16, and
+keep each in flight until it answers (:class:`_Reads`). Plain PUBLISH reaches
+every Cluster node, so :func:`live` subscribes on any one. See ``docs/events.md``
+and ``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -27,13 +31,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from redis import exceptions as rexc
-from redis.asyncio import Redis
 
-from tokend.store import Keyspace
+from tokend.store import Client, Keyspace, slot_groups, subscription
 
 # Waits between attempts while Redis is unreachable (durable consumer).
 _RETRY_FIRST = 0.1
@@ -41,8 +44,11 @@ _RETRY_MAX = 2.0
 _RETRYABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
 
 Event = dict[str, Any]
-# (stream, entry id, event or None when the entry was trimmed away)
+# (stream, entry id, fields or None when the entry was trimmed away), as read
+_Entry = tuple[str, str, dict[str, str] | None]
+# The same with the event decoded
 _Delivery = tuple[str, str, Event | None]
+_Reader = Callable[[list[str]], Awaitable[list[_Entry]]]
 
 
 def _honour_cancellation() -> None:
@@ -58,9 +64,9 @@ def _honour_cancellation() -> None:
         raise asyncio.CancelledError
 
 
-async def live(redis: Redis, keys: Keyspace) -> AsyncIterator[Event]:
+async def live(redis: Client, keys: Keyspace) -> AsyncIterator[Event]:
     """Events as they are published, from now on (at-most-once)."""
-    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    pubsub = await subscription(redis)
     await pubsub.subscribe(keys.events_channel)
     try:
         while True:
@@ -73,32 +79,44 @@ async def live(redis: Redis, keys: Keyspace) -> AsyncIterator[Event]:
 
 
 async def from_start(
-    redis: Redis, keys: Keyspace, *, follow: bool = True, block_ms: int = 1000
+    redis: Client, keys: Keyspace, *, follow: bool = True, block_ms: int = 1000
 ) -> AsyncIterator[Event]:
     """Every event still in the stream shards, in stream-id order per read, then new ones.
 
-    Reads all shards in one XREAD, which needs every shard on one Redis (not a
-    Cluster).
+    One XREAD covers all shards on one Redis; on a Cluster, one per slot.
     """
     cursor = {stream: "0" for stream in keys.streams()}
-    while True:
-        reply = await redis.xread(cursor, count=1000, block=block_ms if follow else None)
-        _honour_cancellation()
-        if not reply:
+    groups = await slot_groups(redis, keys.streams())
+
+    async def read(streams: list[str], block: int | None) -> list[_Entry]:
+        reply = await redis.xread({s: cursor[s] for s in streams}, count=1000, block=block)
+        return [
+            (stream, entry_id, fields)
+            for stream, entries in reply or []
+            for entry_id, fields in entries
+        ]
+
+    reads = _Reads(groups, lambda streams: read(streams, block_ms))
+    try:
+        while True:
             if follow:
-                continue
-            return
-        entries = []
-        for stream, messages in reply:
-            for entry_id, fields in messages:
+                batch = await reads.next()
+            else:
+                batch = await _gathered(groups, lambda streams: read(streams, None))
+            _honour_cancellation()
+            if not batch and not follow:
+                return
+            for stream, entry_id, _ in batch:
                 cursor[stream] = entry_id
-                entries.append((_id_key(entry_id), fields["event"]))
-        for _, event in sorted(entries):
-            yield json.loads(event)
+            for _, _, event in batch:
+                if event is not None:
+                    yield event
+    finally:
+        await reads.aclose()
 
 
 async def durable(
-    redis: Redis,
+    redis: Client,
     keys: Keyspace,
     group: str,
     consumer: str,
@@ -129,39 +147,97 @@ async def durable(
     is claimed (and handled) twice. Redis outages are waited out with backoff.
     """
     streams = keys.streams()
+    groups = await slot_groups(redis, streams)
     own_pending = True
     next_claim = 0.0
     backoff = _RETRY_FIRST
-    while True:
-        try:
-            await _create_group(redis, streams, group, start)
-            while True:
-                if own_pending:
-                    batch = await _read(redis, streams, group, consumer, "0", count, None)
-                    own_pending = bool(batch)
-                elif time.monotonic() >= next_claim:
-                    next_claim = time.monotonic() + claim_idle_ms / 2000
-                    batch = await _claim(redis, streams, group, consumer, claim_idle_ms, count)
-                else:
-                    batch = await _read(redis, streams, group, consumer, ">", count, block_ms)
-                _honour_cancellation()
-                backoff = _RETRY_FIRST
-                for stream, entry_id, event in batch:
-                    if event is not None:
-                        yield event
-                    await redis.xack(stream, group, entry_id)
+    new_entries = _Reads(
+        groups,
+        lambda group_streams: _read(redis, group_streams, group, consumer, ">", count, block_ms),
+    )
+    try:
+        while True:
+            try:
+                await _create_group(redis, streams, group, start)
+                while True:
+                    if own_pending:
+                        batch = await _gathered(
+                            groups,
+                            lambda group_streams: _read(
+                                redis, group_streams, group, consumer, "0", count, None
+                            ),
+                        )
+                        own_pending = bool(batch)
+                    elif time.monotonic() >= next_claim:
+                        next_claim = time.monotonic() + claim_idle_ms / 2000
+                        batch = await _claim(redis, streams, group, consumer, claim_idle_ms, count)
+                    else:
+                        batch = await new_entries.next()
                     _honour_cancellation()
-        except _RETRYABLE:
-            own_pending = True
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _RETRY_MAX)
-        except rexc.ResponseError as exc:
-            if "NOGROUP" not in str(exc):  # the streams were lost (Redis without persistence)
-                raise
-            own_pending = True
+                    backoff = _RETRY_FIRST
+                    for stream, entry_id, event in batch:
+                        if event is not None:
+                            yield event
+                        await redis.xack(stream, group, entry_id)
+                        _honour_cancellation()
+            except _RETRYABLE:
+                # Reads still in flight may have taken entries: they are this
+                # consumer's pending entries now, read again first.
+                await new_entries.aclose()
+                own_pending = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _RETRY_MAX)
+            except rexc.ResponseError as exc:
+                if "NOGROUP" not in str(exc):  # the streams were lost (Redis without persistence)
+                    raise
+                await new_entries.aclose()
+                own_pending = True
+    finally:
+        await new_entries.aclose()
 
 
-async def _create_group(redis: Redis, streams: Sequence[str], group: str, start: str) -> None:
+class _Reads:
+    """Blocking reads, one per slot group, each kept in flight until it answers.
+
+    :meth:`next` returns what the reads that have answered delivered (at least
+    one answers, with entries or at its block timeout). On one Redis there is one
+    group, so this is one read at a time; on a Cluster a quiet shard's read does
+    not hold back a busy one's entries, and no answered read is thrown away.
+    """
+
+    def __init__(self, groups: list[list[str]], read: _Reader) -> None:
+        self._groups = groups
+        self._read = read
+        self._in_flight: dict[int, asyncio.Future[list[_Entry]]] = {}
+
+    async def next(self) -> list[_Delivery]:
+        for n, streams in enumerate(self._groups):
+            if n not in self._in_flight:
+                self._in_flight[n] = asyncio.ensure_future(self._read(streams))
+        await asyncio.wait(self._in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
+        answered: list[_Entry] = []
+        for n, task in list(self._in_flight.items()):
+            if task.done():
+                del self._in_flight[n]
+                answered += task.result()  # an error: the caller closes, then retries
+        return _ordered(answered)
+
+    async def aclose(self) -> None:
+        """Stop the reads in flight (what a stopped read took is left pending)."""
+        tasks = list(self._in_flight.values())
+        self._in_flight.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _gathered(groups: list[list[str]], read: _Reader) -> list[_Delivery]:
+    """One non-blocking read per slot group, concurrently, merged in stream-id order."""
+    replies = await asyncio.gather(*(read(streams) for streams in groups))
+    return _ordered(delivery for reply in replies for delivery in reply)
+
+
+async def _create_group(redis: Client, streams: Sequence[str], group: str, start: str) -> None:
     for stream in streams:
         try:
             await redis.xgroup_create(stream, group, id=start, mkstream=True)
@@ -172,26 +248,26 @@ async def _create_group(redis: Redis, streams: Sequence[str], group: str, start:
 
 
 async def _read(
-    redis: Redis,
+    redis: Client,
     streams: Sequence[str],
     group: str,
     consumer: str,
     cursor: str,
     count: int,
     block_ms: int | None,
-) -> list[_Delivery]:
+) -> list[_Entry]:
     reply = await redis.xreadgroup(
         group, consumer, dict.fromkeys(streams, cursor), count=count, block=block_ms
     )
-    return _ordered(
+    return [
         (stream, entry_id, fields)
         for stream, entries in reply or []
         for entry_id, fields in entries
-    )
+    ]
 
 
 async def _claim(
-    redis: Redis, streams: Sequence[str], group: str, consumer: str, idle_ms: int, count: int
+    redis: Client, streams: Sequence[str], group: str, consumer: str, idle_ms: int, count: int
 ) -> list[_Delivery]:
     """One page of long-pending entries per shard, now owned by ``consumer``."""
     claimed = []

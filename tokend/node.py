@@ -23,7 +23,6 @@ from typing import Any
 
 import structlog
 from redis import exceptions as rexc
-from redis.asyncio import Redis
 
 from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
@@ -31,11 +30,13 @@ from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.session import Close, Session
 from tokend.store import (
+    Client,
     HeartbeatRequest,
     HeartbeatResult,
     SessionRecord,
     Store,
     StoreUnavailable,
+    subscription,
 )
 from tokend.tokens import TokenService
 
@@ -128,7 +129,7 @@ class Node:
     """Shared state of a tokend process; :mod:`tokend.server` drives it."""
 
     def __init__(
-        self, settings: Settings, redis: Redis, tokens: TokenService, name: str | None = None
+        self, settings: Settings, redis: Client, tokens: TokenService, name: str | None = None
     ) -> None:
         self.settings = settings
         self.name = name or settings.resolved_node_name
@@ -306,8 +307,9 @@ class Node:
         backoff = 0.1
         channel = self.store.keys.control_channel
         while self.running:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
+                pubsub = await subscription(self.redis)
                 await pubsub.subscribe(channel)
                 self.subscribed.set()
                 backoff = 0.1
@@ -320,9 +322,10 @@ class Node:
                 self.log.warning("control subscription lost", error=type(exc).__name__)
             # Not in a finally: on cancellation (stop) the pool's aclose() reclaims the
             # connection, and awaiting pubsub.aclose() while cancelled can block.
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1):
-                    await pubsub.aclose()
+            if pubsub is not None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1):
+                        await pubsub.aclose()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
 

@@ -1,0 +1,490 @@
+"""tokend on a Redis Cluster (three masters) and through Sentinel (docs/scaling.md).
+
+The module's ``redis_server`` is a local Redis Cluster, so the conformance and
+event-reader tests imported below run unchanged against it, with
+``TOKEND_REDIS_URL=redis+cluster://...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from redis import exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+
+from tests import test_cli, test_events
+from tests.support import (
+    LOOPBACK,
+    EventLog,
+    RawClient,
+    RedisClusterProcess,
+    RedisProcess,
+    RedisSentinelProcess,
+    free_port,
+    http_get,
+    stream_events,
+)
+from tests.test_cli import (  # noqa: F401 - collected here, against the cluster
+    CLEAN_ENV,
+    test_unused_tid_revoked_is_barred,
+    tokend,
+)
+from tests.test_events import (  # noqa: F401 - collected here, against the cluster
+    next_event,
+    one_session,
+    poll,
+    test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left,
+    test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end,
+    test_from_start_replays_what_the_streams_hold,
+)
+from tests.test_server import (  # noqa: F401 - collected here, against the cluster
+    test_bye_closes_1000_and_leaves_tombstone,
+    test_hello_welcome_and_heartbeat_ack,
+    test_renewal_inside_window,
+    test_revoke_closes_connection_and_bars_token,
+    test_silence_expires_once,
+    test_takeover_closes_older_connection,
+    test_warn_notice_then_recovery,
+    tid_of,
+)
+from tokend import events
+from tokend import protocol as p
+from tokend.config import ConfigError, Settings
+from tokend.server import App
+from tokend.store import (
+    SHARDS,
+    Client,
+    Keyspace,
+    SessionRecord,
+    Store,
+    _multi_host,
+    connect,
+    slot_groups,
+    subscription,
+)
+from tokend.tokens import TokenService
+
+# Fixtures of those modules, for the tests taken from them.
+home = test_cli.home
+keys = test_events.keys
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcess]:
+    """Overrides conftest's: every app and client of this module is on the cluster."""
+    cluster = RedisClusterProcess(tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+async def redis(settings: Settings) -> AsyncIterator[Client]:
+    client = connect(settings.redis_url, settings)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(redis: Client, settings: Settings) -> Store:
+    store = Store(redis, settings, "node-test")
+    await store.load_scripts()
+    return store
+
+
+def test_the_shards_span_every_master(redis_server: RedisClusterProcess, settings: Settings):
+    """Else the tests below would not show that calls are routed per slot."""
+    streams = Keyspace(settings.key_prefix).streams()
+    assert {redis_server.master_of(s) for s in streams} == set(range(len(redis_server.nodes)))
+
+
+async def test_stream_reads_are_grouped_by_slot(redis: Client, settings: Settings):
+    groups = await slot_groups(redis, Keyspace(settings.key_prefix).streams())
+    assert len(groups) == SHARDS
+    assert sorted(s for g in groups for s in g) == sorted(Keyspace(settings.key_prefix).streams())
+
+
+async def test_live_hears_the_events_of_every_master(
+    app: App,
+    tokens: TokenService,
+    redis: Client,
+    keys: Keyspace,
+    redis_server: RedisClusterProcess,
+):
+    """tokend.events.live subscribes on one node; PUBLISH on any master reaches it.
+
+    Each session's events come in order; those of sessions on different masters
+    may not (each master's messages reach the subscribed node over the cluster bus).
+    """
+    stream = events.live(redis, keys)
+    first = asyncio.create_task(next_event(stream))
+
+    async def subscribed() -> bool:
+        counts = await redis.pubsub_numsub(keys.events_channel, target_nodes=RedisCluster.ALL_NODES)
+        return bool(counts[0][1])
+
+    await poll(subscribed)
+    masters: set[int] = set()
+    expected = []
+    for n in range(40):  # random tids: until their shards are on every master
+        tid = await one_session(app, tokens, f"u{n}")
+        masters.add(redis_server.master_of(keys.shard_keys(Keyspace.shard_of(tid))[1]))
+        expected += [("SESSION_STARTED", tid), ("SESSION_CLOSED", tid)]
+        if len(masters) == len(redis_server.nodes):
+            break
+    assert len(masters) == len(redis_server.nodes)
+    heard = [await first] + [await next_event(stream) for _ in expected[1:]]
+    assert sorted((e["tid"], e["type"]) for e in heard) == sorted((t, k) for k, t in expected)
+    for _, tid in expected[::2]:
+        assert [e["type"] for e in heard if e["tid"] == tid] == [
+            "SESSION_STARTED",
+            "SESSION_CLOSED",
+        ]
+    await stream.aclose()
+
+
+async def test_cli_events_replays_the_shards_of_every_master(
+    home: dict[str, str], redis_server: RedisClusterProcess
+):
+    """``tokend revoke`` and ``tokend events --from-start`` on the cluster."""
+    env = {**home, "TOKEND_REDIS_URL": redis_server.url, "TOKEND_KEY_PREFIX": "clicluster"}
+    keyspace = Keyspace("clicluster")
+    by_master = {redis_server.master_of(keyspace.shard_keys(n)[1]): n for n in range(SHARDS)}
+    tids = [str(tid_in_shard(shard)) for shard in by_master.values()]  # one per master
+    for tid in tids:
+        assert (await asyncio.to_thread(tokend, "revoke", tid, env=env)).returncode == 0
+    reader = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tokend",
+        "events",
+        "--from-start",
+        env={**CLEAN_ENV, **env},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert reader.stdout is not None
+    try:
+        async with asyncio.timeout(15):
+            lines = [json.loads(await reader.stdout.readline()) for _ in tids]
+    finally:
+        reader.kill()
+        await reader.wait()
+    assert sorted(e["tid"] for e in lines) == sorted(tids)
+    assert {e["type"] for e in lines} == {"TOKEN_REVOKED"}
+
+
+# Every script, through the Store, on sessions of all 16 shards -------------------------
+
+
+def tid_in_shard(shard: int) -> uuid.UUID:
+    """A random tid whose shard (its last hex digits, mod 16) is ``shard``."""
+    return uuid.UUID(int=(uuid.uuid4().int & ~0xF) | shard)
+
+
+async def start_sessions(store: Store) -> list[uuid.UUID]:
+    """One live session in each shard (HELLO), as connection ``c-<tid>``."""
+    tids = [tid_in_shard(n) for n in range(SHARDS)]
+    now = int(time.time())
+    for tid in tids:
+        result = await store.hello(tid, "sub", 5, now, now + 60, f"c-{tid}")
+        assert result.outcome == "started"
+    return tids
+
+
+async def claim_all(store: Store, tids: list[uuid.UUID]) -> list[list[str]]:
+    """Make every session due now, then CLAIM them: one tid per shard."""
+    for tid in tids:
+        await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
+    _, claimed, _ = await store.claim_due(100, 1000)
+    assert sorted(t for shard in claimed for t in shard) == sorted(map(str, tids))
+    return claimed
+
+
+async def inspected(store: Store, tids: list[uuid.UUID]) -> list[SessionRecord]:
+    records = await store.inspect(await claim_all(store, tids))
+    assert all(r is not None for r in records)
+    return [r for r in records if r is not None]
+
+
+async def drive_hello(store: Store) -> None:
+    await start_sessions(store)
+
+
+async def drive_heartbeat(store: Store) -> None:
+    tids = await start_sessions(store)
+    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    assert [r.outcome for r in results] == ["ok"] * SHARDS
+
+
+async def drive_claim(store: Store) -> None:
+    await claim_all(store, await start_sessions(store))
+
+
+async def drive_inspect(store: Store) -> None:
+    records = await inspected(store, await start_sessions(store))
+    assert {r.st for r in records} == {"ACTIVE"}
+
+
+async def drive_transition(store: Store) -> None:
+    records = await inspected(store, await start_sessions(store))
+    took = await store.transitions([(r, "WARN", "") for r in records])
+    assert took == [True] * SHARDS
+
+
+async def drive_end(store: Store) -> None:
+    tids = await start_sessions(store)
+    for tid in tids:
+        ended = await store.end(tid, conn=f"c-{tid}", event="SESSION_CLOSED", tomb="bye", code=None)
+        assert ended == 1
+
+
+DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
+    "hello": drive_hello,
+    "heartbeat": drive_heartbeat,
+    "claim": drive_claim,
+    "inspect": drive_inspect,
+    "transition": drive_transition,
+    "end": drive_end,
+}
+LUA_SCRIPTS = sorted(
+    Path(f.name).stem
+    for f in (resources.files("tokend") / "lua").iterdir()
+    if f.name.endswith(".lua") and not f.name.startswith("_")
+)
+
+
+@pytest.mark.parametrize("script", LUA_SCRIPTS)
+async def test_every_script_runs_on_the_cluster_without_crossslot(store: Store, script: str):
+    """Each tokend/lua script, called through the Store for a session in every shard.
+
+    A new script fails here until it has a driver: a CROSSSLOT (keys of several
+    slots in one call) would raise from the Store.
+    """
+    assert script in DRIVERS, f"no cluster test drives tokend/lua/{script}.lua; add one"
+    await DRIVERS[script](store)
+
+
+async def test_scripts_reload_on_every_master_after_a_flush(store: Store, redis: Client):
+    """Each master has its own script cache: NOSCRIPT on any of them is recovered."""
+    tids = await start_sessions(store)
+    await redis.script_flush()  # on every primary
+    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    assert [r.outcome for r in results] == ["ok"] * SHARDS
+    assert await store.ready() is None
+
+
+# Two nodes on the cluster ------------------------------------------------------------------
+
+
+async def test_two_nodes_resume_across_and_close_the_old_connection_with_4507(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService, events: EventLog
+):
+    node_a = await start_app(node_name="node-a")
+    node_b = await start_app(node_name="node-b")
+    token = tokens.mint("roamer")
+    async with RawClient.connect(node_a.port) as first, RawClient.connect(node_b.port) as second:
+        welcome = await first.hello(token)
+        resumed = await second.hello(token)
+        assert resumed.resumed and resumed.tid == welcome.tid
+        assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
+        assert isinstance(await second.heartbeat(), p.HeartbeatAck)
+    resumes = await events.wait_for("SESSION_RESUMED", tid_of(welcome))
+    assert resumes[0]["node"] == "node-b"
+
+
+async def test_two_sweeping_nodes_expire_a_session_exactly_once(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    events: EventLog,
+    redis: Client,
+):
+    node_a = await start_app(node_name="node-a")
+    await start_app(node_name="node-b")
+    tids = []
+    for n in range(4):  # several sessions, so both sweepers race for some
+        async with RawClient.connect(node_a.port) as client:
+            tids.append(tid_of(await client.hello(tokens.mint(f"quiet-{n}"))))
+    for tid in tids:
+        await events.wait_for("TOKEN_EXPIRED", tid, timeout=5)
+    await asyncio.sleep(0.5)  # long enough for a duplicate to show, if there were one
+    for tid in tids:
+        assert len(events.of("TOKEN_EXPIRED", tid)) == 1
+        assert len(events.of("SESSION_WARN", tid)) == 1
+    stream = await stream_events(redis, node_a.settings.key_prefix)
+    assert sorted(e["tid"] for e in stream if e["type"] == "TOKEN_EXPIRED") == sorted(tids)
+
+
+async def test_readyz_on_the_cluster(app: App):
+    status, body = await http_get(app.port, "/readyz")
+    assert status == 200, body
+
+
+# Sentinel ----------------------------------------------------------------------------------
+
+
+# Sentinel is a mode of the server binary (--sentinel), so wherever the tests can start
+# a redis-server they can start a sentinel: no separate binary to skip on.
+@pytest.fixture(scope="module")
+def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelProcess]:
+    directory = tmp_path_factory.mktemp("sentinel")
+    master = RedisProcess(directory / "master")
+    master.start()
+    watcher = RedisSentinelProcess(directory / "sentinel", master)
+    watcher.start()
+    yield watcher
+    watcher.stop()
+    master.stop()
+
+
+async def test_serves_a_session_through_sentinel(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    sentinel: RedisSentinelProcess,
+):
+    app = await start_app(redis_url=sentinel.url)
+    status, body = await http_get(app.port, "/readyz")
+    assert status == 200, body
+    settings = app.settings
+    client = connect(settings.redis_url, settings)
+    try:
+        async with EventLog(client, f"{settings.key_prefix}:events") as events:
+            async with RawClient.connect(app.port) as raw:
+                welcome = await raw.hello(tokens.mint("watched"))
+                assert (await raw.heartbeat()).seq == 1
+                await raw.send(p.encode(p.Bye()))
+                assert (await raw.expect_close()).code == p.CloseCode.NORMAL
+            await events.wait_for("SESSION_CLOSED", tid_of(welcome))
+        master = sentinel.master
+        assert (await client.connection_pool.get_master_address())[1] == master.port
+    finally:
+        await client.aclose()
+
+
+# Two nodes renewing one session at once ------------------------------------------------------
+
+
+async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
+    make_settings: Callable[..., Settings], redis: Client
+):
+    """Two Stores heartbeat one session together inside its renew window.
+
+    Spec 0x03 HEARTBEAT, "Renewal" (atomic in the store) and "Events" (each change
+    emits exactly once).
+
+    Each renewal boundary (the token's new exp moves on by whole seconds) is won by
+    exactly one of them, with one TOKEN_RENEWED; exp and the key's expiry never go back.
+    """
+    # Renewed exps are whole seconds 3 s ahead; each is inside the window 0.5 s later.
+    settings = make_settings(token_ttl=3, renew_window=2.5)
+    clients = [connect(settings.redis_url, settings) for _ in range(2)]
+    stores = [Store(client, settings, f"node-{n}") for n, client in enumerate(clients)]
+    tid = tid_in_shard(3)
+    hash_key = stores[0].keys.session_keys(tid)[0]
+    now = int(time.time())
+    try:
+        assert (await stores[0].hello(tid, "both", 5, now, now + 2, "c")).outcome == "started"
+        request = stores[0].heartbeat_request(tid, "c")
+        exps, expiries, wins = [now * 1000 + 2000], [await redis.pexpiretime(hash_key)], 0
+        async with asyncio.timeout(10):
+            while wins < 2:
+                replies = await asyncio.gather(*(s.heartbeats([request]) for s in stores))
+                results = [reply[0] for reply in replies]
+                assert [r.outcome for r in results] == ["ok", "ok"]
+                assert sum(r.renewed for r in results) <= 1
+                wins += sum(r.renewed for r in results)
+                exps += sorted(r.exp_ms for r in results)
+                expiries.append(await redis.pexpiretime(hash_key))
+                await asyncio.sleep(0.2)  # the heartbeat cadence, well inside expire_after
+        assert exps == sorted(exps), "a renewal shortened the token"
+        assert expiries == sorted(expiries), "a renewal shortened the session's expiry"
+        assert len(set(exps)) == wins + 1  # each new exp came from exactly one win
+        renewed = [
+            e
+            for e in await stream_events(redis, settings.key_prefix)
+            if e["tid"] == str(tid) and e["type"] == "TOKEN_RENEWED"
+        ]
+        assert len(renewed) == wins
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+# URL schemes (docs/scaling.md) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "options"),
+    [
+        (
+            "redis+cluster://10.0.0.1:7000,10.0.0.2:7001",
+            [("10.0.0.1", 7000), ("10.0.0.2", 7001)],
+            {},
+        ),
+        (
+            "rediss+cluster://u:p%40ss@a.example,[::1]:7002/0?ssl_cert_reqs=none",
+            [("a.example", 6379), ("::1", 7002)],
+            {"username": "u", "password": "p@ss", "ssl": True, "db": 0, "ssl_cert_reqs": "none"},
+        ),
+    ],
+)
+def test_cluster_url(url: str, hosts: list[tuple[str, int]], options: dict[str, object]):
+    parsed_hosts, parsed, service = _multi_host(url, 6379, service=False)
+    assert parsed_hosts == hosts
+    assert parsed == options
+    assert service == ""
+
+
+def test_sentinel_url_names_its_service_and_db():
+    hosts, options, service = _multi_host(
+        "redis+sentinel://:secret@s1:26380,s2/mymaster/2", 26379, service=True
+    )
+    assert hosts == [("s1", 26380), ("s2", 26379)]
+    assert service == "mymaster"
+    assert options == {"password": "secret", "db": 2}
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis+sentinel://s1:26379", "needs host:port and /service"),
+        ("redis+sentinel:///svc", "needs host:port and /service"),
+        ("redis+cluster://a:70x0", "invalid literal"),
+        ("redis+cluster://", "needs host:port"),
+        ("mysql://a:3306", "scheme"),
+    ],
+)
+def test_an_unusable_url_is_a_configuration_error(url: str, problem: str, settings: Settings):
+    with pytest.raises(ConfigError, match=f"^redis_url: .*{problem}"):
+        connect(url, settings)
+
+
+def test_cli_reports_an_unusable_url_in_one_line(home: dict[str, str]):
+    tid = str(uuid.uuid4())
+    result = tokend("revoke", tid, env={**home, "TOKEND_REDIS_URL": "redis+sentinel://s1"})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "tokend: configuration error: redis_url: redis+sentinel:// URL needs host:port and /service"
+    ]
+
+
+async def test_an_unreachable_cluster_is_an_outage_not_a_crash(
+    make_settings: Callable[..., Settings],
+):
+    """As with one Redis: /readyz says so, and the control listener's retry loop goes on."""
+    settings = make_settings(redis_url=f"redis+cluster://{LOOPBACK}:{free_port()}")
+    client = connect(settings.redis_url, settings)
+    try:
+        problem = await Store(client, settings, "node-test").ready()
+        assert problem is not None and problem.startswith("redis unreachable")
+        with pytest.raises(rexc.ConnectionError):
+            await subscription(client)
+    finally:
+        await client.aclose()
