@@ -22,18 +22,98 @@ import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, NegotiationError
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.protocol import Event, State
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.embedded import EmbeddedRedis
 from tokend.node import Node
-from tokend.session import LinkClosed, Session
+from tokend.session import LinkClosed, Session, TokenBucket
 from tokend.store import connect
 from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
+
+# Seconds a client refused with HTTP 503 (too many pending HELLOs) is asked to wait; its
+# jittered backoff spreads the retries anyway.
+RETRY_AFTER_S = 1
+
+
+class TokendConnection(ServerConnection):
+    """A websockets server connection with the limits the library lacks (docs/security.md).
+
+    * Pings count against ``max_frame_rate`` in a bucket of their own; beyond it the
+      connection is closed with 4029. The library answers every ping with a pong written
+      without flow control, so an unlimited ping flood from a client that reads nothing
+      would grow the write buffer without bound.
+    * Writes stalled for ``send_timeout`` (the buffer above its high-water mark because
+      the client reads nothing) drop the connection: no close frame can reach a client
+      that does not read, and until then a send, and even a close, waits for it.
+
+    :meth:`for_app` makes the subclass that :func:`websockets.asyncio.server.serve`
+    instantiates, bound to one :class:`App`.
+    """
+
+    app: App
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pings: TokenBucket | None = None  # made at the first ping
+        self.stall: asyncio.TimerHandle | None = None
+        self.closing: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_app(cls, app: App) -> type[TokendConnection]:
+        return type(cls.__name__, (cls,), {"app": app})
+
+    @property
+    def peer(self) -> str:
+        address = self.remote_address
+        return f"{address[0]}:{address[1]}" if address else "?"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.app.open_connections += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.app.open_connections -= 1
+        if self.stall is not None:
+            self.stall.cancel()
+        super().connection_lost(exc)
+
+    def process_event(self, event: Event) -> None:
+        rate = self.app.settings.max_frame_rate
+        if isinstance(event, Frame) and event.opcode is Opcode.PING and rate:
+            if self.pings is None:
+                self.pings = TokenBucket(rate)
+            if not self.pings.take() and self.closing is None and self.state is State.OPEN:
+                log.warning("closing", peer=self.peer, code=4029, reason="too many pings")
+                self.closing = self.loop.create_task(
+                    self.close(p.CloseCode.RATE_LIMITED, "too many pings")
+                )
+        super().process_event(event)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.stall = self.loop.call_later(self.app.settings.send_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        log.warning(
+            "dropping connection: client not reading",
+            peer=self.peer,
+            send_timeout=self.app.settings.send_timeout,
+            unsent=self.transport.get_write_buffer_size(),
+        )
+        self.transport.abort()
 
 
 class WebSocketLink:
@@ -92,11 +172,19 @@ class App:
         self.node: Node | None = None
         self.server: Server | None = None
         self.connections_per_ip: Counter[str] = Counter()
+        # TCP connections open now (WebSocket or plain HTTP), from TokendConnection.
+        self.open_connections = 0
 
     @property
     def port(self) -> int:
         assert self.server is not None
         return int(self.server.sockets[0].getsockname()[1])
+
+    @property
+    def pending_hellos(self) -> int:
+        """Open connections that hold no session: handshaking, or before WELCOME."""
+        sessions = len(self.node.sessions) if self.node is not None else 0
+        return self.open_connections - sessions
 
     async def start(self) -> None:
         settings = self.settings
@@ -124,6 +212,7 @@ class App:
             close_timeout=2,
             server_header=None,
             backlog=settings.backlog,
+            create_connection=TokendConnection.for_app(self),
         )
         log.info(
             "listening",
@@ -169,6 +258,13 @@ class App:
                 return json_response(
                     http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
                 )
+            # Connections without a session yet (this one among them).
+            pending_cap = self.settings.max_pending_hellos
+            if pending_cap and self.pending_hellos > pending_cap:
+                log.warning("handshake refused: too many pending HELLOs", cap=pending_cap)
+                response = json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, {"error": "busy"})
+                response.headers["Retry-After"] = str(RETRY_AFTER_S)
+                return response
             return None
         if path == "/healthz":
             return json_response(http.HTTPStatus.OK, {"status": "ok", "node": self.node.name})
