@@ -13,6 +13,7 @@ import asyncio
 import gc
 import http
 import json
+import resource
 import signal
 from collections import Counter
 from collections.abc import Sequence
@@ -40,6 +41,9 @@ log = structlog.get_logger("tokend.server")
 # Seconds a client refused with HTTP 503 (too many pending HELLOs) is asked to wait; its
 # jittered backoff spreads the retries anyway.
 RETRY_AFTER_S = 1
+# Descriptors kept free of client connections besides the Redis pool's: the listener,
+# pub/sub, key files, logs, the embedded Redis's pipes.
+FD_RESERVE = 32
 
 
 class TokendConnection(ServerConnection):
@@ -163,6 +167,21 @@ def json_response(status: http.HTTPStatus, body: Any) -> Response:
     return Response(status.value, status.phrase, headers, data)
 
 
+def busy() -> Response:
+    """HTTP 503 with Retry-After: the SDK and well-behaved clients back off and retry."""
+    response = json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, {"error": "busy"})
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def connection_budget(settings: Settings) -> int:
+    """Client connections this process can hold and still open its Redis connections."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 62
+    return soft - settings.redis_pool_size - FD_RESERVE
+
+
 class App:
     """tokend assembled: keys, store (embedded or configured Redis), node, listener."""
 
@@ -174,6 +193,8 @@ class App:
         self.connections_per_ip: Counter[str] = Counter()
         # TCP connections open now (WebSocket or plain HTTP), from TokendConnection.
         self.open_connections = 0
+        # Beyond this many, handshakes get 503: the Redis pool must still find descriptors.
+        self.max_open_connections = connection_budget(settings)
 
     @property
     def port(self) -> int:
@@ -220,6 +241,7 @@ class App:
             port=self.port,
             node=self.node.name,
             redis="embedded" if self.embedded else "external",
+            max_connections=self.max_open_connections,
         )
 
     async def stop(self) -> None:
@@ -258,13 +280,18 @@ class App:
                 return json_response(
                     http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
                 )
+            if self.open_connections > self.max_open_connections:
+                log.warning(
+                    "handshake refused: near the open-file limit",
+                    connections=self.open_connections,
+                    cap=self.max_open_connections,
+                )
+                return busy()
             # Connections without a session yet (this one among them).
             pending_cap = self.settings.max_pending_hellos
             if pending_cap and self.pending_hellos > pending_cap:
                 log.warning("handshake refused: too many pending HELLOs", cap=pending_cap)
-                response = json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, {"error": "busy"})
-                response.headers["Retry-After"] = str(RETRY_AFTER_S)
-                return response
+                return busy()
             return None
         if path == "/healthz":
             return json_response(http.HTTPStatus.OK, {"status": "ok", "node": self.node.name})

@@ -1,0 +1,136 @@
+"""Hardening with real sockets: a client that stops reading, descriptors running out,
+a reconnect storm after a restart (issue 6; docs/security.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+
+from structlog.testing import capture_logs
+from websockets.exceptions import InvalidStatus
+from websockets.frames import Frame, Opcode
+
+from bench.common import proc_cpu
+from tests.support import LOOPBACK, EventLog, RawClient, TokendProcess, WireClient
+from tokend import protocol as p
+from tokend.server import App
+from tokend.tokens import TokenService
+
+SEND_TIMEOUT = 1.0
+PINGS = [Frame(Opcode.PING, bytes(125))] * 20
+
+
+async def until(condition: Callable[[], bool], timeout: float) -> None:
+    """Wait (bounded) for a condition of the in-process server to hold."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - server state, no event to await
+            await asyncio.sleep(0.02)
+
+
+async def welcomed(client: WireClient) -> p.Welcome:
+    async with asyncio.timeout(5):
+        while not client.frames:
+            assert await client._read(), "closed before WELCOME"
+    welcome = p.decode(client.frames[0].data)
+    assert isinstance(welcome, p.Welcome), welcome
+    return welcome
+
+
+async def test_a_client_that_stops_reading_is_dropped(start_app, tokens: TokenService, redis):
+    # No frame limit, so that the client can make the server write faster than it reads;
+    # clocks long enough that only the stall, never expiry, can end the connection.
+    app: App = await start_app(
+        max_frame_rate=0, send_timeout=SEND_TIMEOUT, warn_after=30, expire_after=40
+    )
+    assert app.node is not None
+    token = tokens.mint("sloth")
+    client = await WireClient.open(app.port, rcvbuf=4096)
+    await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(token))))
+    welcome = await welcomed(client)
+    tid = str(uuid.UUID(bytes=welcome.tid))
+    with capture_logs() as logs:
+        async with EventLog(redis, f"{app.settings.key_prefix}:events") as events:
+            # Heartbeats whose exp is wrong: every ACK re-sends the token (~330 bytes). The
+            # client never reads another byte.
+            seq = 0
+            with contextlib.suppress(OSError, TimeoutError):
+                async with asyncio.timeout(15):
+                    while app.node.sessions:
+                        seq += 1
+                        hb = p.make_heartbeat(welcome.session_key, welcome.tid, seq, 1)
+                        # Pings of the largest size, answered by pongs: more to write.
+                        await client.send(Frame(Opcode.BINARY, p.encode(hb)), *PINGS)
+            await until(lambda: not app.node.sessions, 5)
+            client.close()
+            # The session is not ended: the client may come back and resume it.
+            async with RawClient.connect(app.port) as again:
+                assert (await again.hello(token)).resumed
+            assert not events.of("TOKEN_EXPIRED", tid)
+    [dropped] = [e for e in logs if e["event"] == "dropping connection: client not reading"]
+    # What the server held for it: the write limit (32 KiB) and what was in flight.
+    assert dropped["unsent"] <= 2**15 + 4096
+
+
+MAX_OPEN_FILES = 64
+EXHAUSTED_FOR = 2.0  # seconds the server spends with every descriptor in use
+# Less CPU than this share of a core while exhausted: nothing spins on accept().
+IDLE_CPU_SHARE = 0.25
+
+
+async def test_descriptors_exhausted(make_settings, tokens: TokenService, tmp_path):
+    base = make_settings()
+    env = {
+        "TOKEND_REDIS_URL": base.redis_url,
+        "TOKEND_KEY_PREFIX": base.key_prefix,
+        "TOKEND_KEYS_DIR": base.keys_dir,
+        "TOKEND_DATA_DIR": str(tmp_path / "data"),
+        "TOKEND_REDIS_POOL_SIZE": "4",
+    }
+    node = TokendProcess(env, max_open_files=MAX_OPEN_FILES)
+    await asyncio.to_thread(node.start)
+    assert node.process is not None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            held: list[RawClient] = []
+            # Sessions until the server refuses one: 503 at its connection budget.
+            for i in range(MAX_OPEN_FILES):
+                try:
+                    client = await stack.enter_async_context(RawClient.connect(node.port))
+                except InvalidStatus as refused:
+                    assert refused.response.status_code == 503
+                    assert refused.response.headers["Retry-After"]
+                    break
+                await client.hello(tokens.mint(f"fd-{i}"))
+                held.append(client)
+            else:
+                raise AssertionError("no connection was refused")
+            # Now take every descriptor: bare TCP connections that never say anything.
+            idle = [
+                await asyncio.open_connection(LOOPBACK, node.port) for _ in range(MAX_OPEN_FILES)
+            ]
+            cpu = proc_cpu(node.process.pid)
+            began = time.monotonic()
+            await asyncio.sleep(EXHAUSTED_FOR)  # a measuring window, not a wait for an event
+            spent = proc_cpu(node.process.pid) - cpu
+            assert spent < IDLE_CPU_SHARE * (time.monotonic() - began), spent
+            # Some of them found no descriptor left: accepted and closed at once (uvloop,
+            # libuv's reserved-descriptor trick), not left hanging in the backlog.
+            assert any(reader.at_eof() for reader, _ in idle)
+            # The sessions it holds are served throughout (the Redis pool kept its sockets).
+            for client in held:
+                assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+            for _, writer in idle:
+                writer.close()
+        # Everything closed: the server accepts and serves new sessions again.
+        async with RawClient.connect(node.port) as client:
+            await client.hello(tokens.mint("after"))
+            assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+    finally:
+        assert node.stop() == 0
+    while node.read_log(0.1) is not None:
+        pass
+    events = [line["event"] for line in node.log_lines]
+    assert "handshake refused: near the open-file limit" in events
