@@ -14,7 +14,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
 
 from bench.common import proc_cpu
-from tests.support import LOOPBACK, EventLog, RawClient, TokendProcess, WireClient
+from tests.support import LOOPBACK, EventLog, RawClient, TokendProcess, WireClient, http_get
+from tokend import client
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import TokenService
@@ -134,3 +135,59 @@ async def test_descriptors_exhausted(make_settings, tokens: TokenService, tmp_pa
         pass
     events = [line["event"] for line in node.log_lines]
     assert "handshake refused: near the open-file limit" in events
+
+
+STORM_CLIENTS = 300
+STORM_SPREAD = 2.0  # the SDK's backoff base and cap: first retries spread over 0..2 s
+STORM_PENDING_CAP = 40  # max_pending_hellos: the storm must run into it
+PROBE_BOUND = 1.0  # a health probe is answered within this while the storm goes on
+
+
+async def resumed_at(session: client.Session) -> float:
+    """Loop time of the session's first RESUMED change (it reconnected)."""
+    async for change in session.changes():
+        if change.kind is client.Change.RESUMED:
+            return asyncio.get_running_loop().time()
+        assert change.kind is not client.Change.ENDED, change
+    raise AssertionError("changes ended")
+
+
+async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens: TokenService):
+    clocks = {"heartbeat_interval": 2.0, "warn_after": 10.0, "expire_after": 15.0}
+    app = await start_app(max_pending_hellos=STORM_PENDING_CAP, **clocks)
+    port = app.port
+    url = f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
+    backoff = client.Backoff(base=STORM_SPREAD, cap=STORM_SPREAD)
+    sessions = [
+        client.Session(url, tokens.mint(f"storm-{i}"), backoff=backoff)
+        for i in range(STORM_CLIENTS)
+    ]
+    loop = asyncio.get_running_loop()
+    watchers: list[asyncio.Task[float]] = []
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(s.start() for s in sessions))
+        watchers = [asyncio.create_task(resumed_at(s)) for s in sessions]
+        await app.stop()  # every connection closed with 1001: all reconnect at once
+        restarted_at = loop.time()
+        app = await start_app(port=port, max_pending_hellos=STORM_PENDING_CAP, **clocks)
+        slowest_probe = 0.0
+        async with asyncio.timeout(30):
+            while not all(w.done() for w in watchers):
+                began = loop.time()
+                status, _ = await http_get(app.port, "/healthz")
+                slowest_probe = max(slowest_probe, loop.time() - began)
+                assert status == 200
+        times = sorted(w.result() - restarted_at for w in watchers)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+    assert slowest_probe < PROBE_BOUND, slowest_probe
+    # Full jitter: the reconnects are spread over most of the backoff, not bunched.
+    p10, p90 = times[len(times) // 10], times[9 * len(times) // 10]
+    assert p90 - p10 > 0.5 * STORM_SPREAD, (p10, p90)
+    # Some clients met the HELLO cap (503) and came back later; none was lost.
+    assert sum(s.stats.reconnects for s in sessions) > STORM_CLIENTS
+    assert all(s.error is None for s in sessions)
