@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -169,12 +170,20 @@ class Store:
         # The session hash outlives its token by this much, so that a late sweep
         # still finds it and emits TOKEN_EXPIRED instead of losing it to PEXPIREAT.
         self.grace_ms = self.expire_ms
-        self._common = [
+        self._prelude_args = [
             node,
             self.keys.events_channel,
             self.keys.control_channel,
             str(settings.stream_maxlen),
         ]
+        # How long after sending a request it may still act (see _prelude.lua).
+        self.given_up_after_ms = settings.ms("redis_timeout") + settings.ms("leeway")
+
+    @property
+    def _common(self) -> list[str]:
+        """ARGV[1..5] of every script: the prelude's, then this request's deadline."""
+        given_up_at = int(time.time() * 1000) + self.given_up_after_ms
+        return [*self._prelude_args, str(given_up_at)]
 
     async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -182,6 +191,14 @@ class Store:
                 return await make()
         except (TimeoutError, rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
+
+    @staticmethod
+    def _answered(result: Any) -> Any:
+        """A script's reply; None (Lua false) means the prelude found it past its deadline."""
+        if result is None:
+            # Only while we still wait when this node's clock is far behind Redis's.
+            raise StoreUnavailable("request past its deadline: is this node's clock behind?")
+        return result
 
     async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         argv = [*self._common, *args]
@@ -194,15 +211,17 @@ class Store:
                 await self.redis.script_load(script.source)
                 return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
 
-        return await self._deadline(call)
+        return self._answered(await self._deadline(call))
 
     async def _eval_many(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
 
+        common = self._common
+
         async def call() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *self._common, *args)
+                pipe.evalsha(script.sha, len(keys), *keys, *common, *args)
             results = await pipe.execute(raise_on_error=False)
             missing = [i for i, r in enumerate(results) if isinstance(r, rexc.NoScriptError)]
             if missing:
@@ -211,7 +230,7 @@ class Store:
                 pipe = self.redis.pipeline(transaction=False)
                 for i in missing:
                     script, keys, args = calls[i]
-                    pipe.evalsha(script.sha, len(keys), *keys, *self._common, *args)
+                    pipe.evalsha(script.sha, len(keys), *keys, *common, *args)
                 for i, result in zip(
                     missing, await pipe.execute(raise_on_error=False), strict=True
                 ):
@@ -221,7 +240,7 @@ class Store:
                     raise result
                 if isinstance(result, Exception):
                     raise RuntimeError(f"script failed: {result}")
-            return results
+            return [self._answered(result) for result in results]
 
         return await self._deadline(call)
 
