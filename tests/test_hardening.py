@@ -15,7 +15,7 @@ from websockets.frames import Frame, Opcode
 
 from bench.common import proc_cpu
 from tests.support import LOOPBACK, EventLog, RawClient, TokendProcess, WireClient, http_get
-from tokend import client
+from tokend import client, store
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import TokenService
@@ -191,3 +191,42 @@ async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens:
     # Some clients met the HELLO cap (503) and came back later; none was lost.
     assert sum(s.stats.reconnects for s in sessions) > STORM_CLIENTS
     assert all(s.error is None for s in sessions)
+
+
+class SkewedClock:
+    """``time.time`` of a node whose wall clock is ``offset`` seconds off Redis's."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+
+def redis_ms(reply: tuple[int, int]) -> int:
+    seconds, micros = reply
+    return seconds * 1000 + micros // 1000
+
+
+async def test_clocks_run_on_redis_time(app, tokens: TokenService, redis, events, monkeypatch):
+    """Session clocks and event times are Redis TIME (the scripts' now_ms), not the node's.
+
+    The node's own wall clock only dates its requests (the prelude's deadline), and a skew
+    within ``leeway`` does not matter; beyond it, requests are refused with 1013.
+    """
+    monkeypatch.setattr(store, "time", SkewedClock(-(app.settings.leeway - 1)))
+    before = redis_ms(await redis.time())
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(tokens.mint("skewed"))
+        await client.heartbeat()
+    tid = uuid.UUID(bytes=welcome.tid)
+    [started] = await events.wait_for("SESSION_STARTED", str(tid))
+    hb = int(await redis.hget(store.Keyspace(app.settings.key_prefix).session_keys(tid)[0], "hb"))
+    after = redis_ms(await redis.time())
+    assert before <= started["at"] <= hb <= after
+
+    too_far = app.settings.leeway + app.settings.redis_timeout + 1
+    monkeypatch.setattr(store, "time", SkewedClock(-too_far))
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(tokens.mint("too-skewed"))))
+        assert (await client.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
