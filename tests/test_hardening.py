@@ -230,3 +230,15 @@ async def test_clocks_run_on_redis_time(app, tokens: TokenService, redis, events
     async with RawClient.connect(app.port) as client:
         await client.send(p.encode(p.Hello(tokens.mint("too-skewed"))))
         assert (await client.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+
+
+async def test_slow_loris_handshake_is_dropped(start_app):
+    """An opening handshake never finished is dropped after hello_timeout (open_timeout)."""
+    app = await start_app(hello_timeout=0.5)
+    reader, writer = await asyncio.open_connection(LOOPBACK, app.port)
+    writer.write(b"GET /v1/ws HTTP/1.1\r\nHost: tokend\r\nUpgrade: websocket\r\n")
+    try:
+        async with asyncio.timeout(app.settings.hello_timeout + 2):
+            assert await reader.read() == b""  # closed without an answer
+    finally:
+        writer.close()
