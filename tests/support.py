@@ -27,6 +27,7 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from tokend import protocol as p
+from tokend.config import Settings
 from tokend.embedded import find_server_binary
 
 LOOPBACK = "127.0.0.1"
@@ -92,6 +93,16 @@ class RedisProcess:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+def process_env(settings: Settings, data_dir: Path) -> dict[str, str]:
+    """``TOKEND_*`` variables for a ``tokend serve`` on the same Redis, prefix and keys."""
+    return {
+        "TOKEND_REDIS_URL": settings.redis_url,
+        "TOKEND_KEY_PREFIX": settings.key_prefix,
+        "TOKEND_KEYS_DIR": settings.keys_dir,
+        "TOKEND_DATA_DIR": str(data_dir),
+    }
 
 
 class TokendProcess:
@@ -316,6 +327,15 @@ class WireClient:
                 self.frames.append(event)
         await self._flush()  # the protocol answers pings and close frames by itself
         return bool(data)
+
+    async def welcome(self, timeout: float = 5.0) -> p.Welcome:
+        """Read until the first message, which must be WELCOME (send HELLO first)."""
+        async with asyncio.timeout(timeout):
+            while not self.frames:
+                assert await self._read(), "closed before WELCOME"
+        frame = p.decode(self.frames[0].data)
+        assert isinstance(frame, p.Welcome), frame
+        return frame
 
     async def send(self, *frames: Frame) -> None:
         """Send frames exactly as given (masked, as from any client)."""

@@ -17,6 +17,7 @@ from tests.support import (
     RedisProcess,
     TokendProcess,
     http_get,
+    process_env,
     stream_events,
 )
 from tokend import protocol as p
@@ -81,10 +82,7 @@ async def test_two_nodes_emit_each_event_once(
 ):
     base = make_settings()
     env = {
-        "TOKEND_REDIS_URL": base.redis_url,
-        "TOKEND_KEY_PREFIX": base.key_prefix,
-        "TOKEND_KEYS_DIR": base.keys_dir,
-        "TOKEND_DATA_DIR": str(tmp_path / "data"),
+        **process_env(base, tmp_path / "data"),
         "TOKEND_HEARTBEAT_INTERVAL": "0.2",
         "TOKEND_WARN_AFTER": "0.6",
         "TOKEND_EXPIRE_AFTER": "1.2",

@@ -83,15 +83,6 @@ def fragments(rng: random.Random, data: bytes) -> list[Frame]:
     return [*frames, Frame(Opcode.CONT, parts[-1], fin=True)]
 
 
-async def welcome_of(client: WireClient) -> p.Welcome:
-    async with asyncio.timeout(5):
-        while not client.frames:
-            assert await client._read(), "closed before WELCOME"
-    frame = p.decode(client.frames[0].data)
-    assert isinstance(frame, p.Welcome), frame
-    return frame
-
-
 class Case:
     """One connection's traffic, and the close codes it may end with."""
 
@@ -182,7 +173,7 @@ async def run_case(port: int, case: Case) -> str:
         try:
             await client.send(*case.frames)
             if case.after_welcome is not None:
-                welcome = await welcome_of(client)
+                welcome = await client.welcome()
                 await client.send(*case.after_welcome(welcome))
         except OSError:
             pass  # the server closed first; its close code is what counts

@@ -14,7 +14,15 @@ from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
 
 from bench.common import proc_cpu
-from tests.support import LOOPBACK, EventLog, RawClient, TokendProcess, WireClient, http_get
+from tests.support import (
+    LOOPBACK,
+    EventLog,
+    RawClient,
+    TokendProcess,
+    WireClient,
+    http_get,
+    process_env,
+)
 from tokend import client, store
 from tokend import protocol as p
 from tokend.server import App
@@ -31,15 +39,6 @@ async def until(condition: Callable[[], bool], timeout: float) -> None:
             await asyncio.sleep(0.02)
 
 
-async def welcomed(client: WireClient) -> p.Welcome:
-    async with asyncio.timeout(5):
-        while not client.frames:
-            assert await client._read(), "closed before WELCOME"
-    welcome = p.decode(client.frames[0].data)
-    assert isinstance(welcome, p.Welcome), welcome
-    return welcome
-
-
 async def test_a_client_that_stops_reading_is_dropped(start_app, tokens: TokenService, redis):
     # No frame limit, so that the client can make the server write faster than it reads;
     # clocks long enough that only the stall, never expiry, can end the connection.
@@ -50,7 +49,7 @@ async def test_a_client_that_stops_reading_is_dropped(start_app, tokens: TokenSe
     token = tokens.mint("sloth")
     client = await WireClient.open(app.port, rcvbuf=4096)
     await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(token))))
-    welcome = await welcomed(client)
+    welcome = await client.welcome()
     tid = str(uuid.UUID(bytes=welcome.tid))
     with capture_logs() as logs:
         async with EventLog(redis, f"{app.settings.key_prefix}:events") as events:
@@ -83,13 +82,7 @@ IDLE_CPU_SHARE = 0.25
 
 async def test_descriptors_exhausted(make_settings, tokens: TokenService, tmp_path):
     base = make_settings()
-    env = {
-        "TOKEND_REDIS_URL": base.redis_url,
-        "TOKEND_KEY_PREFIX": base.key_prefix,
-        "TOKEND_KEYS_DIR": base.keys_dir,
-        "TOKEND_DATA_DIR": str(tmp_path / "data"),
-        "TOKEND_REDIS_POOL_SIZE": "4",
-    }
+    env = {**process_env(base, tmp_path / "data"), "TOKEND_REDIS_POOL_SIZE": "4"}
     node = TokendProcess(env, max_open_files=MAX_OPEN_FILES)
     await asyncio.to_thread(node.start)
     assert node.process is not None
