@@ -62,12 +62,10 @@ class TokendConnection(ServerConnection):
     """
 
     app: App
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.pings: TokenBucket | None = None  # made at the first ping
-        self.stall: asyncio.TimerHandle | None = None
-        self.closing: asyncio.Task[None] | None = None
+    # Class-level defaults: an idle connection stores none of them (docs/performance.md).
+    pings: TokenBucket | None = None  # made at the first ping
+    stall: asyncio.TimerHandle | None = None
+    closing: asyncio.Task[None] | None = None
 
     @classmethod
     def for_app(cls, app: App) -> type[TokendConnection]:
