@@ -15,6 +15,10 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
+* ``soak {interval, duration}``: every connection heartbeats every ``interval`` seconds
+  (staggered across the interval) for ``duration``; heartbeats sent and ACKed, ACK
+  latencies, and every connection lost meanwhile with its close code
+  (``load_tests/soak.py``).
 * ``exit``: drop every connection (no close handshake) and end.
 
 tokend and the bare server get byte-identical traffic: the same HELLO, the same
@@ -55,6 +59,7 @@ _SIO_PING, _SIO_PONG = b"2", b"3"
 CONNECT_TIMEOUT = 20.0
 _ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 MAX_SAMPLES = 2_000_000
+SOAK_GRACE_S = 2.0  # after a soak, how long the last heartbeats' ACKs may take
 
 
 def cpu_seconds() -> float:
@@ -111,6 +116,9 @@ class Conn(WSListener):  # type: ignore[misc]
         for future in (self.ready, self.answered):
             if future is not None and not future.done():
                 future.set_exception(exc)
+        if self.on_data == self._soak_reply:
+            self.on_data = self._idle
+            self.gen.closes[str(exc.code) if isinstance(exc, Closed) else type(exc).__name__] += 1
         if self.on_data == self._loop_reply or self.on_data == self._sio_loop_reply:
             self.on_data = self._idle
             self.gen.lost += 1
@@ -199,6 +207,26 @@ class Conn(WSListener):  # type: ignore[misc]
                 gen.latencies.append((now - self.sent_ns) // 1000)
         self.send_next()
 
+    # Soak: a heartbeat every `interval` until `end`, each ACK timed
+
+    def soak_tick(self, interval: float, end: float) -> None:
+        if self.on_data != self._soak_reply or self.gen.loop.time() >= end:
+            return
+        self.gen.sent += 1
+        self.send_next()
+        self.gen.loop.call_later(interval, self.soak_tick, interval, end)
+
+    def _soak_reply(self, data: bytes) -> None:
+        if data[0] != _ACK:
+            return  # a NOTICE: counted by the server's events, not an answer
+        gen = self.gen
+        gen.acks += 1
+        if len(gen.latencies) < MAX_SAMPLES:
+            gen.latencies.append((time.perf_counter_ns() - self.sent_ns) // 1000)
+        ack = p.decode(data)
+        if isinstance(ack, p.HeartbeatAck) and ack.token:
+            self.exp_ms = ack.exp_ms
+
     # Burst
 
     def burst(self) -> asyncio.Future[p.HeartbeatAck]:
@@ -240,6 +268,8 @@ class Generator:
         self.latencies: array[int] = array("q")
         self.acks = 0
         self.lost = 0
+        self.sent = 0
+        self.closes: Counter[str] = Counter()
         self.running = 0
         self.window_start = self.window_end = 0
         self.ended = asyncio.Event()
@@ -314,6 +344,27 @@ class Generator:
         if self.running <= 0:
             self.ended.set()
 
+    async def soak(self, interval: float, duration: float) -> dict[str, Any]:
+        self.latencies = array("q")
+        self.acks = self.sent = 0
+        self.closes.clear()
+        live = [c for c in self.conns if c.ready.done() and not c.ready.exception()]
+        end = self.loop.time() + duration
+        for i, conn in enumerate(live):
+            conn.on_data = conn._soak_reply
+            self.loop.call_later(interval * i / len(live), conn.soak_tick, interval, end)
+        await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
+        for conn in live:
+            if conn.on_data == conn._soak_reply:
+                conn.on_data = conn._idle
+        return {
+            "connections": len(live),
+            "sent": self.sent,
+            "acks": self.acks,
+            "closes": dict(self.closes),
+            "latencies_us": self.latencies.tolist(),
+        }
+
     async def burst(self) -> dict[str, Any]:
         cpu0, t_start = cpu_seconds(), time.time()
         replies = await asyncio.gather(
@@ -353,6 +404,7 @@ async def serve(job: dict[str, Any]) -> None:
         "connect": gen.connect,
         "loop": gen.closed_loop,
         "burst": gen.burst,
+        "soak": gen.soak,
     }
     reader = asyncio.StreamReader()
     await gen.loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

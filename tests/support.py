@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -22,7 +23,12 @@ from typing import Any, TypeVar
 import redis
 from redis.cluster import key_slot
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Response
+from websockets.typing import Subprotocol
+from websockets.uri import parse_uri
 
 from tokend import config
 from tokend import protocol as p
@@ -216,13 +222,16 @@ class TokendProcess:
     ``{"raw": line}``.
     """
 
-    def __init__(self, env: dict[str, str], port: int | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str], port: int | None = None, *, max_open_files: int | None = None
+    ) -> None:
         self.port = port or free_port()
         # A known admin port, unless the test names one (-1: off) or runs workers (then
         # 0: each worker takes a free one; consecutive ports may not be free).
         admin_port = env.get("TOKEND_ADMIN_PORT", "0")
         workers = int(env.get("TOKEND_WORKERS", "1"))
         self.admin_port = free_port() if admin_port == "0" and workers == 1 else int(admin_port)
+        self.max_open_files = max_open_files  # RLIMIT_NOFILE of the child, if set
         self.env = {
             **os.environ,
             **env,
@@ -246,6 +255,7 @@ class TokendProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            preexec_fn=self._limit if self.max_open_files else None,
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
@@ -285,6 +295,24 @@ class TokendProcess:
 
     def wait_listening(self, timeout: float = 20) -> None:
         self.wait_logged("listening", self.listeners, timeout)
+
+    def _limit(self) -> None:
+        assert self.max_open_files is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
+
+    def read_log(self, timeout: float) -> dict[str, Any] | None:
+        """The next JSON log line within ``timeout`` seconds (kept in log_lines), or None."""
+        import select
+
+        assert self.process is not None and self.process.stderr is not None
+        if not select.select([self.process.stderr], [], [], timeout)[0]:
+            return None
+        line = self.process.stderr.readline()
+        with contextlib.suppress(ValueError):
+            entry: dict[str, Any] = json.loads(line)
+            self.log_lines.append(entry)
+            return entry
+        return None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.process is not None
@@ -455,6 +483,185 @@ class RawClient:
                     await self.recv(timeout)
         except Closed as closed:
             return closed
+
+
+class WireClient:
+    """A WebSocket client on a plain non-blocking socket, reading only when told to.
+
+    websockets' sans-I/O :class:`ClientProtocol` does the handshake and parses what the
+    server sends; frames go out as built, so a test can send what a well-behaved client
+    library never would: fragments of its choosing, ping floods, continuation frames out
+    of place, or keep sending while never reading (``rcvbuf`` shrinks the socket's
+    receive buffer before connecting).
+    """
+
+    def __init__(self, sock: socket.socket, protocol: ClientProtocol) -> None:
+        self.sock = sock
+        self.protocol = protocol
+        self.response: Response | None = None
+        self.frames: list[Frame] = []  # data frames received
+
+    @classmethod
+    async def open(
+        cls, port: int, *, rcvbuf: int | None = None, subprotocols: list[str] | None = None
+    ) -> WireClient:
+        """Connect and do the opening handshake; ``response`` is the server's answer."""
+        sock = socket.socket()
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        offered = [p.SUBPROTOCOL] if subprotocols is None else subprotocols
+        protocol = ClientProtocol(
+            parse_uri(f"ws://{LOOPBACK}:{port}{p.WS_PATH}"),
+            subprotocols=[Subprotocol(s) for s in offered] or None,
+            max_size=None,
+        )
+        client = cls(sock, protocol)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (LOOPBACK, port))
+            protocol.send_request(protocol.connect())
+            await client._flush()
+            async with asyncio.timeout(5):
+                while client.response is None and await client._read():
+                    pass
+        except BaseException:
+            sock.close()
+            raise
+        return client
+
+    @property
+    def status(self) -> int | None:
+        """HTTP status of the handshake response (101 when the WebSocket opened)."""
+        return self.response.status_code if self.response else None
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        for data in self.protocol.data_to_send():
+            if data:
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(self.sock, data)
+
+    async def _read(self) -> bool:
+        """Read once and take in what came; False at the end of the stream."""
+        try:
+            data = await asyncio.get_running_loop().sock_recv(self.sock, 65536)
+        except OSError:
+            data = b""
+        if data:
+            self.protocol.receive_data(data)
+        else:
+            self.protocol.receive_eof()
+        for event in self.protocol.events_received():
+            if isinstance(event, Response):
+                self.response = event
+            elif isinstance(event, Frame) and event.opcode in (Opcode.BINARY, Opcode.TEXT):
+                self.frames.append(event)
+        await self._flush()  # the protocol answers pings and close frames by itself
+        return bool(data)
+
+    async def welcome(self, timeout: float = 5.0) -> p.Welcome:
+        """Read until the first message, which must be WELCOME (send HELLO first)."""
+        async with asyncio.timeout(timeout):
+            while not self.frames:
+                assert await self._read(), "closed before WELCOME"
+        frame = p.decode(self.frames[0].data)
+        assert isinstance(frame, p.Welcome), frame
+        return frame
+
+    async def send(self, *frames: Frame) -> None:
+        """Send frames exactly as given (masked, as from any client)."""
+        await self.send_raw(b"".join(f.serialize(mask=True) for f in frames))
+
+    async def send_raw(self, data: bytes) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def close_code(self, timeout: float = 5.0) -> int | None:
+        """Read until the server ends the connection: its close code, or None without one."""
+        async with asyncio.timeout(timeout):
+            while await self._read():
+                pass
+        return self.protocol.close_rcvd.code if self.protocol.close_rcvd else None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LatencyProxy:
+    """A TCP proxy on loopback that delays what the client sends by ``delay`` seconds.
+
+    Put between tokend and Redis, it makes Redis slow without touching it; order and
+    content are kept. Set ``delay`` at any time; it applies to data read from then on.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.delay = 0.0
+        self.server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    async def __aenter__(self) -> LatencyProxy:
+        self.server = await asyncio.start_server(self._serve, LOOPBACK, 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(LOOPBACK, self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        self._spawn(self._pump(reader, up_writer, delayed=True))
+        self._spawn(self._pump(up_reader, writer, delayed=False))
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, delayed: bool
+    ) -> None:
+        # Delayed chunks wait in a queue (each until its own time) so that a delay
+        # holds back every later chunk too, as a slow link would.
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        async def deliver() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    due, chunk = await queue.get()
+                    await asyncio.sleep(max(0.0, due - loop.time()))
+                    if not chunk:
+                        break
+                    writer.write(chunk)
+                    await writer.drain()
+            writer.close()
+
+        delivery = asyncio.create_task(deliver())
+        try:
+            with contextlib.suppress(OSError):
+                while chunk := await reader.read(65536):
+                    queue.put_nowait((loop.time() + (self.delay if delayed else 0.0), chunk))
+            queue.put_nowait((loop.time() + (self.delay if delayed else 0.0), b""))
+            await delivery
+        finally:
+            delivery.cancel()
+            writer.close()
 
 
 class EventLog:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
 from tests.support import EventLog, RawClient, TokendProcess, http_request
 from tokend import protocol as p
 from tokend.config import Settings
@@ -26,18 +27,9 @@ EXIT_MARGIN = 3.0
 def node_env(make_settings: Callable[..., Settings], tmp_path: Path) -> dict[str, str]:
     """Settings of the tokend processes: the test Redis and keys; clocks long enough that
     a session survives the drain and its move, short enough that a lost one would expire."""
-    base = make_settings()
-    return {
-        "TOKEND_REDIS_URL": base.redis_url,
-        "TOKEND_KEY_PREFIX": base.key_prefix,
-        "TOKEND_KEYS_DIR": base.keys_dir,
-        "TOKEND_DATA_DIR": str(tmp_path / "data"),
-        "TOKEND_HEARTBEAT_INTERVAL": "1",
-        "TOKEND_WARN_AFTER": "4",
-        "TOKEND_EXPIRE_AFTER": "8",
-        "TOKEND_SWEEP_INTERVAL": "0.05",
-        "TOKEND_DRAIN_PERIOD": str(DRAIN_PERIOD),
-    }
+    return support.node_env(
+        make_settings(heartbeat_interval=1, warn_after=4, expire_after=8, drain_period=DRAIN_PERIOD)
+    )
 
 
 def start_node(env: dict[str, str], name: str, **more: str) -> TokendProcess:

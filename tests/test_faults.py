@@ -12,14 +12,21 @@ from redis import asyncio as aioredis
 
 from tests.support import (
     EventLog,
+    LatencyProxy,
     RawClient,
     RedisProcess,
     TokendProcess,
     http_get,
+    node_env,
     stream_events,
 )
 from tokend import protocol as p
 from tokend.tokens import TokenService
+
+# Issue 6: "Redis unavailable for 30 s". The held session's clocks are far shorter, so
+# a node that judged silence by Redis's clock across the outage would expire it.
+OUTAGE_S = 30.0
+OUTAGE_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 3.0, "expire_after": 6.0}
 
 
 async def test_redis_outage_and_restart(start_app, tokens: TokenService, own_redis: RedisProcess):
@@ -73,17 +80,8 @@ async def test_redis_outage_and_restart(start_app, tokens: TokenService, own_red
 async def test_two_nodes_emit_each_event_once(
     make_settings, tokens: TokenService, redis, tmp_path: Path
 ):
-    base = make_settings()
-    env = {
-        "TOKEND_REDIS_URL": base.redis_url,
-        "TOKEND_KEY_PREFIX": base.key_prefix,
-        "TOKEND_KEYS_DIR": base.keys_dir,
-        "TOKEND_DATA_DIR": str(tmp_path / "data"),
-        "TOKEND_HEARTBEAT_INTERVAL": "0.2",
-        "TOKEND_WARN_AFTER": "0.6",
-        "TOKEND_EXPIRE_AFTER": "1.2",
-        "TOKEND_SWEEP_INTERVAL": "0.05",
-    }
+    base = make_settings()  # the short clocks of the tests
+    env = node_env(base)
     nodes = [TokendProcess({**env, "TOKEND_NODE_NAME": f"node-{n}"}) for n in "ab"]
     for node in nodes:
         node.start()
@@ -131,3 +129,110 @@ async def test_readyz_reports_a_dead_background_task(app):
         await sweeper
     status, body = await http_get(app.port, "/readyz")
     assert status == 503 and "sweeper" in body["node"]
+
+
+async def test_redis_unavailable_for_30_s(start_app, tokens: TokenService, own_redis: RedisProcess):
+    """Redis frozen (SIGSTOP: connections hang, nothing is refused) for OUTAGE_S."""
+    app = await start_app(redis_url=own_redis.url, redis_timeout=0.5, **OUTAGE_CLOCKS)
+    assert own_redis.process is not None
+    loop = asyncio.get_running_loop()
+    async with RawClient.connect(app.port) as held:
+        welcome = await held.hello(tokens.mint("patient"))
+        tid = str(uuid.UUID(bytes=welcome.tid))
+        acks: list[p.HeartbeatAck] = []
+
+        async def heartbeat_until(deadline: float) -> None:
+            while loop.time() < deadline:
+                acks.append(await held.heartbeat())
+                await asyncio.sleep(OUTAGE_CLOCKS["heartbeat_interval"])
+
+        own_redis.process.send_signal(signal.SIGSTOP)
+        try:
+            stopped_at = loop.time()
+            heartbeats = asyncio.create_task(heartbeat_until(stopped_at + OUTAGE_S))
+            status, body = await http_get(app.port, "/readyz")
+            assert status == 503 and "redis" in body, body
+            async with RawClient.connect(app.port) as newcomer:
+                await newcomer.send(p.encode(p.Hello(tokens.mint("early"))))
+                assert (await newcomer.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+            await heartbeats  # the whole outage, one heartbeat a second, each ACKed
+        finally:
+            own_redis.process.send_signal(signal.SIGCONT)
+        assert len(acks) >= OUTAGE_S / OUTAGE_CLOCKS["heartbeat_interval"] / 2
+        assert all(ack.exp_ms == welcome.exp_ms for ack in acks)
+        # The node recovers by itself; readyz is what an operator polls.
+        async with asyncio.timeout(10):
+            while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        # Held past expire_after after recovery: the session goes on, never expired.
+        await heartbeat_until(loop.time() + OUTAGE_CLOCKS["expire_after"] + 1)
+        async with RawClient.connect(app.port) as later:
+            await later.hello(tokens.mint("later"))
+    client_redis = aioredis.from_url(own_redis.url, decode_responses=True)
+    history = [
+        e["type"]
+        for e in await stream_events(client_redis, app.settings.key_prefix)
+        if e["tid"] == tid
+    ]
+    await client_redis.aclose()
+    assert history == ["SESSION_STARTED"], history
+
+
+SLOW_REDIS_S = 1.5  # latency the proxy adds, above the redis_timeout below
+SLOW_TIMEOUT = 0.5
+SLOW_ATTEMPTS = 60  # HELLOs sent while Redis is slow, in waves of SLOW_WAVE
+SLOW_WAVE = 20
+
+
+def server_tasks() -> int:
+    """Tasks of this event loop but the proxy's own."""
+    return sum(
+        not t.get_coro().__qualname__.startswith(LatencyProxy.__name__) for t in asyncio.all_tasks()
+    )
+
+
+async def test_slow_redis_fails_fast(start_app, tokens: TokenService, redis_server: RedisProcess):
+    """Redis slower than redis_timeout: 1013 in time, nothing piles up, then recovery."""
+    async with LatencyProxy(redis_server.port) as proxy:
+        app = await start_app(
+            redis_url=proxy.url, redis_timeout=SLOW_TIMEOUT, warn_after=20, expire_after=30
+        )
+        assert app.node is not None
+        loop = asyncio.get_running_loop()
+        async with RawClient.connect(app.port) as held:
+            welcome = await held.hello(tokens.mint("steady"))
+            baseline_tasks = server_tasks()
+            proxy.delay = SLOW_REDIS_S
+
+            async def refused_in() -> float:
+                async with RawClient.connect(app.port) as newcomer:
+                    began = loop.time()
+                    await newcomer.send(p.encode(p.Hello(tokens.mint("hasty"))))
+                    assert (await newcomer.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+                    return loop.time() - began
+
+            waits: list[float] = []
+            most_waiting = 0
+            for _ in range(SLOW_ATTEMPTS // SLOW_WAVE):
+                wave = asyncio.gather(*(refused_in() for _ in range(SLOW_WAVE)))
+                ack = await held.heartbeat()  # answered from what the node knows
+                assert ack.exp_ms == welcome.exp_ms
+                waits += await wave
+                most_waiting = max(
+                    most_waiting,
+                    len(app.node.heartbeats._waiting) + len(app.node.heartbeats.unstored),
+                )
+            # Each HELLO waited one redis_timeout, not behind the others.
+            assert max(waits) < SLOW_TIMEOUT + 1.0, max(waits)
+            # Nothing accumulates: one heartbeat entry per connection, tasks back to before.
+            assert most_waiting <= 1
+            async with asyncio.timeout(SLOW_TIMEOUT * 2):  # the last closes finish
+                while server_tasks() > baseline_tasks:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            proxy.delay = 0.0
+            async with asyncio.timeout(10):
+                while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+            await held.heartbeat()
+            async with RawClient.connect(app.port) as newcomer:
+                await newcomer.hello(tokens.mint("patient"))

@@ -9,6 +9,7 @@ seconds exercise renewal, with 2 s (expire_after) of slack for a busy machine.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from tests.support import LOOPBACK
 
 RUN = Path(__file__).resolve().parent.parent / "load_tests" / "run.py"
+SOAK = RUN.with_name("soak.py")
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -64,3 +66,26 @@ def test_locust_smoke_run(tmp_path: Path):
     assert not _processes_mentioning(workdir)
     with socket.socket() as probe:
         assert probe.connect_ex((LOOPBACK, port)) != 0
+
+
+def test_soak_smoke_run(tmp_path: Path):
+    """load_tests/soak.py, tiny: 60 sessions from 2 processes, 0.5 s heartbeats for 3 s."""
+    figures_file = tmp_path / "soak.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+    result = subprocess.run(
+        [sys.executable, str(SOAK), "--sessions", "60", "--clients", "2", "--duration", "3",
+         "--heartbeat", "0.5", "--json", str(figures_file)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.rstrip().endswith("result:             PASS")
+    figures = json.loads(figures_file.read_text())
+    assert figures["sessions"] == 60 and figures["unexpected_closes"] == {}
+    # Every connection heartbeated about six times, each ACKed and timed.
+    assert figures["acks"] == figures["heartbeats_sent"] >= 60 * 5
+    assert figures["ack_latency"]["samples"] == figures["acks"]
+    assert figures["server_rss_mb"]["peak"] > 0
+    assert figures["events"] == {"SESSION_STARTED": 60}
+    # It stopped everything it started.
+    assert not Path(figures["workdir"]).exists()
+    assert not _processes_mentioning(figures["workdir"])

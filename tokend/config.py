@@ -69,6 +69,14 @@ class Settings:
     # Frames per second one connection may send after WELCOME, with bursts up to ten
     # times that; beyond it the connection is closed with 4029. 0: no limit.
     max_frame_rate: float = 5.0
+    # Connections past the WebSocket handshake still waiting for WELCOME (HELLO not yet
+    # sent, or being verified and stored); beyond it a new handshake gets HTTP 503 with
+    # Retry-After, so a reconnect storm cannot starve the sessions already open. 0: no cap.
+    max_pending_hellos: int = 1024
+    # How long a connection's writes may stay stalled (the client reads nothing while its
+    # buffers are full) before the connection is dropped. Bounds the memory a slow reader
+    # holds on the server.
+    send_timeout: float = 10.0
     # Listen backlog: pending TCP connections; too small a value turns a reconnect storm
     # into one-second SYN retransmits. The kernel caps it at net.core.somaxconn.
     backlog: int = 4096
@@ -130,6 +138,7 @@ _DURATIONS = (
     "hello_timeout",
     "redis_timeout",
     "sweep_interval",
+    "send_timeout",
 )
 _CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
 FIELDS = {f.name: f for f in fields(Settings)}
@@ -179,7 +188,12 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("algorithms: name at least one JWS algorithm")
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
-    for name in ("max_connections_per_ip", "max_sessions_per_sub", "max_frame_rate"):
+    for name in (
+        "max_connections_per_ip",
+        "max_sessions_per_sub",
+        "max_frame_rate",
+        "max_pending_hellos",
+    ):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:

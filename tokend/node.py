@@ -101,7 +101,12 @@ class HeartbeatBatcher:
             replays = {
                 c: replace(r, replayed=True) for c, r in self.unstored.items() if c not in waiting
             }
-            requests = [r for r, _ in waiting.values()] + list(replays.values())
+            # A connection whose earlier heartbeat is still unstored was not silent, whatever
+            # Redis last recorded: its new heartbeat is not judged late either.
+            requests = [
+                replace(r, replayed=True) if c in self.unstored else r
+                for c, (r, _) in waiting.items()
+            ] + list(replays.values())
             try:
                 results = await self.store.heartbeats(requests)
             except StoreUnavailable as exc:

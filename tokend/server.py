@@ -15,6 +15,7 @@ import contextlib
 import gc
 import http
 import json
+import resource
 import signal
 from collections import Counter
 from collections.abc import Sequence
@@ -24,7 +25,9 @@ import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, NegotiationError
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.protocol import Event, State
 from websockets.typing import Subprotocol
 
 from tokend import health
@@ -34,7 +37,7 @@ from tokend.config import Settings
 from tokend.embedded import EmbeddedRedis
 from tokend.metrics import Metrics
 from tokend.node import Node
-from tokend.session import LinkClosed, Session
+from tokend.session import LinkClosed, Session, TokenBucket
 from tokend.store import connect
 from tokend.tokens import KeyRing, TokenService
 
@@ -43,6 +46,85 @@ log = structlog.get_logger("tokend.server")
 GOING_AWAY = "server going away"
 # Least time between two batches of a drain's closes.
 DRAIN_TICK = 0.05
+
+# Seconds a client refused with HTTP 503 (too many pending HELLOs) is asked to wait; its
+# jittered backoff spreads the retries anyway.
+RETRY_AFTER_S = 1
+# Descriptors kept free of client connections besides the Redis pool's: the listener,
+# pub/sub, key files, logs, the embedded Redis's pipes.
+FD_RESERVE = 32
+
+
+class TokendConnection(ServerConnection):
+    """A websockets server connection with the limits the library lacks (docs/security.md).
+
+    * Pings count against ``max_frame_rate`` in a bucket of their own; beyond it the
+      connection is closed with 4029. The library answers every ping with a pong written
+      without flow control, so an unlimited ping flood from a client that reads nothing
+      would grow the write buffer without bound.
+    * Writes stalled for ``send_timeout`` (the buffer above its high-water mark because
+      the client reads nothing) drop the connection: no close frame can reach a client
+      that does not read, and until then a send, and even a close, waits for it.
+
+    :meth:`for_app` makes the subclass that :func:`websockets.asyncio.server.serve`
+    instantiates, bound to one :class:`App`.
+    """
+
+    app: App
+    # Class-level defaults: an idle connection stores none of them (docs/performance.md).
+    pings: TokenBucket | None = None  # made at the first ping
+    stall: asyncio.TimerHandle | None = None
+    closing: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_app(cls, app: App) -> type[TokendConnection]:
+        return type(cls.__name__, (cls,), {"app": app})
+
+    @property
+    def peer(self) -> str:
+        address = self.remote_address
+        return f"{address[0]}:{address[1]}" if address else "?"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.app.open_connections += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.app.open_connections -= 1
+        if self.stall is not None:
+            self.stall.cancel()
+        super().connection_lost(exc)
+
+    def process_event(self, event: Event) -> None:
+        rate = self.app.settings.max_frame_rate
+        if isinstance(event, Frame) and event.opcode is Opcode.PING and rate:
+            if self.pings is None:
+                self.pings = TokenBucket(rate)
+            if not self.pings.take() and self.closing is None and self.state is State.OPEN:
+                log.warning("closing", peer=self.peer, code=4029, reason="too many pings")
+                self.closing = self.loop.create_task(
+                    self.close(p.CloseCode.RATE_LIMITED, "too many pings")
+                )
+        super().process_event(event)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.stall = self.loop.call_later(self.app.settings.send_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        log.warning(
+            "dropping connection: client not reading",
+            peer=self.peer,
+            send_timeout=self.app.settings.send_timeout,
+            unsent=self.transport.get_write_buffer_size(),
+        )
+        self.transport.abort()
 
 
 class WebSocketLink:
@@ -94,6 +176,21 @@ def json_response(status: http.HTTPStatus, body: Any) -> Response:
     return Response(status.value, status.phrase, headers, data)
 
 
+def busy() -> Response:
+    """HTTP 503 with Retry-After: the SDK and well-behaved clients back off and retry."""
+    response = json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, {"error": "busy"})
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def connection_budget(settings: Settings) -> int:
+    """Client connections this process can hold and still open its Redis connections."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 62
+    return soft - settings.redis_pool_size - FD_RESERVE
+
+
 class App:
     """tokend assembled: keys, store (embedded or configured Redis), node, listener."""
 
@@ -105,11 +202,21 @@ class App:
         self.admin: AdminServer | None = None
         self.connections_per_ip: Counter[str] = Counter()
         self.draining = False
+        # TCP connections open now (WebSocket or plain HTTP), from TokendConnection.
+        self.open_connections = 0
+        # Beyond this many, handshakes get 503: the Redis pool must still find descriptors.
+        self.max_open_connections = connection_budget(settings)
 
     @property
     def port(self) -> int:
         assert self.server is not None
         return int(self.server.sockets[0].getsockname()[1])
+
+    @property
+    def pending_hellos(self) -> int:
+        """Open connections that hold no session: handshaking, or before WELCOME."""
+        sessions = len(self.node.sessions) if self.node is not None else 0
+        return self.open_connections - sessions
 
     async def start(self) -> None:
         settings = self.settings
@@ -143,6 +250,7 @@ class App:
             backlog=settings.backlog,
             # Workers of one supervisor share the port; the kernel spreads connections.
             reuse_port=settings.workers > 1,
+            create_connection=TokendConnection.for_app(self),
         )
         log.info(
             "listening",
@@ -150,6 +258,7 @@ class App:
             port=self.port,
             node=self.node.name,
             redis="embedded" if self.embedded else "external",
+            max_connections=self.max_open_connections,
         )
 
     async def drain(self, hurry: asyncio.Event) -> None:
@@ -225,6 +334,18 @@ class App:
                 return json_response(
                     http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
                 )
+            if self.open_connections > self.max_open_connections:
+                log.warning(
+                    "handshake refused: near the open-file limit",
+                    connections=self.open_connections,
+                    cap=self.max_open_connections,
+                )
+                return busy()
+            # Connections without a session yet (this one among them).
+            pending_cap = self.settings.max_pending_hellos
+            if pending_cap and self.pending_hellos > pending_cap:
+                log.warning("handshake refused: too many pending HELLOs", cap=pending_cap)
+                return busy()
             return None
         if path == "/healthz":
             return json_response(*health.liveness(self.node))

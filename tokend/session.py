@@ -51,6 +51,25 @@ class Link(Protocol):
     async def close(self, code: int, reason: str) -> None: ...
 
 
+class TokenBucket:
+    """A rate limit: refills at ``rate`` per second and holds at most ten times that."""
+
+    __slots__ = ("allowance", "burst", "checked", "rate")
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = 10 * rate
+        self.allowance = self.burst
+        self.checked = time.monotonic()
+
+    def take(self) -> bool:
+        """Spend one; False when the bucket is empty (the caller is over the rate)."""
+        now = time.monotonic()
+        self.allowance = min(self.burst, self.allowance + (now - self.checked) * self.rate) - 1
+        self.checked = now
+        return self.allowance >= 0
+
+
 class Close(Exception):
     """End the connection with this close code."""
 
@@ -187,20 +206,15 @@ class Session:
 
     async def _serve(self) -> None:
         rate = self.node.settings.max_frame_rate
-        burst = 10 * rate
-        allowance, checked = burst, time.monotonic()
+        frames = TokenBucket(rate) if rate else None
         link = self.link
         while True:
             # Awaited here, not in a helper: one coroutine frame less per idle session.
             data = await link.recv()
             received = time.perf_counter()  # the heartbeat's decode stage starts
             frame = self._decode(data)
-            if rate:  # token bucket: refills at `rate`, holds at most `burst`
-                now = time.monotonic()
-                allowance = min(burst, allowance + (now - checked) * rate) - 1
-                checked = now
-                if allowance < 0:
-                    raise Close(p.CloseCode.RATE_LIMITED, "too many frames")
+            if frames is not None and not frames.take():
+                raise Close(p.CloseCode.RATE_LIMITED, "too many frames")
             if isinstance(frame, p.Heartbeat):
                 await self._heartbeat(frame, received)
             elif isinstance(frame, p.Bye):

@@ -353,7 +353,7 @@ class Store:
         # The session hash outlives its token by this much, so that a late sweep
         # still finds it and emits TOKEN_EXPIRED instead of losing it to PEXPIREAT.
         self.grace_ms = self.expire_ms
-        self._common = [
+        self._prelude_args = [
             node,
             self.keys.events_channel,
             self.keys.control_channel,
@@ -361,6 +361,16 @@ class Store:
         ]
         # Told (script name, seconds) after every script round trip; tokend.metrics sets it.
         self.observe: Callable[[str, float], None] = _ignore
+        # How long after sending a request it may still act (see _prelude.lua).
+        self.given_up_after_ms = settings.ms("redis_timeout") + settings.ms("leeway")
+        # This node's wall clock: it only dates requests, never judges a session.
+        self.wall_clock: Callable[[], float] = time.time
+
+    @property
+    def _common(self) -> list[str]:
+        """ARGV[1..5] of every script: the prelude's, then this request's deadline."""
+        given_up_at = int(self.wall_clock() * 1000) + self.given_up_after_ms
+        return [*self._prelude_args, str(given_up_at)]
 
     async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -377,6 +387,14 @@ class Store:
         finally:
             self.observe(name, time.perf_counter() - started)
 
+    @staticmethod
+    def _answered(result: Any) -> Any:
+        """A script's reply; None (Lua false) means the prelude found it past its deadline."""
+        if result is None:
+            # Only while we still wait when this node's clock is far behind Redis's.
+            raise StoreUnavailable("request past its deadline: is this node's clock behind?")
+        return result
+
     async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         argv = [*self._common, *args]
 
@@ -388,10 +406,12 @@ class Store:
                 await self.redis.script_load(script.source)
                 return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
 
-        return await self._timed(script.name, call)
+        return self._answered(await self._timed(script.name, call))
 
     async def _eval_many(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
+
+        common = self._common
 
         async def run(indices: Sequence[int]) -> list[Any]:
             # A Cluster pipeline sends each call to its slot's node, all concurrently.
@@ -399,7 +419,7 @@ class Store:
             pipe = self.redis.pipeline(transaction=False)
             for i in indices:
                 script, keys, args = calls[i]
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *common, *args)
             return list(await pipe.execute(raise_on_error=False))
 
         async def call() -> list[Any]:
@@ -416,7 +436,7 @@ class Store:
                     raise result
                 if isinstance(result, Exception):
                     raise RuntimeError(f"script failed: {result}")
-            return results
+            return [self._answered(result) for result in results]
 
         return await self._timed(calls[0][0].name if calls else "none", call)
 

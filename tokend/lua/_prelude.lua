@@ -2,14 +2,25 @@
 -- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event
 -- stream; every other key is a session or tombstone key of the same shard, so
 -- all keys share one hash tag. ARGV[1..4] are node name, events channel,
--- control channel and stream cap; script arguments start at ARGV[5].
+-- control channel and stream cap; ARGV[5] is the request's deadline (below) and is
+-- taken out, so that script arguments start at ARGV[5].
 local NODE, EVENTS, CONTROL, MAXLEN = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local GIVEN_UP_AT = tonumber(table.remove(ARGV, 5))
 local DUE, STREAM = KEYS[1], KEYS[2]
 
 -- Time comes from Redis, never from a node, so skewed nodes agree on deadlines.
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A request that reaches Redis after its node stopped waiting for it (its wall clock
+-- plus redis_timeout plus leeway for clock skew) does nothing. Such requests are left
+-- in a frozen Redis's socket buffers (a paused process, a long fork, a stalled VM) and
+-- run when it thaws: a heartbeat judged then would find the session silent for the
+-- whole freeze, a HELLO or BYE would act for a client already told 1013.
+if now_ms() > GIVEN_UP_AT then
+  return false
 end
 
 -- The event of a transition, emitted in the same atomic step that makes it.

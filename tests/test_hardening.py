@@ -1,0 +1,232 @@
+"""Hardening with real sockets: a client that stops reading, descriptors running out,
+a reconnect storm after a restart (issue 6; docs/security.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+
+from structlog.testing import capture_logs
+from websockets.exceptions import InvalidStatus
+from websockets.frames import Frame, Opcode
+
+from bench.common import proc_cpu
+from tests.support import (
+    CALM_CLOCKS,
+    LOOPBACK,
+    EventLog,
+    RawClient,
+    TokendProcess,
+    WireClient,
+    http_get,
+    node_env,
+)
+from tokend import client, store
+from tokend import protocol as p
+from tokend.server import App
+from tokend.tokens import TokenService
+
+SEND_TIMEOUT = 1.0
+PINGS = [Frame(Opcode.PING, bytes(125))] * 20
+
+
+async def until(condition: Callable[[], bool], timeout: float) -> None:
+    """Wait (bounded) for a condition of the in-process server to hold."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - server state, no event to await
+            await asyncio.sleep(0.02)
+
+
+async def test_a_client_that_stops_reading_is_dropped(start_app, tokens: TokenService, redis):
+    # No frame limit, so that the client can make the server write faster than it reads;
+    # clocks long enough that only the stall, never expiry, can end the connection.
+    app: App = await start_app(
+        max_frame_rate=0, send_timeout=SEND_TIMEOUT, warn_after=30, expire_after=40
+    )
+    assert app.node is not None
+    token = tokens.mint("sloth")
+    client = await WireClient.open(app.port, rcvbuf=4096)
+    await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(token))))
+    welcome = await client.welcome()
+    tid = str(uuid.UUID(bytes=welcome.tid))
+    with capture_logs() as logs:
+        async with EventLog(redis, f"{app.settings.key_prefix}:events") as events:
+            # Heartbeats whose exp is wrong: every ACK re-sends the token (~330 bytes). The
+            # client never reads another byte.
+            seq = 0
+            with contextlib.suppress(OSError, TimeoutError):
+                async with asyncio.timeout(15):
+                    while app.node.sessions:
+                        seq += 1
+                        hb = p.make_heartbeat(welcome.session_key, welcome.tid, seq, 1)
+                        # Pings of the largest size, answered by pongs: more to write.
+                        await client.send(Frame(Opcode.BINARY, p.encode(hb)), *PINGS)
+            await until(lambda: not app.node.sessions, 5)
+            client.close()
+            # The session is not ended: the client may come back and resume it.
+            async with RawClient.connect(app.port) as again:
+                assert (await again.hello(token)).resumed
+            assert not events.of("TOKEN_EXPIRED", tid)
+    [dropped] = [e for e in logs if e["event"] == "dropping connection: client not reading"]
+    # What the server held for it: the write limit (32 KiB) and what was in flight.
+    assert dropped["unsent"] <= 2**15 + 4096
+
+
+MAX_OPEN_FILES = 64
+EXHAUSTED_FOR = 2.0  # seconds the server spends with every descriptor in use
+# Less CPU than this share of a core while exhausted: nothing spins on accept().
+IDLE_CPU_SHARE = 0.25
+
+
+async def test_descriptors_exhausted(make_settings, tokens: TokenService, tmp_path):
+    env = node_env(make_settings(**CALM_CLOCKS, redis_pool_size=4))
+    node = TokendProcess(env, max_open_files=MAX_OPEN_FILES)
+    await asyncio.to_thread(node.start)
+    assert node.process is not None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            held: list[RawClient] = []
+            # Sessions until the server refuses one: 503 at its connection budget.
+            for i in range(MAX_OPEN_FILES):
+                try:
+                    client = await stack.enter_async_context(RawClient.connect(node.port))
+                except InvalidStatus as refused:
+                    assert refused.response.status_code == 503
+                    assert refused.response.headers["Retry-After"]
+                    break
+                await client.hello(tokens.mint(f"fd-{i}"))
+                held.append(client)
+            else:
+                raise AssertionError("no connection was refused")
+            # Now take every descriptor: bare TCP connections that never say anything.
+            idle = [
+                await asyncio.open_connection(LOOPBACK, node.port) for _ in range(MAX_OPEN_FILES)
+            ]
+            cpu = proc_cpu(node.process.pid)
+            began = time.monotonic()
+            await asyncio.sleep(EXHAUSTED_FOR)  # a measuring window, not a wait for an event
+            spent = proc_cpu(node.process.pid) - cpu
+            assert spent < IDLE_CPU_SHARE * (time.monotonic() - began), spent
+            # Some of them found no descriptor left: accepted and closed at once (uvloop,
+            # libuv's reserved-descriptor trick), not left hanging in the backlog.
+            assert any(reader.at_eof() for reader, _ in idle)
+            # The sessions it holds are served throughout (the Redis pool kept its sockets).
+            for client in held:
+                assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+            for _, writer in idle:
+                writer.close()
+        # Everything closed: the server accepts and serves new sessions again.
+        async with RawClient.connect(node.port) as client:
+            await client.hello(tokens.mint("after"))
+            assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+    finally:
+        assert node.stop() == 0
+    while node.read_log(0.1) is not None:
+        pass
+    events = [line["event"] for line in node.log_lines]
+    assert "handshake refused: near the open-file limit" in events
+
+
+STORM_CLIENTS = 300
+STORM_SPREAD = 2.0  # the SDK's backoff base and cap: first retries spread over 0..2 s
+STORM_PENDING_CAP = 40  # max_pending_hellos: the storm must run into it
+PROBE_BOUND = 1.0  # a health probe is answered within this while the storm goes on
+
+
+async def resumed_at(session: client.Session) -> float:
+    """Loop time of the session's first RESUMED change (it reconnected)."""
+    async for change in session.changes():
+        if change.kind is client.Change.RESUMED:
+            return asyncio.get_running_loop().time()
+        assert change.kind is not client.Change.ENDED, change
+    raise AssertionError("changes ended")
+
+
+async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens: TokenService):
+    clocks = {"heartbeat_interval": 2.0, "warn_after": 10.0, "expire_after": 15.0}
+    app = await start_app(max_pending_hellos=STORM_PENDING_CAP, **clocks)
+    port = app.port
+    url = f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
+    backoff = client.Backoff(base=STORM_SPREAD, cap=STORM_SPREAD)
+    sessions = [
+        client.Session(url, tokens.mint(f"storm-{i}"), backoff=backoff)
+        for i in range(STORM_CLIENTS)
+    ]
+    loop = asyncio.get_running_loop()
+    watchers: list[asyncio.Task[float]] = []
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(s.start() for s in sessions))
+        watchers = [asyncio.create_task(resumed_at(s)) for s in sessions]
+        await app.stop()  # every connection closed with 1001: all reconnect at once
+        restarted_at = loop.time()
+        app = await start_app(port=port, max_pending_hellos=STORM_PENDING_CAP, **clocks)
+        slowest_probe = 0.0
+        async with asyncio.timeout(30):
+            while not all(w.done() for w in watchers):
+                began = loop.time()
+                status, _ = await http_get(app.port, "/healthz")
+                slowest_probe = max(slowest_probe, loop.time() - began)
+                assert status == 200
+        times = sorted(w.result() - restarted_at for w in watchers)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+    assert slowest_probe < PROBE_BOUND, slowest_probe
+    # Full jitter: the reconnects are spread over most of the backoff, not bunched.
+    p10, p90 = times[len(times) // 10], times[9 * len(times) // 10]
+    assert p90 - p10 > 0.5 * STORM_SPREAD, (p10, p90)
+    # Some clients met the HELLO cap (503) and came back later; none was lost.
+    assert sum(s.stats.reconnects for s in sessions) > STORM_CLIENTS
+    assert all(s.error is None for s in sessions)
+
+
+def skewed_clock(offset: float) -> Callable[[], float]:
+    """The wall clock of a node ``offset`` seconds off Redis's."""
+    return lambda: time.time() + offset
+
+
+def redis_ms(reply: tuple[int, int]) -> int:
+    seconds, micros = reply
+    return seconds * 1000 + micros // 1000
+
+
+async def test_clocks_run_on_redis_time(app, tokens: TokenService, redis, events):
+    """Session clocks and event times are Redis TIME (the scripts' now_ms), not the node's.
+
+    The node's own wall clock only dates its requests (the prelude's deadline), and a skew
+    within ``leeway`` does not matter; beyond it, requests are refused with 1013.
+    """
+    app.node.store.wall_clock = skewed_clock(-(app.settings.leeway - 1))
+    before = redis_ms(await redis.time())
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(tokens.mint("skewed"))
+        await client.heartbeat()
+    tid = uuid.UUID(bytes=welcome.tid)
+    [started] = await events.wait_for("SESSION_STARTED", str(tid))
+    hb = int(await redis.hget(store.Keyspace(app.settings.key_prefix).session_keys(tid)[0], "hb"))
+    after = redis_ms(await redis.time())
+    assert before <= started["at"] <= hb <= after
+
+    too_far = app.settings.leeway + app.settings.redis_timeout + 1
+    app.node.store.wall_clock = skewed_clock(-too_far)
+    async with RawClient.connect(app.port) as client:
+        await client.send(p.encode(p.Hello(tokens.mint("too-skewed"))))
+        assert (await client.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+
+
+async def test_slow_loris_handshake_is_dropped(start_app):
+    """An opening handshake never finished is dropped after hello_timeout (open_timeout)."""
+    app = await start_app(hello_timeout=0.5)
+    reader, writer = await asyncio.open_connection(LOOPBACK, app.port)
+    writer.write(b"GET /v1/ws HTTP/1.1\r\nHost: tokend\r\nUpgrade: websocket\r\n")
+    try:
+        async with asyncio.timeout(app.settings.hello_timeout + 2):
+            assert await reader.read() == b""  # closed without an answer
+    finally:
+        writer.close()
