@@ -1,0 +1,325 @@
+"""Headless Chromium for the browser tests: installed on first use, driven from Python.
+
+A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module):
+
+- :func:`browser_tools` installs what the tests need once per machine: Debian's
+  ``chromium`` (with ``apt-get``, as root) and a pinned ``playwright-core`` from npm
+  into a cache directory outside the repository. What cannot be installed skips
+  the test with a message saying what failed.
+- ``site``: the repository's static files (the browser SDK, the test pages) over
+  loopback HTTP.
+- ``browser``: one Chromium (fresh profile) under ``tests/browser/driver.mjs``, as
+  a :class:`BrowserPage`: evaluate JavaScript in the page, await what the page
+  reports, take screenshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import LOOPBACK
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+CHROMIUM = Path("/usr/bin/chromium")
+# Pinned: the driver uses launchPersistentContext, exposeFunction and evaluate.
+PLAYWRIGHT_CORE_VERSION = "1.65.1"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokend-tests"
+INSTALL_TIMEOUT = 900  # seconds; the one-time apt and npm installs
+# URL prefix -> directory served by the ``site`` fixture.
+SITE_ROUTES = {
+    "/sdk/": ROOT / "sdk" / "js",
+    "/test/": HERE,
+    "/dashboard/": ROOT / "tokend" / "dashboard",
+}
+
+
+class BrowserUnavailable(Exception):
+    """Chromium or playwright-core is missing and could not be installed."""
+
+
+def _run(command: list[str], what: str, **kwargs: Any) -> None:
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=INSTALL_TIMEOUT,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            **kwargs,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BrowserUnavailable(f"{what}: {exc}") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise BrowserUnavailable(f"{what} exited {done.returncode}: {' | '.join(tail)}")
+
+
+def install_chromium() -> Path:
+    """Debian's chromium at /usr/bin/chromium, installed with apt-get if missing."""
+    if CHROMIUM.exists():
+        return CHROMIUM
+    if os.geteuid() != 0:
+        raise BrowserUnavailable(f"{CHROMIUM} is missing and we are not root to apt-get it")
+    # Wait for another apt/dpkg run rather than failing on its lock.
+    install = [
+        "apt-get",
+        "-o",
+        "DPkg::Lock::Timeout=300",
+        "install",
+        "-y",
+        "--no-install-recommends",
+        "chromium",
+    ]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        _run(install, "apt-get install chromium", env=env)
+    except BrowserUnavailable:
+        # Perhaps stale package lists: refresh once and retry.
+        _run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update"], "apt-get update", env=env)
+        _run(install, "apt-get install chromium", env=env)
+    if not CHROMIUM.exists():
+        raise BrowserUnavailable(f"apt-get installed chromium but {CHROMIUM} is missing")
+    return CHROMIUM
+
+
+def install_playwright() -> Path:
+    """A directory whose node_modules holds playwright-core at the pinned version."""
+    target = CACHE / f"playwright-core-{PLAYWRIGHT_CORE_VERSION}"
+    if (target / "node_modules" / "playwright-core" / "package.json").exists():
+        return target
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        raise BrowserUnavailable("node and npm are needed to install playwright-core")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # Install beside the target and rename, so a broken install is never taken as done.
+    staging = Path(tempfile.mkdtemp(prefix="playwright-", dir=CACHE))
+    try:
+        (staging / "package.json").write_text('{"private": true}\n')
+        _run(
+            [
+                npm,
+                "install",
+                "--no-audit",
+                "--no-fund",
+                f"playwright-core@{PLAYWRIGHT_CORE_VERSION}",
+            ],
+            f"npm install playwright-core@{PLAYWRIGHT_CORE_VERSION}",
+            cwd=staging,
+        )
+        with contextlib.suppress(OSError):  # another run may have won the race
+            staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class BrowserTools:
+    chromium: Path
+    playwright_dir: Path
+
+
+@functools.cache
+def _tools() -> BrowserTools | str:
+    try:
+        return BrowserTools(install_chromium(), install_playwright())
+    except BrowserUnavailable as exc:
+        return str(exc)
+
+
+def browser_tools() -> BrowserTools:
+    """The installed tools, or skip the test saying what could not be installed."""
+    tools = _tools()
+    if isinstance(tools, str):
+        pytest.skip(f"browser tests need Chromium and playwright-core: {tools}")
+    return tools
+
+
+class _SiteHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files of :data:`SITE_ROUTES`, JavaScript with a JavaScript type (ES modules)."""
+
+    extensions_map = {  # noqa: RUF012 - the base class declares it a class attribute
+        **http.server.SimpleHTTPRequestHandler.extensions_map,
+        ".js": "text/javascript",
+        ".mjs": "text/javascript",
+        ".css": "text/css",
+        ".html": "text/html; charset=utf-8",
+    }
+
+    def translate_path(self, path: str) -> str:
+        clean = path.split("?", 1)[0].split("#", 1)[0]
+        for prefix, directory in SITE_ROUTES.items():
+            if clean.startswith(prefix):
+                self.directory = str(directory)
+                return super().translate_path("/" + clean[len(prefix) :])
+        return str(ROOT / "nonexistent")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: pytest shows the page's own reports when a test fails."""
+
+
+class StaticSite:
+    """The :data:`SITE_ROUTES` over HTTP on a loopback port, in a thread."""
+
+    def __init__(self) -> None:
+        self.server = http.server.ThreadingHTTPServer((LOOPBACK, 0), _SiteHandler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def origin(self) -> str:
+        return f"http://{LOOPBACK}:{self.server.server_address[1]}"
+
+    def __enter__(self) -> StaticSite:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class PageError(Exception):
+    """An evaluation failed in the page, or the driver went away."""
+
+
+class BrowserPage:
+    """One page of a headless Chromium run by ``driver.mjs``; see its header for the wire."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.reports: list[Any] = []
+        self.log: list[str] = []  # console lines and page errors, for failure messages
+        self.ready = False  # Chromium is up and the page can be driven
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._next_id = 0
+        self._changed = asyncio.Condition()
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def launch(cls, tools: BrowserTools, profile: Path) -> AsyncIterator[BrowserPage]:
+        process = await asyncio.create_subprocess_exec(
+            shutil.which("node") or "node",
+            str(HERE / "driver.mjs"),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={
+                **os.environ,
+                "PLAYWRIGHT_DIR": str(tools.playwright_dir),
+                "CHROMIUM": str(tools.chromium),
+                "USER_DATA_DIR": str(profile),
+            },
+            limit=16 * 1024 * 1024,
+        )
+        page = cls(process)
+        try:
+            await page.wait_for(lambda: page.ready, timeout=30, what="Chromium to start")
+            yield page
+        finally:
+            await page._stop()
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        async for line in self.process.stdout:
+            message = json.loads(line)
+            async with self._changed:
+                if "id" in message:
+                    reply = self._replies.pop(message["id"])
+                    if "error" in message:
+                        reply.set_exception(PageError(message["error"]))
+                    else:
+                        reply.set_result(message["value"])
+                elif "report" in message:
+                    self.reports.append(message["report"])
+                elif "ready" in message:
+                    self.ready = True
+                else:
+                    self.log.append(message.get("console") or f"error: {message['pageerror']}")
+                self._changed.notify_all()
+        for reply in self._replies.values():
+            reply.set_exception(PageError(f"the browser driver exited: {self.log[-5:]}"))
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _command(self, timeout: float, **command: Any) -> Any:
+        assert self.process.stdin is not None
+        if self._reader.done():
+            raise PageError(f"the browser driver exited: {self.log[-5:]}")
+        self._next_id += 1
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[self._next_id] = reply
+        self.process.stdin.write(json.dumps({"id": self._next_id, **command}).encode() + b"\n")
+        await self.process.stdin.drain()
+        async with asyncio.timeout(timeout):
+            return await reply
+
+    async def goto(self, url: str, timeout: float = 10) -> None:
+        await self._command(timeout, op="goto", url=url)
+
+    async def eval(self, expression: str, timeout: float = 10) -> Any:
+        """The value of a JavaScript expression in the page (a promise is awaited)."""
+        return await self._command(timeout, op="eval", expression=expression)
+
+    async def screenshot(self, path: Path, timeout: float = 10) -> Path:
+        await self._command(timeout, op="screenshot", path=str(path))
+        return path
+
+    async def wait_for(
+        self, predicate: Callable[[], Any], timeout: float = 5, what: str = "the page"
+    ) -> Any:
+        """Wait until ``predicate()`` is truthy (checked whenever the page says something)."""
+        try:
+            async with asyncio.timeout(timeout), self._changed:
+                while not (value := predicate()):
+                    if self._reader.done():
+                        raise PageError(f"the browser driver exited: {self.log[-5:]}")
+                    await self._changed.wait()
+                return value
+        except TimeoutError:
+            raise AssertionError(
+                f"timed out after {timeout} s waiting for {what}; "
+                f"reports {self.reports[-8:]}; log {self.log[-8:]}"
+            ) from None
+
+    async def _stop(self) -> None:
+        if self.process.stdin is not None and not self.process.stdin.is_closing():
+            self.process.stdin.close()
+        try:
+            async with asyncio.timeout(10):
+                await self.process.wait()
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+        await self._reader
+
+
+@pytest.fixture(scope="session")
+def site() -> Iterator[StaticSite]:
+    with StaticSite() as running:
+        yield running
+
+
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[BrowserPage]:
+    tools = browser_tools()
+    profile = tmp_path / "chromium-profile"
+    profile.mkdir()
+    async with BrowserPage.launch(tools, profile) as page:
+        yield page
