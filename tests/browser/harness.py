@@ -8,9 +8,10 @@ A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module
   the test with a message saying what failed.
 - ``site``: the repository's static files (the browser SDK, the test pages) over
   loopback HTTP.
-- ``browser``: one Chromium (fresh profile) under ``tests/browser/driver.mjs``, as
-  a :class:`BrowserPage`: evaluate JavaScript in the page, await what the page
-  reports, take screenshots.
+- ``chromium``: one headless Chromium for the test session (``tests/browser/driver.mjs
+  serve``, a Playwright server on loopback); ``browser``: a page of it in a fresh
+  browser context, for one test, as a :class:`BrowserPage`: evaluate JavaScript in
+  the page, await what the page reports, take screenshots.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import http.server
 import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +43,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 PLAYWRIGHT_CORE_VERSION = "1.65.1"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokend-tests"
 INSTALL_TIMEOUT = 900  # seconds; the one-time apt and npm installs
+CHROMIUM_START_TIMEOUT = 30  # seconds, for Chromium or a page to be ready
 # URL prefix -> directory served by the ``site`` fixture.
 SITE_ROUTES = {
     "/sdk/": ROOT / "sdk" / "js",
@@ -195,6 +198,44 @@ class StaticSite:
         self.server.server_close()
 
 
+def _driver_env(tools: BrowserTools, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PLAYWRIGHT_DIR": str(tools.playwright_dir),
+        "CHROMIUM": str(tools.chromium),
+        **extra,
+    }
+
+
+class ChromiumServer:
+    """``driver.mjs serve``: one Chromium that the tests' pages connect to."""
+
+    def __init__(self, tools: BrowserTools) -> None:
+        self.tools = tools
+        self.process = subprocess.Popen(
+            [shutil.which("node") or "node", str(HERE / "driver.mjs"), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_driver_env(tools),
+        )
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], CHROMIUM_START_TIMEOUT)
+        line = self.process.stdout.readline() if ready else b""
+        if not line:
+            self.stop()
+            raise RuntimeError(f"Chromium did not start within {CHROMIUM_START_TIMEOUT} s")
+        self.endpoint: str = json.loads(line)["endpoint"]
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 class PageError(Exception):
     """An evaluation failed in the page, or the driver went away."""
 
@@ -214,23 +255,19 @@ class BrowserPage:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def launch(cls, tools: BrowserTools, profile: Path) -> AsyncIterator[BrowserPage]:
+    async def open(cls, chromium: ChromiumServer) -> AsyncIterator[BrowserPage]:
         process = await asyncio.create_subprocess_exec(
             shutil.which("node") or "node",
             str(HERE / "driver.mjs"),
+            "page",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            env={
-                **os.environ,
-                "PLAYWRIGHT_DIR": str(tools.playwright_dir),
-                "CHROMIUM": str(tools.chromium),
-                "USER_DATA_DIR": str(profile),
-            },
+            env=_driver_env(chromium.tools, ENDPOINT=chromium.endpoint),
             limit=16 * 1024 * 1024,
         )
         page = cls(process)
         try:
-            await page.wait_for(lambda: page.ready, timeout=30, what="Chromium to start")
+            await page.wait_for(lambda: page.ready, CHROMIUM_START_TIMEOUT, "a browser page")
             yield page
         finally:
             await page._stop()
@@ -251,7 +288,7 @@ class BrowserPage:
                 elif "ready" in message:
                     self.ready = True
                 else:
-                    self.log.append(message.get("console") or f"error: {message['pageerror']}")
+                    self.log.append(message.get("console") or f"uncaught: {message['pageerror']}")
                 self._changed.notify_all()
         for reply in self._replies.values():
             reply.set_exception(PageError(f"the browser driver exited: {self.log[-5:]}"))
@@ -316,10 +353,17 @@ def site() -> Iterator[StaticSite]:
         yield running
 
 
+@pytest.fixture(scope="session")
+def chromium() -> Iterator[ChromiumServer]:
+    server = ChromiumServer(browser_tools())
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-async def browser(tmp_path: Path) -> AsyncIterator[BrowserPage]:
-    tools = browser_tools()
-    profile = tmp_path / "chromium-profile"
-    profile.mkdir()
-    async with BrowserPage.launch(tools, profile) as page:
+async def browser(chromium: ChromiumServer) -> AsyncIterator[BrowserPage]:
+    async with BrowserPage.open(chromium) as page:
         yield page
+    # An uncaught exception in the page is a bug even when the test's checks passed.
+    errors = [line for line in page.log if line.startswith("uncaught: ")]
+    assert not errors, f"the page logged errors: {errors}"
