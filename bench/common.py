@@ -439,6 +439,7 @@ def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -
         "TOKEND_DATA_DIR": str(directory),
         "TOKEND_KEY_PREFIX": "bench",
         "TOKEND_NODE_NAME": "bench",
+        "TOKEND_ADMIN_PORT": "0",  # ephemeral: never collide with another server's
         "TOKEND_LOG_FORMAT": "json",
         "TOKEND_LOG_LEVEL": ctx.log_level,
         **{config.env_name(k): str(v) for k, v in settings.items()},

@@ -89,6 +89,7 @@ def server_env(plan: Plan, data_dir: Path, port: int) -> dict[str, str]:
         TOKEND_HOST=LOOPBACK,
         TOKEND_PORT=str(port),
         TOKEND_NODE_NAME="load",
+        TOKEND_ADMIN_PORT="0",  # ephemeral: never collide with another server's admin port
         TOKEND_HEARTBEAT_INTERVAL=str(plan.heartbeat),
         TOKEND_WARN_AFTER=str(plan.warn_after),
         TOKEND_EXPIRE_AFTER=str(plan.expire_after),

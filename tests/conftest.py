@@ -67,6 +67,7 @@ def make_settings(
             "keys_dir": str(keys_dir),
             "data_dir": str(tmp_path / "data"),
             "port": 0,
+            "admin_port": 0,
             "node_name": "node-a",
             **SHORT_CLOCKS,
             **overrides,

@@ -10,10 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis import asyncio as aioredis
@@ -24,6 +26,7 @@ from tokend import protocol as p
 from tokend.embedded import find_server_binary
 
 LOOPBACK = "127.0.0.1"
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -93,8 +96,10 @@ class TokendProcess:
 
     def __init__(self, env: dict[str, str], port: int | None = None) -> None:
         self.port = port or free_port()
+        self.admin_port = free_port()
         self.env = {
             **os.environ,
+            "TOKEND_ADMIN_PORT": str(self.admin_port),
             **env,
             "TOKEND_PORT": str(self.port),
             "TOKEND_HOST": LOOPBACK,
@@ -123,6 +128,19 @@ class TokendProcess:
                 if entry.get("event") == "listening":
                     return
         raise RuntimeError("tokend did not start listening")
+
+    def follow_log(self) -> None:
+        """Keep reading the log after start (into ``log_lines``), so a chatty child never
+        blocks on a full stderr pipe."""
+        assert self.process is not None and self.process.stderr is not None
+        stderr = self.process.stderr
+
+        def read() -> None:
+            for line in stderr:
+                with contextlib.suppress(ValueError):
+                    self.log_lines.append(json.loads(line))
+
+        threading.Thread(target=read, daemon=True).start()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.process is not None
@@ -275,6 +293,62 @@ async def http_get(port: int, path: str) -> tuple[int, Any]:
             return err.code, json.loads(err.read() or b"null")
 
     return await asyncio.to_thread(get)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[T]], timeout: float = 5.0, interval: float = 0.02
+) -> T:
+    """Poll ``check`` until its result is truthy: for state in another process (Redis,
+    an HTTP endpoint) that offers nothing to await."""
+    async with asyncio.timeout(timeout):
+        while not (result := await check()):  # noqa: ASYNC110 - nothing to await instead
+            await asyncio.sleep(interval)
+    return result
+
+
+@dataclass
+class HttpReply:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def http_request(
+    port: int,
+    method: str,
+    path: str,
+    *,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 5.0,
+) -> HttpReply:
+    """One HTTP/1.1 request over a fresh connection (or ``raw`` bytes as they are),
+    read until the server closes; for the admin listener, which closes after each."""
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        if raw is None:
+            lines = [f"{method} {path} HTTP/1.1", f"Host: {LOOPBACK}:{port}"]
+            lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+            if body:
+                lines.append(f"Content-Length: {len(body)}")
+            raw = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+        writer.write(raw)
+        async with asyncio.timeout(timeout):
+            data = await reader.read()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    head, _, content = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in header_lines)
+    return HttpReply(
+        int(status_line.split(" ")[1]), {k.lower(): v for k, v in fields.items()}, content
+    )
 
 
 async def stream_events(client: aioredis.Redis, prefix: str) -> list[dict[str, Any]]:

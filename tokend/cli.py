@@ -1,4 +1,4 @@
-"""The ``tokend`` command: serve, issue, events, connect, revoke, keys."""
+"""The ``tokend`` command: serve, issue, events, connect, revoke, sessions, keys."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ import contextlib
 import json
 import sys
 import uuid
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokend import config
 from tokend.config import ConfigError, Settings
+
+if TYPE_CHECKING:
+    from tokend.store import Store
+
+# Sessions read per round of `tokend sessions list`.
+LIST_PAGE = 500
 
 _SETTING_HELP = {
     "host": "address to listen on",
@@ -133,30 +139,77 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     return status[0]
 
 
-def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
-    from tokend.store import Store, StoreUnavailable, connect
-
+def _parse_tid(command: str, text: str) -> uuid.UUID | None:
     try:
-        tid = uuid.UUID(args.tid)
+        return uuid.UUID(text)
     except ValueError:
-        print(f"tokend revoke: not a token id (UUID): {args.tid}", file=sys.stderr)
-        return 2
+        print(f"tokend {command}: not a token id (UUID): {text}", file=sys.stderr)
+        return None
+
+
+def _with_store(command: str, settings: Settings, use: Callable[[Store], Awaitable[int]]) -> int:
+    """Run ``use`` on a store over the configured Redis (the embedded one's socket when
+    redis_url is empty); exit status 1 when Redis is unreachable."""
+    from tokend.store import Store, StoreUnavailable, connect
 
     async def main() -> int:
         redis = connect(_redis_url(settings), settings)
         try:
-            store = Store(redis, settings, settings.resolved_node_name)
-            return await store.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+            return await use(Store(redis, settings, settings.resolved_node_name))
         finally:
             await redis.aclose()
 
     try:
-        result = asyncio.run(main())
+        return asyncio.run(main())
     except StoreUnavailable as exc:
-        print(f"tokend revoke: redis unavailable ({exc})", file=sys.stderr)
+        print(f"tokend {command}: redis unavailable ({exc})", file=sys.stderr)
         return 1
-    print({1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result])
-    return 0
+
+
+def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
+    tid = _parse_tid("revoke", args.tid)
+    if tid is None:
+        return 2
+
+    async def revoke(store: Store) -> int:
+        result = await store.revoke(tid)
+        print(
+            {1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result]
+        )
+        return 0
+
+    return _with_store("revoke", settings, revoke)
+
+
+def cmd_sessions(settings: Settings, args: argparse.Namespace) -> int:
+    """``sessions show TID`` (JSON; exit 1 if unknown) or ``sessions list`` (JSON lines)."""
+    if args.action == "show":
+        tid = _parse_tid("sessions show", args.tid or "(missing)")
+        if tid is None:
+            return 2
+
+        async def show(store: Store) -> int:
+            view = await store.session(tid)
+            if view is None:
+                print(f"tokend sessions: no session {tid}", file=sys.stderr)
+                return 1
+            print(json.dumps(view.as_json()))
+            return 0
+
+        return _with_store("sessions", settings, show)
+
+    async def listing(store: Store) -> int:
+        cursor: str | None = ""
+        printed = 0
+        while cursor is not None and (args.limit is None or printed < args.limit):
+            page_size = min(LIST_PAGE, args.limit - printed) if args.limit else LIST_PAGE
+            page, cursor = await store.sessions(args.state, cursor, page_size)
+            for view in page:
+                print(json.dumps(view.as_json()))
+            printed += len(page)
+        return 0
+
+    return _with_store("sessions", settings, listing)
 
 
 def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
@@ -270,6 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("tid", help="token id (the jti claim, a UUID)")
     revoke.set_defaults(func=cmd_revoke)
 
+    sessions = commands.add_parser(
+        "sessions",
+        help="show one session or list live sessions",
+        description="'show TID' prints the session of token TID as JSON (its tombstone, "
+        "state ENDED, once it has ended; exit status 1 if unknown); 'list' prints every "
+        "live session of every node, one JSON object per line. Reads Redis directly, "
+        "like the admin API's /v1/sessions.",
+    )
+    sessions.add_argument("action", choices=("show", "list"))
+    sessions.add_argument("tid", nargs="?", help="token id, for 'show'")
+    sessions.add_argument("--state", choices=("ACTIVE", "WARN"), help="only sessions in it")
+    sessions.add_argument("--limit", type=int, help="print at most this many")
+    sessions.set_defaults(func=cmd_sessions)
+
     keys = commands.add_parser(
         "keys",
         help="show or rotate signing keys",
@@ -279,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=("show", "rotate"))
     keys.set_defaults(func=cmd_keys)
 
-    for sub in (serve, issue, events, connect, revoke, keys):
+    for sub in (serve, issue, events, connect, revoke, sessions, keys):
         _add_settings(sub)
     return parser
 

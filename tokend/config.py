@@ -73,6 +73,16 @@ class Settings:
     stream_maxlen: int = 100000
     log_format: str = "json"
     log_level: str = "info"
+    # Bearer token of the admin API (/v1/* on the admin listener); empty: admin API and
+    # dashboard disabled (404). Never logged.
+    admin_token: str = ""
+    # Admin listener (metrics, health, admin API, dashboard); admin_port -1 turns it off.
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8766
+    # Largest request body the admin listener reads; larger gets 413.
+    admin_max_body: int = 16384
+    # On SIGTERM, open connections are closed with 1001 in batches spread over this long.
+    drain_period: float = 10.0
 
     # Derived values, in the units the code uses.
 
@@ -168,6 +178,12 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:
         raise ConfigError("backlog: must be 1..65535")
+    if not -1 <= settings.admin_port <= 65535:
+        raise ConfigError("admin_port: must be -1 (off) or 0..65535")
+    if settings.admin_max_body < 1:
+        raise ConfigError("admin_max_body: must be at least 1 byte")
+    if settings.drain_period < 0:
+        raise ConfigError("drain_period: must not be negative (0 closes all at once)")
     if settings.redis_pool_size < 4:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:

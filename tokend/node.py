@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 
 from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
+from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.session import Close, Session
 from tokend.store import (
@@ -120,6 +121,9 @@ class Node:
         self.tokens = tokens
         self.clocks = Clocks(settings.ms("warn_after"), settings.ms("expire_after"))
         self.heartbeats = HeartbeatBatcher(self.store)
+        self.metrics = Metrics()
+        self.metrics.sessions_by_state = self.sessions_by_state
+        self.store.observe = self.metrics.redis_call
         self.sessions: dict[str, Session] = {}  # by conn id
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
@@ -185,6 +189,10 @@ class Node:
             del tids[session.claims.tid]
             if not tids:
                 del self.sub_sessions[session.claims.sub]
+
+    def sessions_by_state(self) -> dict[str, int]:
+        warned = sum(1 for session in self.sessions.values() if session.warned)
+        return {State.ACTIVE.value: len(self.sessions) - warned, State.WARN.value: warned}
 
     def other_sessions_of(self, sub: str, tid: uuid.UUID) -> int:
         """Sessions of ``sub`` held here, not counting ``tid`` itself (a resume)."""
@@ -262,6 +270,8 @@ class Node:
             if made:  # logged by the one node whose compare-and-set took
                 log_at = self.log.warning if target == State.WARN else self.log.info
                 log_at("session " + target.lower(), tid=record.tid, reason=reason or None)
+                if target == State.EXPIRED:
+                    self.metrics.expired(reason)
         return sum(map(len, claimed))
 
     async def _listen(self) -> None:

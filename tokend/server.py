@@ -4,12 +4,14 @@ It serves, on one port, the WebSocket endpoint ``/v1/ws`` (RFC 6455, subprotocol
 ``tokend.v1``) and a few plain HTTP GET routes answered from the opening
 handshake (``/healthz``, ``/readyz``, ``/.well-known/jwks.json``). Every
 connection is handed to a :class:`tokend.session.Session` through a
-:class:`WebSocketLink`.
+:class:`WebSocketLink`. Beside it runs the admin listener (:mod:`tokend.admin`:
+metrics, admin API, dashboard). On SIGTERM the node drains (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import http
 import json
@@ -25,9 +27,12 @@ from websockets.exceptions import ConnectionClosed, NegotiationError
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
+from tokend import health
 from tokend import protocol as p
+from tokend.admin import AdminServer
 from tokend.config import Settings
 from tokend.embedded import EmbeddedRedis
+from tokend.metrics import Metrics
 from tokend.node import Node
 from tokend.session import LinkClosed, Session
 from tokend.store import connect
@@ -35,14 +40,19 @@ from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
 
+GOING_AWAY = "server going away"
+# Least time between two batches of a drain's closes.
+DRAIN_TICK = 0.05
+
 
 class WebSocketLink:
     """A websockets connection as a :class:`tokend.session.Link`."""
 
-    __slots__ = ("ws",)
+    __slots__ = ("metrics", "ws")
 
-    def __init__(self, ws: ServerConnection) -> None:
+    def __init__(self, ws: ServerConnection, metrics: Metrics) -> None:
         self.ws = ws
+        self.metrics = metrics
 
     async def recv(self) -> bytes | str:
         try:
@@ -57,6 +67,7 @@ class WebSocketLink:
             raise LinkClosed from None
 
     async def close(self, code: int, reason: str) -> None:
+        self.metrics.closed(code)
         await self.ws.close(code, reason)
 
 
@@ -91,7 +102,9 @@ class App:
         self.embedded: EmbeddedRedis | None = None
         self.node: Node | None = None
         self.server: Server | None = None
+        self.admin: AdminServer | None = None
         self.connections_per_ip: Counter[str] = Counter()
+        self.draining = False
 
     @property
     def port(self) -> int:
@@ -107,7 +120,11 @@ class App:
             await asyncio.to_thread(self.embedded.start)
             url = self.embedded.url
         self.node = Node(settings, connect(url, settings), tokens)
+        self.node.metrics.connections = lambda: sum(self.connections_per_ip.values())
         await self.node.start()
+        if settings.admin_port >= 0:
+            self.admin = AdminServer(self.node, lambda: self.draining)
+            await self.admin.start()
         self.server = await serve(
             self._handle,
             settings.host,
@@ -133,13 +150,49 @@ class App:
             redis="embedded" if self.embedded else "external",
         )
 
+    async def drain(self, hurry: asyncio.Event) -> None:
+        """Stop accepting, then close connections with 1001 spread over ``drain_period``.
+
+        Connections are closed in batches, one every :data:`DRAIN_TICK` or so, so that
+        their clients do not all reconnect (to other nodes) at once; sessions stay
+        resumable. Once ``hurry`` is set, the rest are closed at once.
+        """
+        assert self.server is not None and self.node is not None
+        self.draining = True
+        self.server.close(close_connections=False)
+        connections = list(self.server.connections)
+        period = self.settings.drain_period
+        n, closing = len(connections), []
+        ticks = max(1, min(n, int(period / DRAIN_TICK)))
+        self.node.log.info("draining", connections=n, period=period)
+        for tick in range(ticks):
+            if hurry.is_set():
+                self.node.log.warning("second signal: closing every connection now")
+            end = n if hurry.is_set() else (tick + 1) * n // ticks
+            batch = connections[tick * n // ticks : end]
+            closing += [asyncio.create_task(self._going_away(ws)) for ws in batch]
+            if end == n:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period / ticks):
+                    await hurry.wait()
+        if closing:
+            await asyncio.wait(closing)
+
+    async def _going_away(self, ws: ServerConnection) -> None:
+        assert self.node is not None
+        await WebSocketLink(ws, self.node.metrics).close(p.CloseCode.GOING_AWAY, GOING_AWAY)
+
     async def stop(self) -> None:
         """Stop accepting, close connections with 1001 (sessions stay resumable)."""
         if self.server is not None:
-            self.server.close(
-                close_connections=True, code=p.CloseCode.GOING_AWAY, reason="server going away"
-            )
+            self.draining = True
+            self.server.close(close_connections=False)
+            remaining = [self._going_away(ws) for ws in self.server.connections]
+            await asyncio.gather(*remaining)
             await self.server.wait_closed()
+        if self.admin is not None:
+            await self.admin.stop()
         if self.node is not None:
             await self.node.stop()
         if self.embedded is not None:
@@ -152,7 +205,8 @@ class App:
         ip = peer[0] if peer else "?"
         self.connections_per_ip[ip] += 1
         try:
-            await Session(self.node, WebSocketLink(ws), f"{ip}:{peer[1] if peer else 0}").run()
+            link = WebSocketLink(ws, self.node.metrics)
+            await Session(self.node, link, f"{ip}:{peer[1] if peer else 0}").run()
         finally:
             self.connections_per_ip[ip] -= 1
             if not self.connections_per_ip[ip]:
@@ -171,29 +225,16 @@ class App:
                 )
             return None
         if path == "/healthz":
-            return json_response(http.HTTPStatus.OK, {"status": "ok", "node": self.node.name})
+            return json_response(*health.liveness(self.node))
         if path == "/readyz":
-            problems = {}
-            redis_problem = await self.node.store.ready()
-            failed = self.node.failed_task()
-            if failed:
-                problems["node"] = f"background task {failed!r} stopped; restart this node"
-            if redis_problem:
-                problems["redis"] = redis_problem
-            elif not self.node.subscribed.is_set():
-                problems["control"] = "control subscription not established"
-            if problems:
-                return json_response(
-                    http.HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unavailable", **problems}
-                )
-            return json_response(http.HTTPStatus.OK, {"status": "ready"})
+            return json_response(*await health.readiness(self.node, self.draining))
         if path == "/.well-known/jwks.json":
             return json_response(http.HTTPStatus.OK, self.node.tokens.keys.jwks())
         return json_response(http.HTTPStatus.NOT_FOUND, {"error": "not_found", "path": path})
 
 
 async def serve_until_signalled(settings: Settings) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    """Run until SIGTERM or SIGINT, then drain and stop; a second signal hurries the drain."""
     app = App(settings)
     try:
         await app.start()
@@ -203,12 +244,17 @@ async def serve_until_signalled(settings: Settings) -> None:
     # Start-up objects live as long as the process: keep them out of every GC pass.
     gc.collect()
     gc.freeze()
-    stopping = asyncio.Event()
+    stopping, hurry = asyncio.Event(), asyncio.Event()
+
+    def signalled() -> None:
+        (hurry if stopping.is_set() else stopping).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, signalled)
     try:
         await stopping.wait()
-        log.info("signal received, stopping")
+        log.info("signal received, draining", drain_period=settings.drain_period)
+        await app.drain(hurry)
     finally:
         await app.stop()

@@ -191,7 +191,9 @@ class Session:
         link = self.link
         while True:
             # Awaited here, not in a helper: one coroutine frame less per idle session.
-            frame = self._decode(await link.recv())
+            data = await link.recv()
+            received = time.perf_counter()  # the heartbeat's decode stage starts
+            frame = self._decode(data)
             if rate:  # token bucket: refills at `rate`, holds at most `burst`
                 now = time.monotonic()
                 allowance = min(burst, allowance + (now - checked) * rate) - 1
@@ -199,13 +201,14 @@ class Session:
                 if allowance < 0:
                     raise Close(p.CloseCode.RATE_LIMITED, "too many frames")
             if isinstance(frame, p.Heartbeat):
-                await self._heartbeat(frame)
+                await self._heartbeat(frame, received)
             elif isinstance(frame, p.Bye):
                 await self._bye()
             else:
                 raise Close(p.CloseCode.PROTOCOL_ERROR, "HELLO after WELCOME")
 
-    async def _heartbeat(self, hb: p.Heartbeat) -> None:
+    async def _heartbeat(self, hb: p.Heartbeat, received: float) -> None:
+        decoded = time.perf_counter()
         # Spec 0x03: mac first (constant time), then tid, then seq.
         if not hb.mac_is_valid(self.key):
             raise Close(p.CloseCode.BAD_HEARTBEAT, "bad mac")
@@ -214,6 +217,7 @@ class Session:
         if hb.seq <= self.last_seq:
             raise Close(p.CloseCode.BAD_HEARTBEAT, "replayed or old seq")
         self.last_seq = hb.seq
+        verified = time.perf_counter()
         assert self.claims is not None
         try:
             assert self.heartbeat_request is not None
@@ -225,6 +229,7 @@ class Session:
                 p.encode(p.HeartbeatAck(hb.seq, self.exp_ms, was_warn=self.warned))
             )
             return
+        stored = time.perf_counter()
         self.apply(result)
         # The client lacks the current token if it says so (its exp), or if it was
         # never given it on this connection (resumed with an older token).
@@ -258,6 +263,7 @@ class Session:
                 )
             )
         )
+        self.node.metrics.heartbeat(received, decoded, verified, stored, result.renewed)
 
     def apply(self, result: HeartbeatResult) -> None:
         """Take in the store's answer to a heartbeat (also a replayed one).

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -141,6 +142,37 @@ class SessionRecord:
     exp: str
 
 
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """A session as the admin API and ``tokend sessions`` show it (times in unix ms)."""
+
+    tid: str
+    state: str  # ACTIVE | WARN | ENDED (only a tombstone is left; why in ``ended``)
+    sub: str = ""
+    exp: int = 0
+    last_heartbeat: int = 0
+    node: str = ""
+    conn: str = ""
+    prio: int = 0
+    ended: str = ""
+
+    @classmethod
+    def of(cls, tid: str, fields: dict[str, str]) -> SessionView:
+        return cls(
+            tid,
+            fields["st"],
+            fields["sub"],
+            int(fields["exp"]),
+            int(fields["hb"]),
+            fields.get("node", ""),
+            fields.get("conn", ""),
+            int(fields.get("prio", 0)),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def connect(url: str, settings: Settings) -> aioredis.Redis:
     """A client whose pool waits (up to the deadline) instead of failing when full."""
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -175,6 +207,8 @@ class Store:
             self.keys.control_channel,
             str(settings.stream_maxlen),
         ]
+        # Told (script name, seconds) after every script round trip; tokend.metrics sets it.
+        self.observe: Callable[[str, float], None] = _ignore
 
     async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -182,6 +216,13 @@ class Store:
                 return await make()
         except (TimeoutError, rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
+
+    async def _timed(self, name: str, make: Callable[[], Awaitable[T]]) -> T:
+        started = time.perf_counter()
+        try:
+            return await self._deadline(make)
+        finally:
+            self.observe(name, time.perf_counter() - started)
 
     async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         argv = [*self._common, *args]
@@ -194,7 +235,7 @@ class Store:
                 await self.redis.script_load(script.source)
                 return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
 
-        return await self._deadline(call)
+        return await self._timed(script.name, call)
 
     async def _eval_many(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
@@ -223,7 +264,7 @@ class Store:
                     raise RuntimeError(f"script failed: {result}")
             return results
 
-        return await self._deadline(call)
+        return await self._timed(calls[0][0].name if calls else "none", call)
 
     async def load_scripts(self) -> None:
         async def call() -> None:
@@ -350,6 +391,91 @@ class Store:
             for i, made in zip(members, reply, strict=True):
                 took[i] = bool(made)
         return took
+
+    async def revoke(self, tid: uuid.UUID) -> int:
+        """Revoke a token: its session ends wherever it is (close 4506) and it is barred.
+
+        Returns 1 when a live session was ended, 2 when only the bar was written, 0 when
+        the token had already ended.
+        """
+        return await self.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+
+    # Reads for operators (admin API, ``tokend sessions``): plain commands, no script.
+
+    async def session(self, tid: uuid.UUID) -> SessionView | None:
+        """The live session of ``tid``, its tombstone as an ENDED view, or None."""
+        hash_key, tomb_key = self.keys.session_keys(tid)
+
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(hash_key)
+            pipe.get(tomb_key)
+            return await pipe.execute()
+
+        fields, tomb = await self._deadline(call)
+        if fields:
+            return SessionView.of(str(tid), fields)
+        return SessionView(str(tid), "ENDED", ended=tomb) if tomb else None
+
+    async def count_sessions(self) -> int:
+        """Live sessions of every node: the sizes of the shards' deadline sets."""
+
+        async def call() -> list[int]:
+            pipe = self.redis.pipeline(transaction=False)
+            for shard in range(SHARDS):
+                pipe.zcard(self.keys.shard_keys(shard)[0])
+            return await pipe.execute()
+
+        return sum(await self._deadline(call))
+
+    async def sessions(
+        self, state: str | None, cursor: str, limit: int
+    ) -> tuple[list[SessionView], str | None]:
+        """One page of at most ``limit`` live sessions (of ``state`` if given).
+
+        Sessions come in (shard, tid) order, from the shards' deadline sets; ``cursor``
+        is "" for the first page, then the cursor returned, None after the last page.
+        Sessions started behind the cursor are not seen. A page reads the tids of a
+        whole shard, so it costs O(live sessions / 16). Raises ValueError on a bad cursor.
+        """
+        shard, after = _parse_cursor(cursor)
+        page: list[SessionView] = []
+        while shard < SHARDS:
+            due_key = self.keys.shard_keys(shard)[0]
+            members = await self._deadline(lambda key=due_key: self.redis.zrange(key, 0, -1))
+            tids = sorted(t for t in members if t > after)
+            for start in range(0, len(tids), limit):
+                chunk = tids[start : start + limit]
+                for tid, view in zip(chunk, await self._views(shard, chunk), strict=True):
+                    if view is not None and state in (None, view.state):
+                        page.append(view)
+                        if len(page) == limit:
+                            return page, f"{shard}:{tid}"
+            shard, after = shard + 1, ""
+        return page, None
+
+    async def _views(self, shard: int, tids: Sequence[str]) -> list[SessionView | None]:
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for tid in tids:
+                pipe.hgetall(self.keys.session_keys_of(shard, tid)[0])
+            return await pipe.execute()
+
+        rows = await self._deadline(call)
+        return [SessionView.of(t, f) if f else None for t, f in zip(tids, rows, strict=True)]
+
+
+def _parse_cursor(cursor: str) -> tuple[int, str]:
+    if not cursor:
+        return 0, ""
+    shard, sep, after = cursor.partition(":")
+    if not (sep and shard.isdigit() and int(shard) < SHARDS):
+        raise ValueError(f"bad cursor {cursor!r}")
+    return int(shard), after
+
+
+def _ignore(name: str, seconds: float) -> None:
+    pass
 
 
 def _heartbeat_result(reply: list[Any]) -> HeartbeatResult:

@@ -1,0 +1,320 @@
+"""The admin listener (tokend/admin.py) on a real App: routes, auth, errors, admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import asyncio as aioredis
+
+from tests.support import EventLog, HttpReply, RawClient, eventually, http_request
+from tokend import cli as tokend_cli
+from tokend import protocol as p
+from tokend.server import App
+from tokend.tokens import TokenService
+
+ADMIN_TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+StartApp = Callable[..., Awaitable[App]]
+
+
+@pytest.fixture
+async def admin_app(start_app: StartApp) -> App:
+    return await start_app(admin_token=ADMIN_TOKEN)
+
+
+def admin_port(app: App) -> int:
+    assert app.admin is not None
+    return app.admin.port
+
+
+async def call(app: App, method: str, path: str, **kwargs: Any) -> HttpReply:
+    return await http_request(admin_port(app), method, path, **kwargs)
+
+
+async def api(app: App, method: str, path: str, body: bytes = b"") -> HttpReply:
+    return await call(app, method, path, headers=AUTH, body=body)
+
+
+def assert_error(reply: HttpReply, status: int, error: str) -> None:
+    assert reply.status == status, reply
+    assert reply.headers["content-type"] == "application/json"
+    body = reply.json()
+    assert set(body) == {"error", "detail"} and body["error"] == error, body
+
+
+async def mint(app: App, sub: str, **fields: Any) -> dict[str, Any]:
+    reply = await api(app, "POST", "/v1/tokens", p_json({"sub": sub, **fields}))
+    assert reply.status == 201, reply
+    return dict(reply.json())
+
+
+def p_json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+@contextlib.asynccontextmanager
+async def raw_clients(port: int, count: int) -> AsyncIterator[list[RawClient]]:
+    """``count`` RawClients on ``port``, closed together."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(RawClient.connect(port)) for _ in range(count)]
+
+
+# --- always-on routes, and the admin API turned off -------------------------------------------
+
+
+async def test_disabled_without_admin_token_but_health_and_metrics_served(app: App) -> None:
+    for path in ("/v1/stats", "/v1/sessions", "/dashboard", "/dashboard/index.html"):
+        assert_error(await call(app, "GET", path, headers=AUTH), 404, "admin_disabled")
+    health = await call(app, "GET", "/healthz")
+    assert (health.status, health.json()) == (200, {"status": "ok", "node": "node-a"})
+    ready = await call(app, "GET", "/readyz")
+    assert (ready.status, ready.json()) == (200, {"status": "ready"})
+    metrics = await call(app, "GET", "/metrics")
+    assert metrics.status == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert_error(await call(app, "GET", "/nowhere"), 404, "not_found")
+    assert_error(await call(app, "POST", "/metrics"), 405, "method_not_allowed")
+
+
+async def test_listener_can_be_turned_off(start_app: StartApp) -> None:
+    app = await start_app(admin_port=-1, admin_token=ADMIN_TOKEN)
+    assert app.admin is None
+
+
+# --- authentication and request errors --------------------------------------------------------
+
+
+async def test_admin_token_required(admin_app: App) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
+        reply = await call(admin_app, "GET", "/v1/stats", headers=headers)
+        assert_error(reply, 401, "unauthorized")
+        assert reply.headers["www-authenticate"].startswith("Bearer")
+    assert (await api(admin_app, "GET", "/v1/stats")).status == 200
+
+
+async def test_request_errors_have_precise_statuses(start_app: StartApp) -> None:
+    app = await start_app(admin_token=ADMIN_TOKEN, admin_max_body=64)
+    reply = await api(app, "PUT", "/v1/tokens")
+    assert_error(reply, 405, "method_not_allowed")
+    assert reply.headers["allow"] == "POST"
+    assert_error(await api(app, "GET", "/v1/nothing"), 404, "not_found")
+    assert_error(await api(app, "POST", "/v1/tokens", b"x" * 65), 413, "body_too_large")
+    assert_error(await api(app, "POST", "/v1/tokens", b"{not json"), 400, "invalid_json")
+    for bad in (
+        [],
+        {},
+        {"sub": ""},
+        {"sub": "a", "prio": 12},
+        {"sub": "a", "ttl": "60"},
+        {"sub": "a", "ttl": True},
+        {"sub": "a", "extra": 1},
+    ):
+        assert_error(await api(app, "POST", "/v1/tokens", p_json(bad)), 400, "invalid_request")
+    assert_error(await api(app, "GET", "/v1/sessions/not-a-uuid"), 400, "invalid_request")
+    for query in ("state=EXPIRED", "limit=0", "limit=x", "cursor=99:x", "cursor=junk"):
+        reply = await api(app, "GET", f"/v1/sessions?{query}")
+        assert_error(reply, 400, "invalid_request")
+    raw = await call(app, "", "", raw=b"NONSENSE\r\n\r\n")
+    assert_error(raw, 400, "bad_request")
+    chunked = b"POST /v1/tokens HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert_error(await call(app, "", "", raw=chunked), 411, "length_required")
+    huge_head = b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
+    assert_error(await call(app, "", "", raw=huge_head), 431, "head_too_large")
+
+
+async def test_a_request_that_never_completes_gets_408(admin_app: App) -> None:
+    # hello_timeout is 1 s in the test settings; the reply comes, the connection closes.
+    reply = await call(admin_app, "", "", raw=b"GET /healthz HTTP/1.1\r\n", timeout=5)
+    assert_error(reply, 408, "timeout")
+
+
+# --- the admin API on live sessions -----------------------------------------------------------
+
+
+async def test_mint_show_list_revoke(admin_app: App, tokens: TokenService) -> None:
+    minted = await mint(admin_app, "alice", ttl=120, prio=7)
+    claims = tokens.verify(minted["token"])
+    assert str(claims.tid) == minted["tid"] and claims.prio == 7
+    assert minted["exp"] == claims.exp * 1000 and claims.exp - claims.iat == 120
+    async with RawClient.connect(admin_app.port) as client:
+        await client.hello(minted["token"])
+        shown = await api(admin_app, "GET", f"/v1/sessions/{minted['tid']}")
+        assert shown.status == 200
+        view = shown.json()
+        assert view["state"] == "ACTIVE" and view["sub"] == "alice" and view["node"] == "node-a"
+        assert view["exp"] == minted["exp"] and view["last_heartbeat"] > 0 and view["prio"] == 7
+
+        revoked = await api(admin_app, "DELETE", f"/v1/sessions/{minted['tid']}")
+        assert revoked.json() == {"tid": minted["tid"], "result": "revoked"}
+        assert (await client.expect_close()).code == p.CloseCode.TOKEN_REVOKED
+    ended = (await api(admin_app, "GET", f"/v1/sessions/{minted['tid']}")).json()
+    assert ended["state"] == "ENDED" and ended["ended"] == "revoked"
+    again = await api(admin_app, "DELETE", f"/v1/sessions/{minted['tid']}")
+    assert again.json()["result"] == "already_ended"
+    unknown = uuid.uuid4()
+    assert_error(await api(admin_app, "GET", f"/v1/sessions/{unknown}"), 404, "session_not_found")
+    barred = await api(admin_app, "DELETE", f"/v1/sessions/{unknown}")
+    assert barred.json()["result"] == "barred"
+
+
+async def test_list_pages_through_every_session_and_filters_by_state(
+    admin_app: App, events: EventLog
+) -> None:
+    minted = [await mint(admin_app, f"user-{n}") for n in range(5)]
+    async with raw_clients(admin_app.port, 5) as clients:
+        for client, m in zip(clients, minted, strict=True):
+            await client.hello(m["token"])
+        seen: list[str] = []
+        cursor = ""
+        for _ in range(10):  # bounded: 5 sessions in pages of 2
+            reply = (await api(admin_app, "GET", f"/v1/sessions?limit=2&cursor={cursor}")).json()
+            assert len(reply["sessions"]) <= 2
+            seen += [s["tid"] for s in reply["sessions"]]
+            if reply["cursor"] is None:
+                break
+            cursor = reply["cursor"]
+        assert sorted(seen) == sorted(m["tid"] for m in minted)
+        # Keep all but the first heartbeating: the first alone goes to WARN.
+        warned = minted[0]["tid"]
+        waiter = asyncio.create_task(events.wait_for("SESSION_WARN", warned, timeout=5))
+        while not waiter.done():
+            for client in clients[1:]:
+                await client.heartbeat()
+            await asyncio.sleep(0.2)
+        await waiter
+        reply = (await api(admin_app, "GET", "/v1/sessions?state=WARN")).json()
+        assert [s["tid"] for s in reply["sessions"]] == [warned] and reply["cursor"] is None
+
+
+# --- the dashboard's feeds --------------------------------------------------------------------
+
+
+async def test_stats_has_exactly_the_dashboard_shape(admin_app: App) -> None:
+    minted = await mint(admin_app, "carol")
+    async with RawClient.connect(admin_app.port) as client:
+        await client.hello(minted["token"])
+        for _ in range(16):  # one heartbeat in 16 has its stages timed
+            await client.heartbeat()
+        stats = (await api(admin_app, "GET", "/v1/stats")).json()
+    assert set(stats) == {
+        "node",
+        "at",
+        "sessions",
+        "sessions_total",
+        "connections",
+        "heartbeats_total",
+        "renewals_total",
+        "expiries_total",
+        "close_codes",
+        "heartbeat_stage_ms",
+        "redis_ms",
+    }
+    assert stats["node"] == "node-a" and isinstance(stats["at"], int)
+    assert stats["sessions"] == {"ACTIVE": 1, "WARN": 0}
+    assert stats["sessions_total"] == 1 and stats["connections"] == 1
+    assert stats["heartbeats_total"] == 16 and stats["renewals_total"] == 0
+    assert set(stats["heartbeat_stage_ms"]) == {"decode", "verify", "store", "send"}
+    for summary in [*stats["heartbeat_stage_ms"].values(), *stats["redis_ms"].values()]:
+        assert set(summary) == {"p50", "p95", "count"} and summary["count"] >= 1
+        assert 0 <= summary["p50"] <= summary["p95"]
+    assert {"hello", "heartbeat"} <= set(stats["redis_ms"])
+
+
+async def test_events_feed_from_the_ring(admin_app: App, redis: aioredis.Redis) -> None:
+    channel = f"{admin_app.settings.key_prefix}:events"
+
+    async def subscribed() -> bool:  # the ring's subscription is up before events flow
+        return bool((await redis.pubsub_numsub(channel))[0][1])
+
+    await eventually(subscribed)
+    minted = await mint(admin_app, "dave")
+    async with RawClient.connect(admin_app.port) as client:
+        await client.hello(minted["token"])
+        await client.send(p.encode(p.Bye()))
+        await client.expect_close()
+
+    async def both_events() -> dict[str, Any] | None:
+        feed = (await api(admin_app, "GET", "/v1/events?after=0")).json()
+        return dict(feed) if len(feed["events"]) >= 2 else None
+
+    feed = await eventually(both_events)
+    first, second = feed["events"][:2]
+    assert (first["type"], second["type"]) == ("SESSION_STARTED", "SESSION_CLOSED")
+    assert first["tid"] == minted["tid"] and isinstance(first["at"], int)
+    assert second["seq"] == first["seq"] + 1 and feed["next"] == feed["events"][-1]["seq"]
+    rest = (await api(admin_app, "GET", f"/v1/events?after={first['seq']}&limit=1")).json()
+    assert [e["seq"] for e in rest["events"]] == [second["seq"]]
+    empty = (await api(admin_app, "GET", f"/v1/events?after={feed['next']}")).json()
+    assert empty == {"events": [], "next": feed["next"]}
+
+
+async def test_dashboard_files_served_safely(admin_app: App, tmp_path: Path) -> None:
+    assert admin_app.admin is not None
+    admin_app.admin.dashboard_dir = tmp_path / "dash"
+    (tmp_path / "dash" / "js").mkdir(parents=True)
+    files = {
+        "index.html": "text/html",
+        "app.js": "text/javascript",
+        "style.css": "text/css",
+        "logo.svg": "image/svg+xml",
+        "js/chart.js": "text/javascript",
+    }
+    for name in files:
+        (tmp_path / "dash" / name).write_text(f"content of {name}")
+    (tmp_path / "dash" / "secret.txt").write_text("no")
+    (tmp_path / "dash" / ".hidden.js").write_text("no")
+    (tmp_path / "outside.html").write_text("no")
+    for name, kind in files.items():
+        reply = await call(admin_app, "GET", f"/dashboard/{name}")
+        assert reply.status == 200 and reply.headers["content-type"].startswith(kind), name
+        assert reply.body == f"content of {name}".encode()
+    for path in ("/dashboard", "/dashboard/"):
+        assert (await call(admin_app, "GET", path)).body == b"content of index.html"
+    for path in (
+        "/dashboard/secret.txt",
+        "/dashboard/.hidden.js",
+        "/dashboard/../outside.html",
+        "/dashboard/%2e%2e/outside.html",
+        "/dashboard/js/../../outside.html",
+        "/dashboard/missing.js",
+        "/dashboard/js",
+    ):
+        assert_error(await call(admin_app, "GET", path), 404, "not_found")
+    assert_error(await call(admin_app, "DELETE", "/dashboard/app.js"), 405, "method_not_allowed")
+
+
+async def test_cli_reads_sessions_through_the_same_store_functions(
+    admin_app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = admin_app.settings
+    flags = ["--redis-url", settings.redis_url, "--key-prefix", settings.key_prefix]
+    # The test process's log settings, which cli.main() configures again.
+    flags += ["--log-format", "console", "--log-level", "warning"]
+
+    async def cli(*args: str) -> tuple[int, str]:
+        status = await asyncio.to_thread(tokend_cli.main, [*args, *flags])
+        return status, capsys.readouterr().out
+
+    minted = [await mint(admin_app, f"cli-{n}") for n in range(3)]
+    async with raw_clients(admin_app.port, 3) as clients:
+        for client, m in zip(clients, minted, strict=True):
+            await client.hello(m["token"])
+        status, out = await cli("sessions", "show", minted[0]["tid"])
+        api_view = (await api(admin_app, "GET", f"/v1/sessions/{minted[0]['tid']}")).json()
+        assert status == 0 and json.loads(out) == api_view
+        status, out = await cli("sessions", "list")
+        listed = [json.loads(line) for line in out.splitlines()]
+        api_list = (await api(admin_app, "GET", "/v1/sessions")).json()["sessions"]
+        assert status == 0 and listed == api_list and len(listed) == 3
+        status, out = await cli("sessions", "list", "--limit", "2")
+        assert out.count("\n") == 2
+        status, out = await cli("sessions", "list", "--state", "WARN")
+        assert (status, out) == (0, "")
+    status, _ = await cli("sessions", "show", str(uuid.uuid4()))
+    assert status == 1

@@ -1,0 +1,206 @@
+"""A node's metrics: Prometheus exposition and the dashboard's rolling percentiles.
+
+Every :class:`Metrics` has its own ``CollectorRegistry`` (tests run many nodes in
+one process; the global registry would refuse the second). Names and labels are
+listed in docs/operations.md.
+
+Hot-path cost is kept low: counters are plain ints read at scrape time, and the
+per-stage heartbeat timings go into the histograms for one heartbeat in
+:data:`STAGE_SAMPLE_EVERY` (an observation takes ~1.4 us under a lock; four per
+heartbeat would be a visible share of a heartbeat's CPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+STAGES = ("decode", "verify", "store", "send")
+# One heartbeat in this many has its stage timings recorded.
+STAGE_SAMPLE_EVERY = 16
+# Recent samples behind the dashboard's p50/p95 (per stage, per script).
+WINDOW = 512
+# Seconds; heartbeat stages run from microseconds (decode) to a Redis round trip.
+LATENCY_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Window:
+    """The last :data:`WINDOW` samples of one latency, for percentiles on demand."""
+
+    __slots__ = ("samples",)
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+
+    def summary(self) -> dict[str, float | int]:
+        """p50 and p95 in milliseconds (nearest rank) and the sample count."""
+        ordered = sorted(self.samples)
+        if not ordered:
+            return {"p50": 0.0, "p95": 0.0, "count": 0}
+
+        def rank(q: float) -> float:
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
+
+        return {"p50": rank(0.5), "p95": rank(0.95), "count": len(ordered)}
+
+
+class Metrics:
+    """Counters, histograms and windows of one node; the node and server feed it."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.redis_seconds = Histogram(
+            "tokend_redis_call_seconds",
+            "Redis round trip of one script call (a pipeline of them counts once).",
+            ["script"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.stage_seconds = Histogram(
+            "tokend_heartbeat_stage_seconds",
+            f"Time of one heartbeat stage (one heartbeat in {STAGE_SAMPLE_EVERY} sampled).",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._stage_children = [self.stage_seconds.labels(stage) for stage in STAGES]
+        self.stage_windows = {stage: Window() for stage in STAGES}
+        self._stage_window_list = [self.stage_windows[stage] for stage in STAGES]
+        self.redis_windows: dict[str, Window] = {}
+        self.heartbeats = 0
+        self.renewals = 0
+        self.expiries: Counter[str] = Counter()
+        self.close_codes: Counter[int] = Counter()
+        # Filled in by the node and the server: live values read at scrape time.
+        self.sessions_by_state: Callable[[], dict[str, int]] = dict
+        self.connections: Callable[[], int] = int
+        self.registry.register(_LiveCollector(self))
+
+    def heartbeat(
+        self, received: float, decoded: float, verified: float, stored: float, renewed: bool
+    ) -> None:
+        """One heartbeat acknowledged; times are ``time.perf_counter()`` readings."""
+        self.heartbeats += 1
+        if renewed:
+            self.renewals += 1
+        if self.heartbeats % STAGE_SAMPLE_EVERY:
+            return
+        marks = (received, decoded, verified, stored, time.perf_counter())
+        for i, (child, window) in enumerate(
+            zip(self._stage_children, self._stage_window_list, strict=True)
+        ):
+            took = marks[i + 1] - marks[i]
+            child.observe(took)
+            window.samples.append(took)
+
+    def redis_call(self, script: str, seconds: float) -> None:
+        self.redis_seconds.labels(script).observe(seconds)
+        window = self.redis_windows.get(script)
+        if window is None:
+            window = self.redis_windows[script] = Window()
+        window.samples.append(seconds)
+
+    def expired(self, reason: str) -> None:
+        self.expiries[reason] += 1
+
+    def closed(self, code: int) -> None:
+        self.close_codes[code] += 1
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of everything (serve with :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    def stats(self, node: str, sessions_total: int) -> dict[str, Any]:
+        """The dashboard's feed (``GET /v1/stats``; shape in docs/operations.md)."""
+        by_state = self.sessions_by_state()
+        return {
+            "node": node,
+            "at": int(time.time() * 1000),
+            "sessions": {"ACTIVE": by_state.get("ACTIVE", 0), "WARN": by_state.get("WARN", 0)},
+            "sessions_total": sessions_total,
+            "connections": self.connections(),
+            "heartbeats_total": self.heartbeats,
+            "renewals_total": self.renewals,
+            "expiries_total": dict(self.expiries),
+            "close_codes": {str(code): n for code, n in sorted(self.close_codes.items())},
+            "heartbeat_stage_ms": {s: w.summary() for s, w in self.stage_windows.items()},
+            "redis_ms": {s: w.summary() for s, w in sorted(self.redis_windows.items())},
+        }
+
+
+class _LiveCollector(Collector):
+    """The plain-int counters and the live gauges, read when scraped."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        sessions = GaugeMetricFamily(
+            "tokend_sessions", "Sessions held by this node, by state.", labels=["state"]
+        )
+        by_state = m.sessions_by_state()
+        for state in ("ACTIVE", "WARN"):
+            sessions.add_metric([state], by_state.get(state, 0))
+        yield sessions
+        yield GaugeMetricFamily(
+            "tokend_connections", "Open WebSocket connections.", value=m.connections()
+        )
+        yield CounterMetricFamily(
+            "tokend_heartbeats", "Heartbeats stored and acknowledged.", value=m.heartbeats
+        )
+        yield CounterMetricFamily(
+            "tokend_renewals", "Tokens renewed by a heartbeat.", value=m.renewals
+        )
+        yield _labelled(
+            "tokend_expiries", "Sessions this node's sweeper expired.", "reason", m.expiries.items()
+        )
+        yield _labelled(
+            "tokend_close_codes",
+            "WebSocket close codes sent.",
+            "code",
+            ((str(code), n) for code, n in m.close_codes.items()),
+        )
+
+
+def _labelled(
+    name: str, documentation: str, label: str, values: Iterable[tuple[str, int]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in sorted(values):
+        family.add_metric([value], count)
+    return family
