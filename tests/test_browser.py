@@ -202,7 +202,7 @@ async def test_resumes_after_a_server_restart(
     resumed = await wait_change(page, "resumed")
     assert resumed["detail"] == "the same session goes on"
     await events.wait_for("SESSION_RESUMED", tid)
-    after = await page.eval(f"until(() => session.stats.acks > {acks} && session.stats)")
+    after = await page.until(f"session.stats.acks > {acks} && session.stats")
     assert after["acks"] > acks
     assert await page.eval("[session.connected, session.ended, session.token]") == [
         True,

@@ -314,6 +314,18 @@ class BrowserPage:
         """The value of a JavaScript expression in the page (a promise is awaited)."""
         return await self._command(timeout, op="eval", expression=expression)
 
+    async def until(self, condition: str, timeout: float = 10) -> Any:
+        """Wait in the page until the JavaScript expression ``condition`` is truthy; its value."""
+        return await self.eval(
+            f"""new Promise((ok) => {{
+              const timer = setInterval(() => {{
+                const value = {condition};
+                if (value) ok(value, clearInterval(timer));
+              }}, 10);
+            }})""",
+            timeout,
+        )
+
     async def screenshot(self, path: Path, timeout: float = 10) -> Path:
         await self._command(timeout, op="screenshot", path=str(path))
         return path
