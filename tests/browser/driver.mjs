@@ -1,6 +1,6 @@
 // Headless Chromium driven line by line from a Python test (tests/browser/harness.py).
 //
-// `node driver.mjs serve`: launch Chromium once (environment: PLAYWRIGHT_DIR holding
+// `node driver.mjs serve`: launch Chromium once (environment: NODE_DIR holding
 // node_modules/playwright-core, CHROMIUM the executable) behind a Playwright server on
 // loopback; print {"endpoint": "ws://..."}; close it when stdin ends.
 //
@@ -15,8 +15,8 @@
 import { createRequire } from 'node:module';
 import { createInterface } from 'node:readline';
 
-const { PLAYWRIGHT_DIR, CHROMIUM, ENDPOINT } = process.env;
-const { chromium } = createRequire(`${PLAYWRIGHT_DIR}/`)('playwright-core');
+const { NODE_DIR, CHROMIUM, ENDPOINT } = process.env;
+const { chromium } = createRequire(`${NODE_DIR}/`)('playwright-core');
 
 // Playwright gives the browser a fresh temporary --user-data-dir of its own.
 const FLAGS = [

@@ -3,9 +3,9 @@
 A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module):
 
 - :func:`browser_tools` installs what the tests need once per machine: Debian's
-  ``chromium`` (with ``apt-get``, as root) and a pinned ``playwright-core`` from npm
-  into a cache directory outside the repository. What cannot be installed skips
-  the test with a message saying what failed.
+  ``chromium`` (with ``apt-get``, as root) and pinned ``playwright-core`` and
+  ``typescript`` from npm into a cache directory outside the repository. What
+  cannot be installed skips the test with a message saying what failed.
 - ``site``: the repository's static files (the browser SDK, the test pages) over
   loopback HTTP.
 - ``chromium``: one headless Chromium for the test session (``tests/browser/driver.mjs
@@ -39,8 +39,9 @@ from tests.support import LOOPBACK
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CHROMIUM = Path("/usr/bin/chromium")
-# Pinned: the driver uses launchPersistentContext, exposeFunction and evaluate.
-PLAYWRIGHT_CORE_VERSION = "1.65.1"
+# Pinned npm packages: playwright-core drives Chromium (driver.mjs); typescript
+# checks the SDK's declarations (typecheck.ts).
+NODE_PACKAGES = {"playwright-core": "1.65.1", "typescript": "5.9.3"}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokend-tests"
 INSTALL_TIMEOUT = 900  # seconds; the one-time apt and npm installs
 CHROMIUM_START_TIMEOUT = 30  # seconds, for Chromium or a page to be ready
@@ -102,28 +103,23 @@ def install_chromium() -> Path:
     return CHROMIUM
 
 
-def install_playwright() -> Path:
-    """A directory whose node_modules holds playwright-core at the pinned version."""
-    target = CACHE / f"playwright-core-{PLAYWRIGHT_CORE_VERSION}"
-    if (target / "node_modules" / "playwright-core" / "package.json").exists():
+def install_node_packages() -> Path:
+    """A directory whose node_modules holds :data:`NODE_PACKAGES` at their pinned versions."""
+    specs = [f"{name}@{version}" for name, version in NODE_PACKAGES.items()]
+    target = CACHE / ("node-" + "-".join(specs).replace("/", "_"))
+    if all((target / "node_modules" / name / "package.json").exists() for name in NODE_PACKAGES):
         return target
     npm = shutil.which("npm")
     if npm is None or shutil.which("node") is None:
-        raise BrowserUnavailable("node and npm are needed to install playwright-core")
+        raise BrowserUnavailable(f"node and npm are needed to install {', '.join(specs)}")
     CACHE.mkdir(parents=True, exist_ok=True)
     # Install beside the target and rename, so a broken install is never taken as done.
-    staging = Path(tempfile.mkdtemp(prefix="playwright-", dir=CACHE))
+    staging = Path(tempfile.mkdtemp(prefix="node-", dir=CACHE))
     try:
         (staging / "package.json").write_text('{"private": true}\n')
         _run(
-            [
-                npm,
-                "install",
-                "--no-audit",
-                "--no-fund",
-                f"playwright-core@{PLAYWRIGHT_CORE_VERSION}",
-            ],
-            f"npm install playwright-core@{PLAYWRIGHT_CORE_VERSION}",
+            [npm, "install", "--no-audit", "--no-fund", *specs],
+            f"npm install {' '.join(specs)}",
             cwd=staging,
         )
         with contextlib.suppress(OSError):  # another run may have won the race
@@ -136,13 +132,17 @@ def install_playwright() -> Path:
 @dataclass(frozen=True, slots=True)
 class BrowserTools:
     chromium: Path
-    playwright_dir: Path
+    node_dir: Path  # holds node_modules with NODE_PACKAGES
+
+    @property
+    def tsc(self) -> Path:
+        return self.node_dir / "node_modules" / ".bin" / "tsc"
 
 
 @functools.cache
 def _tools() -> BrowserTools | str:
     try:
-        return BrowserTools(install_chromium(), install_playwright())
+        return BrowserTools(install_chromium(), install_node_packages())
     except BrowserUnavailable as exc:
         return str(exc)
 
@@ -151,7 +151,7 @@ def browser_tools() -> BrowserTools:
     """The installed tools, or skip the test saying what could not be installed."""
     tools = _tools()
     if isinstance(tools, str):
-        pytest.skip(f"browser tests need Chromium and playwright-core: {tools}")
+        pytest.skip(f"browser tests need Chromium, playwright-core and typescript: {tools}")
     return tools
 
 
@@ -201,7 +201,7 @@ class StaticSite:
 def _driver_env(tools: BrowserTools, **extra: str) -> dict[str, str]:
     return {
         **os.environ,
-        "PLAYWRIGHT_DIR": str(tools.playwright_dir),
+        "NODE_DIR": str(tools.node_dir),
         "CHROMIUM": str(tools.chromium),
         **extra,
     }
@@ -366,8 +366,14 @@ def site() -> Iterator[StaticSite]:
 
 
 @pytest.fixture(scope="session")
-def chromium() -> Iterator[ChromiumServer]:
-    server = ChromiumServer(browser_tools())
+def tools() -> BrowserTools:
+    """Chromium and the npm packages, installed if need be (else the test is skipped)."""
+    return browser_tools()
+
+
+@pytest.fixture(scope="session")
+def chromium(tools: BrowserTools) -> Iterator[ChromiumServer]:
+    server = ChromiumServer(tools)
     yield server
     server.stop()
 
