@@ -36,13 +36,7 @@ export declare const CloseCode: Readonly<{
 export declare const RECONNECTABLE: ReadonlySet<number>;
 
 export type LifecycleKind =
-  | 'connected'
-  | 'renewed'
-  | 'warned'
-  | 'recovered'
-  | 'reconnecting'
-  | 'resumed'
-  | 'ended';
+  'connected' | 'renewed' | 'warned' | 'recovered' | 'reconnecting' | 'resumed' | 'ended';
 
 export declare const LIFECYCLE: readonly LifecycleKind[];
 

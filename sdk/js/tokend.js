@@ -354,13 +354,16 @@ export function tokenClaims(token) {
   if (typeof claims.jti !== 'string' || !UUID_PATTERN.test(claims.jti)) {
     throw new AuthError(null, "the token's jti is not a UUID");
   }
-  if (!Number.isInteger(claims.exp)) throw new AuthError(null, 'the token has no integer exp claim');
+  if (!Number.isInteger(claims.exp))
+    throw new AuthError(null, 'the token has no integer exp claim');
   return { tid: claims.jti, sub: String(claims.sub ?? ''), exp: claims.exp * 1000 };
 }
 
 function tidBytes(tid) {
   const hex = tid.replace(/-/g, '');
-  return Uint8Array.from({ length: TID_LENGTH }, (_, i) => parseInt(hex.slice(2 * i, 2 * i + 2), 16));
+  return Uint8Array.from({ length: TID_LENGTH }, (_, i) =>
+    parseInt(hex.slice(2 * i, 2 * i + 2), 16),
+  );
 }
 
 function sameBytes(a, b) {
@@ -434,7 +437,10 @@ export class Session {
     }
     const claims = tokenClaims(token);
     if (!globalThis.crypto?.subtle) {
-      throw new TokendError(null, 'WebCrypto (crypto.subtle) needs a secure context: https or localhost');
+      throw new TokendError(
+        null,
+        'WebCrypto (crypto.subtle) needs a secure context: https or localhost',
+      );
     }
     this.url = url;
     this.token = token;
@@ -447,7 +453,8 @@ export class Session {
     this.heartbeatInterval = null;
     /** @type {TokendError | null} */
     this.error = null;
-    this.backoff = options.backoff instanceof Backoff ? options.backoff : new Backoff(options.backoff);
+    this.backoff =
+      options.backoff instanceof Backoff ? options.backoff : new Backoff(options.backoff);
     this.openTimeout = options.openTimeout ?? 10_000;
     this.closeTimeout = options.closeTimeout ?? 5_000;
     this.stats = {
@@ -472,6 +479,7 @@ export class Session {
     this._closing = false;
     this._paused = false;
     this._wake = null; // ends the backoff wait early (close)
+    this._logout = null; // the promise of close(), once called
     this._settled = deferred(); // first WELCOME, or the end
     this._ended = deferred();
     this._onVisible = () => this._visibilityChanged();
@@ -518,7 +526,7 @@ export class Session {
     return this;
   }
 
-  /** Wait until the session ends; rejects with its error unless it ended by {@link Session#close}. */
+  /** Wait until the session ends; rejects with its error unless it ended by close(). */
   async wait() {
     await this._ended.promise;
     if (this.error) throw this.error;
@@ -530,9 +538,13 @@ export class Session {
    * (reconnecting), no BYE can be sent: the session is left on the server,
    * resumable until its clocks run out.
    */
-  async close() {
-    if (!this._runner) return;
-    if (this.ended) return this._runner;
+  close() {
+    if (!this._runner) return Promise.resolve();
+    this._logout ??= this.ended ? this._runner : this._close();
+    return this._logout;
+  }
+
+  async _close() {
     this._closing = true;
     this._wake?.();
     const conn = this._conn;
@@ -540,7 +552,10 @@ export class Session {
     if (conn && this._live) {
       detail = 'no close from the server after BYE; the session may stay until it expires';
       conn.ws.send(encodeBye());
-      await Promise.race([this._ended.promise, sleep(this.closeTimeout)]);
+      let timer = 0;
+      const timeout = new Promise((resolve) => (timer = setTimeout(resolve, this.closeTimeout)));
+      await Promise.race([this._ended.promise, timeout]);
+      clearTimeout(timer);
     }
     if (!this.ended) {
       this._finish(null, detail);
@@ -549,7 +564,7 @@ export class Session {
     await this._runner;
   }
 
-  /** Stop sending heartbeats (the server will WARN, then expire the session); for tests and diagnostics. */
+  /** Stop sending heartbeats (the server WARNs, then expires the session): tests, diagnostics. */
   pauseHeartbeats() {
     this._paused = true;
     if (this._conn) clearTimeout(this._conn.timer);
@@ -689,7 +704,10 @@ export class Session {
         conn.opened = true;
         if (ws.protocol !== SUBPROTOCOL) {
           const detail = `the server did not select subprotocol ${SUBPROTOCOL}`;
-          conn.end({ code: null, detail, error: new ProtocolViolation(null, detail) }, 'protocol error');
+          conn.end(
+            { code: null, detail, error: new ProtocolViolation(null, detail) },
+            'protocol error',
+          );
           return;
         }
         ws.send(encodeHello(this.token));
@@ -725,8 +743,13 @@ export class Session {
   /** End the connection on a malformed server frame (terminal) or a bug of ours (visible). */
   _fail(conn, exc) {
     const violation = exc instanceof ProtocolError;
-    const error = violation ? new ProtocolViolation(null, exc.message) : new TokendError(null, `client failure: ${exc}`);
-    conn.end({ code: null, detail: error.message, error }, violation ? 'protocol error' : 'client failure');
+    const error = violation
+      ? new ProtocolViolation(null, exc.message)
+      : new TokendError(null, `client failure: ${exc}`);
+    conn.end(
+      { code: null, detail: error.message, error },
+      violation ? 'protocol error' : 'client failure',
+    );
   }
 
   // Frames
@@ -736,7 +759,8 @@ export class Session {
     const frame = decodeServerFrame(data);
     if (!conn.welcome) {
       if (frame.type !== 'welcome') throw new ProtocolError(`expected WELCOME, got ${frame.type}`);
-      if (!sameBytes(frame.tid, this._tidBytes)) throw new ProtocolError('WELCOME names another tid');
+      if (!sameBytes(frame.tid, this._tidBytes))
+        throw new ProtocolError('WELCOME names another tid');
       this._welcome(conn, frame);
     } else if (frame.type === 'ack') {
       this._ack(conn, frame);
@@ -858,7 +882,11 @@ export class Session {
   /** A tab coming back to the foreground sends a heartbeat at once if one is due or overdue. */
   _visibilityChanged() {
     const conn = this._conn;
-    if (globalThis.document?.visibilityState === 'visible' && conn?.key && performance.now() >= conn.due) {
+    if (
+      globalThis.document?.visibilityState === 'visible' &&
+      conn?.key &&
+      performance.now() >= conn.due
+    ) {
       this._beat(conn);
     }
   }
@@ -878,10 +906,6 @@ function deferred() {
     };
   });
   return result;
-}
-
-function sleep(ms) {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
 /**

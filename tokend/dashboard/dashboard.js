@@ -145,8 +145,14 @@ function renderStats(stats) {
   setStat('expiries', expiries);
   fillTable('#stages', latencyRows(stats.heartbeat_stage_ms));
   fillTable('#redis', latencyRows(stats.redis_ms));
-  fillTable('#close-codes', Object.entries(stats.close_codes).map(([c, n]) => [c, number(n)]));
-  fillTable('#expiries', Object.entries(stats.expiries_total).map(([r, n]) => [r, number(n)]));
+  fillTable(
+    '#close-codes',
+    Object.entries(stats.close_codes).map(([c, n]) => [c, number(n)]),
+  );
+  fillTable(
+    '#expiries',
+    Object.entries(stats.expiries_total).map(([r, n]) => [r, number(n)]),
+  );
   state.samples.push({ at: stats.at, ...stats.sessions });
   if (state.samples.length > CHART_SAMPLES) state.samples.shift();
   renderChart();
@@ -169,7 +175,8 @@ function renderChart() {
   }
   $('#chart-max').textContent = number(max);
   const seconds = span / 1000;
-  $('#chart-span').textContent = `(last ${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s)`;
+  $('#chart-span').textContent =
+    `(last ${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s)`;
 }
 
 function renderEvents(feed) {
@@ -185,7 +192,14 @@ function renderEvents(feed) {
       .map(([key, value]) => `${key}=${value}`)
       .join(' ');
     const tid = `${event.tid.slice(0, 8)}…`;
-    for (const cell of [clock(event.at), event.type, event.sub ?? '', tid, event.node ?? '', detail]) {
+    for (const cell of [
+      clock(event.at),
+      event.type,
+      event.sub ?? '',
+      tid,
+      event.node ?? '',
+      detail,
+    ]) {
       tr.insertCell().textContent = cell;
     }
     tr.cells[3].title = event.tid;
