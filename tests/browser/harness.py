@@ -365,6 +365,13 @@ def site() -> Iterator[StaticSite]:
         yield running
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Install before the first browser test starts: the installs may take longer than
+    a test's timeout, and a failure then skips the tests rather than failing one."""
+    if any("tools" in getattr(item, "fixturenames", ()) for item in session.items):
+        _tools()
+
+
 @pytest.fixture(scope="session")
 def tools() -> BrowserTools:
     """Chromium and the npm packages, installed if need be (else the test is skipped)."""
