@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from websockets.asyncio.server import ServerConnection
 
-from tests.support import LOOPBACK, EventLog
+from tests.support import LOOPBACK, EventLog, RawClient
+from tests.test_client import _welcome_for, fake_server
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import KeyRing, TokenService
@@ -46,9 +48,11 @@ def ws_url(port: int) -> str:
     return f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
 
 
-async def open_session(page: BrowserPage, port: int, token: str, **options: Any) -> str:
-    """Start a session in the page; 'started', or the name of the error it ended with."""
-    args = ", ".join(json.dumps(a) for a in (ws_url(port), token, options))
+async def open_session(page: BrowserPage, server: int | str, token: str, **options: Any) -> str:
+    """Start a session in the page on tokend's port (or a URL); 'started', or the name
+    of the error it ended with."""
+    url = ws_url(server) if isinstance(server, int) else server
+    args = ", ".join(json.dumps(a) for a in (url, token, options))
     return str(await page.eval(f"openSession({args})"))
 
 
@@ -267,6 +271,62 @@ async def test_revocation_ends_the_session_without_reconnecting(
     assert await page.eval("session.wait().then(() => 'ok', (e) => e instanceof tokend.Revoked)")
     assert not changes(page, "reconnecting")
     assert (await stats(page))["reconnects"] == 0
+
+
+async def test_a_newer_connection_takes_the_session_over(
+    page: BrowserPage, app: App, tokens: TokenService
+):
+    token = tokens.mint("twice")
+    assert await open_session(page, app.port, token, backoff=FAST_BACKOFF) == "started"
+    async with RawClient.connect(app.port) as newcomer:
+        welcome = await newcomer.hello(token)
+        assert welcome.resumed
+        ended = await wait_change(page, "ended")
+    assert (ended["code"], ended["meaning"]) == (4507, "session taken over")
+    assert ended["error"]["name"] == "TakenOver"
+    assert await page.eval("session.error instanceof tokend.Revoked")  # a kind of revocation
+    assert not changes(page, "reconnecting")
+
+
+async def test_gives_up_after_max_attempts_and_closes_while_reconnecting(
+    page: BrowserPage, app: App, tokens: TokenService
+):
+    limited = {"base": 20, "cap": 40, "maxAttempts": 2}
+    assert await open_session(page, app.port, tokens.mint("a"), backoff=limited) == "started"
+    await page.eval("window.first = session")
+    patient = {"base": 60_000, "cap": 60_000}  # its retries wait up to a minute
+    assert await open_session(page, app.port, tokens.mint("b"), backoff=patient) == "started"
+    await app.stop()
+    gave_up = await wait_change(page, "ended")
+    assert gave_up["code"] is None and gave_up["error"]["name"] == "RetriesExhausted"
+    assert gave_up["detail"] == "gave up after 2 reconnect attempts; last: cannot connect"
+    assert await page.eval("first.stats.reconnects") == 2
+    # The other one waits for its next attempt: close() cannot say BYE, and ends it.
+    await page.until("session.stats.reconnects >= 1")
+    await page.eval("session.close()")
+    closed = await wait_change(page, "ended", count=2)
+    assert (closed["code"], closed["error"]) == (None, None)
+    assert closed["detail"] == "closed while not connected; the session stays until it expires"
+
+
+async def test_a_server_breaking_the_protocol_is_left_with_4503(
+    page: BrowserPage, tokens: TokenService
+):
+    received: list[int | None] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.send(_welcome_for(await ws.recv(), 1000, 3000))
+        await ws.send(b"\x09")  # an unknown frame type
+        await ws.wait_closed()
+        received.append(ws.close_code)
+
+    async with fake_server(handler) as url:
+        assert await open_session(page, url, tokens.mint("x"), backoff=FAST_BACKOFF) == "started"
+        ended = await wait_change(page, "ended")
+        assert ended["error"]["name"] == "ProtocolViolation" and ended["code"] is None
+        assert ended["detail"] == "unknown frame type 0x09"
+    assert received == [p.CloseCode.PROTOCOL_ERROR]
+    assert not changes(page, "reconnecting")
 
 
 async def test_a_bad_token_is_refused_with_4501(

@@ -198,33 +198,27 @@ class StaticSite:
         self.server.server_close()
 
 
-def _driver_env(tools: BrowserTools, **extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "NODE_DIR": str(tools.node_dir),
-        "CHROMIUM": str(tools.chromium),
-        **extra,
-    }
-
-
 class ChromiumServer:
-    """``driver.mjs serve``: one Chromium that the tests' pages connect to."""
+    """``driver.mjs``: one Chromium for the test session, serving pages on a Unix socket."""
 
-    def __init__(self, tools: BrowserTools) -> None:
-        self.tools = tools
+    def __init__(self, tools: BrowserTools, directory: Path) -> None:
+        self.socket = directory / "driver.sock"
         self.process = subprocess.Popen(
-            [shutil.which("node") or "node", str(HERE / "driver.mjs"), "serve"],
+            [shutil.which("node") or "node", str(HERE / "driver.mjs")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=_driver_env(tools),
+            env={
+                **os.environ,
+                "NODE_DIR": str(tools.node_dir),
+                "CHROMIUM": str(tools.chromium),
+                "SOCKET": str(self.socket),
+            },
         )
         assert self.process.stdout is not None
         ready, _, _ = select.select([self.process.stdout], [], [], CHROMIUM_START_TIMEOUT)
-        line = self.process.stdout.readline() if ready else b""
-        if not line:
+        if not (ready and self.process.stdout.readline()):
             self.stop()
             raise RuntimeError(f"Chromium did not start within {CHROMIUM_START_TIMEOUT} s")
-        self.endpoint: str = json.loads(line)["endpoint"]
 
     def stop(self) -> None:
         assert self.process.stdin is not None
@@ -243,11 +237,12 @@ class PageError(Exception):
 class BrowserPage:
     """One page of a headless Chromium run by ``driver.mjs``; see its header for the wire."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
         self.reports: list[Any] = []
         self.log: list[str] = []  # console lines and page errors, for failure messages
-        self.ready = False  # Chromium is up and the page can be driven
+        self.ready = False  # the page is open and can be driven
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 0
         self._changed = asyncio.Condition()
@@ -256,16 +251,7 @@ class BrowserPage:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, chromium: ChromiumServer) -> AsyncIterator[BrowserPage]:
-        process = await asyncio.create_subprocess_exec(
-            shutil.which("node") or "node",
-            str(HERE / "driver.mjs"),
-            "page",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=_driver_env(chromium.tools, ENDPOINT=chromium.endpoint),
-            limit=16 * 1024 * 1024,
-        )
-        page = cls(process)
+        page = cls(*await asyncio.open_unix_connection(chromium.socket, limit=16 * 1024 * 1024))
         try:
             await page.wait_for(lambda: page.ready, CHROMIUM_START_TIMEOUT, "a browser page")
             yield page
@@ -273,8 +259,7 @@ class BrowserPage:
             await page._stop()
 
     async def _read(self) -> None:
-        assert self.process.stdout is not None
-        async for line in self.process.stdout:
+        async for line in self.reader:
             message = json.loads(line)
             async with self._changed:
                 if "id" in message:
@@ -291,19 +276,18 @@ class BrowserPage:
                     self.log.append(message.get("console") or f"uncaught: {message['pageerror']}")
                 self._changed.notify_all()
         for reply in self._replies.values():
-            reply.set_exception(PageError(f"the browser driver exited: {self.log[-5:]}"))
+            reply.set_exception(PageError(f"the page's connection closed: {self.log[-5:]}"))
         async with self._changed:
             self._changed.notify_all()
 
     async def _command(self, timeout: float, **command: Any) -> Any:
-        assert self.process.stdin is not None
         if self._reader.done():
-            raise PageError(f"the browser driver exited: {self.log[-5:]}")
+            raise PageError(f"the page's connection closed: {self.log[-5:]}")
         self._next_id += 1
         reply = asyncio.get_running_loop().create_future()
         self._replies[self._next_id] = reply
-        self.process.stdin.write(json.dumps({"id": self._next_id, **command}).encode() + b"\n")
-        await self.process.stdin.drain()
+        self.writer.write(json.dumps({"id": self._next_id, **command}).encode() + b"\n")
+        await self.writer.drain()
         async with asyncio.timeout(timeout):
             return await reply
 
@@ -338,7 +322,7 @@ class BrowserPage:
             async with asyncio.timeout(timeout), self._changed:
                 while not (value := predicate()):
                     if self._reader.done():
-                        raise PageError(f"the browser driver exited: {self.log[-5:]}")
+                        raise PageError(f"the page's connection closed: {self.log[-5:]}")
                     await self._changed.wait()
                 return value
         except TimeoutError:
@@ -348,15 +332,16 @@ class BrowserPage:
             ) from None
 
     async def _stop(self) -> None:
-        if self.process.stdin is not None and not self.process.stdin.is_closing():
-            self.process.stdin.close()
+        """Close the connection: the driver closes the page's context, then the socket."""
+        if self.writer.can_write_eof():
+            self.writer.write_eof()
         try:
             async with asyncio.timeout(10):
-                await self.process.wait()
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
-        await self._reader
+                await self._reader
+        finally:
+            self.writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self.writer.wait_closed()
 
 
 @pytest.fixture(scope="session")
@@ -379,8 +364,10 @@ def tools() -> BrowserTools:
 
 
 @pytest.fixture(scope="session")
-def chromium(tools: BrowserTools) -> Iterator[ChromiumServer]:
-    server = ChromiumServer(tools)
+def chromium(
+    tools: BrowserTools, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ChromiumServer]:
+    server = ChromiumServer(tools, tmp_path_factory.mktemp("chromium"))
     yield server
     server.stop()
 
