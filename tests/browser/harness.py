@@ -6,12 +6,12 @@ A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module
   ``chromium`` (with ``apt-get``, as root) and pinned ``playwright-core`` and
   ``typescript`` from npm into a cache directory outside the repository. What
   cannot be installed skips the test with a message saying what failed.
-- ``site``: the repository's static files (the browser SDK, the test pages) over
-  loopback HTTP.
-- ``chromium``: one headless Chromium for the test session (``tests/browser/driver.mjs
-  serve``, a Playwright server on loopback); ``browser``: a page of it in a fresh
-  browser context, for one test, as a :class:`BrowserPage`: evaluate JavaScript in
-  the page, await what the page reports, take screenshots.
+  The installs run when collection finishes, outside any test's timeout.
+- ``site``: the browser SDK and the test pages over loopback HTTP.
+- ``chromium``: one headless Chromium for the test session (``tests/browser/driver.mjs``,
+  serving pages on a Unix socket); ``browser``: a page of it in a fresh browser
+  context, for one test, as a :class:`BrowserPage`: evaluate JavaScript in the page,
+  await what the page reports, take screenshots.
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ NODE_PACKAGES = {"playwright-core": "1.65.1", "typescript": "5.9.3"}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokend-tests"
 INSTALL_TIMEOUT = 900  # seconds; the one-time apt and npm installs
 CHROMIUM_START_TIMEOUT = 30  # seconds, for Chromium or a page to be ready
+MAX_LINE = 16 * 1024 * 1024  # bytes of one line from the driver (an evaluated value)
 # URL prefix -> directory served by the ``site`` fixture.
 SITE_ROUTES = {
     "/sdk/": ROOT / "sdk" / "js",
     "/test/": HERE,
-    "/dashboard/": ROOT / "tokend" / "dashboard",
 }
 
 
 class BrowserUnavailable(Exception):
-    """Chromium or playwright-core is missing and could not be installed."""
+    """Chromium or an npm package is missing and could not be installed."""
 
 
 def _run(command: list[str], what: str, **kwargs: Any) -> None:
@@ -156,13 +156,11 @@ def browser_tools() -> BrowserTools:
 
 
 class _SiteHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files of :data:`SITE_ROUTES`, JavaScript with a JavaScript type (ES modules)."""
+    """Static files of :data:`SITE_ROUTES`; ES modules need a JavaScript type."""
 
     extensions_map = {  # noqa: RUF012 - the base class declares it a class attribute
         **http.server.SimpleHTTPRequestHandler.extensions_map,
         ".js": "text/javascript",
-        ".mjs": "text/javascript",
-        ".css": "text/css",
         ".html": "text/html; charset=utf-8",
     }
 
@@ -246,12 +244,12 @@ class BrowserPage:
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 0
         self._changed = asyncio.Condition()
-        self._reader = asyncio.create_task(self._read())
+        self._reading = asyncio.create_task(self._read())
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, chromium: ChromiumServer) -> AsyncIterator[BrowserPage]:
-        page = cls(*await asyncio.open_unix_connection(chromium.socket, limit=16 * 1024 * 1024))
+        page = cls(*await asyncio.open_unix_connection(chromium.socket, limit=MAX_LINE))
         try:
             await page.wait_for(lambda: page.ready, CHROMIUM_START_TIMEOUT, "a browser page")
             yield page
@@ -281,7 +279,7 @@ class BrowserPage:
             self._changed.notify_all()
 
     async def _command(self, timeout: float, **command: Any) -> Any:
-        if self._reader.done():
+        if self._reading.done():
             raise PageError(f"the page's connection closed: {self.log[-5:]}")
         self._next_id += 1
         reply = asyncio.get_running_loop().create_future()
@@ -321,7 +319,7 @@ class BrowserPage:
         try:
             async with asyncio.timeout(timeout), self._changed:
                 while not (value := predicate()):
-                    if self._reader.done():
+                    if self._reading.done():
                         raise PageError(f"the page's connection closed: {self.log[-5:]}")
                     await self._changed.wait()
                 return value
@@ -337,7 +335,7 @@ class BrowserPage:
             self.writer.write_eof()
         try:
             async with asyncio.timeout(10):
-                await self._reader
+                await self._reading
         finally:
             self.writer.close()
             with contextlib.suppress(ConnectionError):
