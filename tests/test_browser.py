@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from websockets.asyncio.server import ServerConnection
 
-from tests.support import LOOPBACK, EventLog, RawClient
-from tests.test_client import _welcome_for, fake_server
+from tests.support import EventLog, RawClient
+from tests.test_client import _welcome_for, fake_server, url_of
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import KeyRing, TokenService
@@ -44,14 +44,10 @@ async def page(browser: BrowserPage, site: StaticSite) -> BrowserPage:
     return browser
 
 
-def ws_url(port: int) -> str:
-    return f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
-
-
 async def open_session(page: BrowserPage, server: int | str, token: str, **options: Any) -> str:
     """Start a session in the page on tokend's port (or a URL); 'started', or the name
     of the error it ended with."""
-    url = ws_url(server) if isinstance(server, int) else server
+    url = url_of(server) if isinstance(server, int) else server
     args = ", ".join(json.dumps(a) for a in (url, token, options))
     return str(await page.eval(f"openSession({args})"))
 
