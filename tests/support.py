@@ -107,6 +107,7 @@ class TokendProcess:
         }
         self.process: subprocess.Popen[bytes] | None = None
         self.log_lines: list[dict[str, Any]] = []
+        self.log_reader: threading.Thread | None = None
 
     def start(self, timeout: float = 20) -> None:
         self.process = subprocess.Popen(
@@ -140,13 +141,17 @@ class TokendProcess:
                 with contextlib.suppress(ValueError):
                     self.log_lines.append(json.loads(line))
 
-        threading.Thread(target=read, daemon=True).start()
+        self.log_reader = threading.Thread(target=read, daemon=True)
+        self.log_reader.start()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(timeout=timeout)
+        status = self.process.wait(timeout=timeout)
+        if self.log_reader is not None:
+            self.log_reader.join(timeout)  # every line the child wrote is in log_lines
+        return status
 
 
 class Closed(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -13,9 +14,18 @@ from typing import Any
 import pytest
 from redis import asyncio as aioredis
 
-from tests.support import EventLog, HttpReply, RawClient, eventually, http_request
+from tests.support import (
+    EventLog,
+    HttpReply,
+    RawClient,
+    RedisProcess,
+    TokendProcess,
+    eventually,
+    http_request,
+)
 from tokend import cli as tokend_cli
 from tokend import protocol as p
+from tokend.config import Settings
 from tokend.server import App
 from tokend.tokens import TokenService
 
@@ -318,3 +328,50 @@ async def test_cli_reads_sessions_through_the_same_store_functions(
         assert (status, out) == (0, "")
     status, _ = await cli("sessions", "show", str(uuid.uuid4()))
     assert status == 1
+
+
+async def test_every_admin_call_logged_without_tokens(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    base = make_settings()
+    node = TokendProcess(
+        {
+            "TOKEND_REDIS_URL": base.redis_url,
+            "TOKEND_KEY_PREFIX": base.key_prefix,
+            "TOKEND_KEYS_DIR": base.keys_dir,
+            "TOKEND_DATA_DIR": str(tmp_path / "data"),
+            "TOKEND_ADMIN_TOKEN": ADMIN_TOKEN,
+        }
+    )
+    node.start()
+    node.follow_log()
+    try:
+        body = p_json({"sub": "logged"})
+        minted = await http_request(node.admin_port, "POST", "/v1/tokens", headers=AUTH, body=body)
+        assert minted.status == 201
+        wrong = {"Authorization": "Bearer not-the-token"}
+        denied = await http_request(node.admin_port, "GET", "/v1/stats?x=1", headers=wrong)
+        assert denied.status == 401
+    finally:
+        assert node.stop(signal.SIGTERM) == 0
+    calls = [e for e in node.log_lines if e.get("event") == "admin request"]
+    assert [(e["method"], e["path"], e["status"]) for e in calls] == [
+        ("POST", "/v1/tokens", 201),
+        ("GET", "/v1/stats", 401),
+    ]
+    text = json.dumps(node.log_lines)
+    for secret in (ADMIN_TOKEN, "not-the-token", minted.json()["token"]):
+        assert secret not in text
+
+
+async def test_redis_down_is_503_store_unavailable(
+    start_app: StartApp, own_redis: RedisProcess
+) -> None:
+    app = await start_app(admin_token=ADMIN_TOKEN, redis_url=own_redis.url)
+    assert (await api(app, "GET", "/v1/stats")).status == 200
+    own_redis.kill()
+    assert_error(await api(app, "GET", "/v1/stats"), 503, "store_unavailable")
+    assert_error(await api(app, "GET", "/v1/sessions"), 503, "store_unavailable")
+    ready = await call(app, "GET", "/readyz")
+    assert ready.status == 503 and "redis" in ready.json()
+    assert (await call(app, "GET", "/metrics")).status == 200

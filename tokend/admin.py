@@ -191,36 +191,42 @@ class AdminServer:
     # One connection, one request
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        method, path = "-", "-"
         try:
-            try:
-                request = await self._read_in_time(reader)
-                method, path = request.method, request.path
-                response = await self._route(request)
-            except HTTPError as exc:
-                response = Response.error(exc)
-            except asyncio.IncompleteReadError:
-                return  # the peer went away mid-request: nobody to answer
-            except StoreUnavailable as exc:
-                unavailable = http.HTTPStatus.SERVICE_UNAVAILABLE
-                response = Response.error(HTTPError(unavailable, "store_unavailable", str(exc)))
-            log.info(
-                "admin request",
-                method=method,
-                path=path,
-                status=response.status.value,
-                peer=peer[0] if peer else "?",
-            )
-            writer.write(response.encode())
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-        except Exception:
-            log.exception("admin request failed", method=method, path=path)
+            await self._answer(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the peer went away: nobody to answer
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method, path = "-", "-"
+        try:
+            request = await self._read_in_time(reader)
+            method, path = request.method, request.path
+            response = await self._route(request)
+        except HTTPError as exc:
+            response = Response.error(exc)
+        except StoreUnavailable as exc:
+            unavailable = http.HTTPStatus.SERVICE_UNAVAILABLE
+            response = Response.error(HTTPError(unavailable, "store_unavailable", str(exc)))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            raise
+        except Exception:
+            log.exception("admin request failed", method=method, path=path)
+            internal = http.HTTPStatus.INTERNAL_SERVER_ERROR
+            response = Response.error(HTTPError(internal, "internal_error", "see the node's log"))
+        peer = writer.get_extra_info("peername")
+        log.info(
+            "admin request",
+            method=method,
+            path=path,
+            status=response.status.value,
+            peer=peer[0] if peer else "?",
+        )
+        writer.write(response.encode())
+        await writer.drain()
 
     async def _read_in_time(self, reader: asyncio.StreamReader) -> Request:
         try:

@@ -233,8 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the server",
-        description="Serve /v1/ws, /healthz, /readyz and /.well-known/jwks.json. With no "
-        "Redis URL, starts a private redis-server under the data dir and stops it on exit.",
+        description="Serve /v1/ws, /healthz, /readyz and /.well-known/jwks.json, and on the "
+        "admin port /metrics, the admin API and the dashboard (docs/operations.md). With no "
+        "Redis URL, starts a private redis-server under the data dir and stops it on exit. "
+        "SIGTERM drains (1001 spread over drain_period); a second signal exits at once.",
     )
     serve.set_defaults(func=cmd_serve)
 
