@@ -127,10 +127,12 @@ function fillTable(selector, rows) {
 }
 
 function latencyRows(summaries) {
+  // No samples yet: no percentile to show.
+  const ms = (value, count) => (count ? value.toFixed(3) : '–');
   return Object.entries(summaries).map(([name, s]) => [
     name,
-    s.p50.toFixed(3),
-    s.p95.toFixed(3),
+    ms(s.p50, s.count),
+    ms(s.p95, s.count),
     number(s.count),
   ]);
 }
