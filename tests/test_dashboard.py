@@ -8,6 +8,7 @@ TOKEN_EXPIRED we caused, and the admin token must never travel in a URL.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis import asyncio as aioredis
 
-from tests.support import LOOPBACK, EventLog, RawClient, eventually, http_request
+from tests.support import LOOPBACK, EventLog, RawClient, eventually, free_port, http_request
 from tokend import protocol as p
 from tokend.client import connect
 from tokend.server import App
@@ -40,6 +41,12 @@ async def admin_stats(app: App) -> dict[str, Any]:
     )
     assert reply.status == 200, reply
     return dict(reply.json())
+
+
+async def ring_subscribed(redis: aioredis.Redis, app: App) -> bool:
+    """The admin listener's event ring is subscribed: it sees the events that follow."""
+    channel = f"{app.settings.key_prefix}:events"
+    return bool((await redis.pubsub_numsub(channel))[0][1])
 
 
 async def shown(page: BrowserPage) -> dict[str, Any]:
@@ -78,12 +85,8 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
     app = await start_app(admin_token=ADMIN_TOKEN)
     assert app.admin is not None
     dashboard = f"http://{LOOPBACK}:{app.admin.port}/dashboard"
-    channel = f"{app.settings.key_prefix}:events"
 
-    async def ring_subscribed() -> bool:  # the listener's event ring sees what follows
-        return bool((await redis.pubsub_numsub(channel))[0][1])
-
-    await eventually(ring_subscribed)
+    await eventually(functools.partial(ring_subscribed, redis, app))
 
     # Without a token the page asks for one; a wrong one is refused and forgotten.
     await browser.goto(dashboard)
@@ -161,3 +164,43 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
         await browser.screenshot(SCREENSHOT)
         print(f"dashboard screenshot: {SCREENSHOT}")
         print(json.dumps(page["stats"]))
+
+
+async def test_dashboard_follows_a_blip_and_a_restarted_node(
+    browser: BrowserPage, start_app: StartApp, tokens: TokenService, redis: aioredis.Redis
+):
+    admin_port = free_port()
+    settings = {"admin_token": ADMIN_TOKEN, "admin_port": admin_port}
+    app = await start_app(**settings)
+    dashboard = f"http://{LOOPBACK}:{admin_port}/dashboard/index.html"
+    await browser.goto(f"{dashboard}#token={ADMIN_TOKEN}&poll=200")
+    rows = "document.querySelectorAll('#events tbody tr').length"
+    unreachable = "document.querySelector('#status').textContent.includes('unreachable')"
+    updated = "document.querySelector('#status').textContent.startsWith('updated')"
+    for generation in (1, 2):
+        await eventually(functools.partial(ring_subscribed, redis, app))
+        token = tokens.mint(f"generation-{generation}")
+        async with RawClient.connect(app.port) as client:
+            await client.hello(token)
+            await client.heartbeat()
+            await client.send(p.encode(p.Bye()))
+            await client.expect_close()
+        tid = str(tokens.verify(token).tid)
+        shown = f"document.querySelectorAll('#events tr[data-tid=\"{tid}\"]').length"
+        assert await browser.until(f"{shown} === 2 && {shown}")  # STARTED and CLOSED
+        if generation == 1:
+            # A blip (the page's requests fail for a while): the page reads the whole
+            # ring again afterwards, and shows no event twice.
+            await browser.eval(
+                "window.realFetch = fetch; window.fetch = () => Promise.reject(new Error('blip'))"
+            )
+            await browser.until(unreachable)
+            await browser.eval("window.fetch = window.realFetch")
+            await browser.until(updated)
+            assert await browser.eval(rows) == 2
+            # A restart: the new node numbers its events from 1 again; the page must
+            # still show them.
+            await app.stop()
+            await browser.until(unreachable)
+            app = await start_app(**settings)
+    assert await browser.eval(rows) == 4  # the first node's events are still there, once

@@ -23,6 +23,8 @@ const state = {
   pollMs: DEFAULT_POLL_MS,
   timer: 0,
   after: 0, // the `next` of the latest /v1/events answer
+  heartbeats: 0, // heartbeats_total of the latest /v1/stats answer
+  unreachable: false, // the latest poll failed
   samples: [], // {at, ACTIVE, WARN}
 };
 
@@ -71,6 +73,7 @@ function showLogin(message = '') {
 function start(token) {
   state.token = token;
   state.after = 0;
+  state.heartbeats = 0;
   state.samples = [];
   $('#events tbody').replaceChildren();
   $('#login').hidden = true;
@@ -82,13 +85,17 @@ function start(token) {
 async function poll() {
   clearTimeout(state.timer);
   try {
-    const [stats, feed] = await Promise.all([
-      api('/v1/stats'),
-      api(`/v1/events?after=${state.after}&limit=${EVENTS_PAGE}`),
-    ]);
+    const stats = await api('/v1/stats');
+    // The event ring numbers from 1 again in a new process. A node that was away, or
+    // whose counters went back, may be one: read its whole ring again (the rows
+    // shown are not repeated).
+    if (state.unreachable || stats.heartbeats_total < state.heartbeats) state.after = 0;
+    state.heartbeats = stats.heartbeats_total;
+    const feed = await api(`/v1/events?after=${state.after}&limit=${EVENTS_PAGE}`);
     renderStats(stats);
     renderEvents(feed);
     setStatus(`updated ${clock(stats.at)}, every ${state.pollMs / 1000} s`);
+    state.unreachable = false;
   } catch (error) {
     if (error instanceof Unauthorized) {
       sessionStorage.removeItem(TOKEN_KEY);
@@ -96,6 +103,7 @@ async function poll() {
       return;
     }
     setStatus(`admin API unreachable: ${error.message}`, true);
+    state.unreachable = true;
   }
   state.timer = setTimeout(poll, state.pollMs);
 }
@@ -185,7 +193,10 @@ function renderEvents(feed) {
   state.after = feed.next;
   const body = $('#events tbody');
   for (const event of feed.events) {
+    const key = `${event.node} ${event.at} ${event.type} ${event.tid}`;
+    if (body.querySelector(`tr[data-key="${CSS.escape(key)}"]`)) continue; // shown already
     const tr = document.createElement('tr');
+    tr.dataset.key = key;
     tr.dataset.type = event.type;
     tr.dataset.tid = event.tid;
     tr.className = event.type.toLowerCase();
