@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -163,7 +162,6 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
 
         await browser.screenshot(SCREENSHOT)
         print(f"dashboard screenshot: {SCREENSHOT}")
-        print(json.dumps(page["stats"]))
 
 
 async def test_dashboard_follows_a_blip_and_a_restarted_node(
