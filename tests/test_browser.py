@@ -1,0 +1,375 @@
+"""The browser SDK (sdk/js/tokend.js) in headless Chromium against a real tokend.
+
+The page (tests/browser/sdk.html, served over loopback HTTP) reports every
+lifecycle change of its session; the test acts on the server (restart, revoke)
+and checks what the page saw against the server's events.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from websockets.asyncio.server import ServerConnection
+
+from tests.support import EventLog, RawClient
+from tests.test_client import _welcome_for, fake_server, url_of
+from tokend import protocol as p
+from tokend.server import App
+from tokend.tokens import KeyRing, TokenService
+
+if TYPE_CHECKING:
+    from tests.browser.harness import BrowserPage, BrowserTools, StaticSite
+
+pytest_plugins = ["tests.browser.harness"]
+
+StartApp = Callable[..., Awaitable[App]]
+ROOT = Path(__file__).resolve().parent.parent
+SDK_TYPES = ROOT / "sdk" / "js" / "tokend.d.ts"
+# Backoff of the page's sessions, ms: reconnects are quick but still jittered.
+FAST_BACKOFF = {"base": 50, "cap": 500}
+
+
+@pytest.fixture
+async def page(browser: BrowserPage, site: StaticSite) -> BrowserPage:
+    """The SDK test page, loaded."""
+    await browser.goto(f"{site.origin}/test/sdk.html")  # its module has run at "load"
+    assert await browser.eval("typeof tokend.connect") == "function"
+    return browser
+
+
+async def open_session(page: BrowserPage, server: int | str, token: str, **options: Any) -> str:
+    """Start a session in the page on tokend's port (or a URL); 'started', or the name
+    of the error it ended with."""
+    url = url_of(server) if isinstance(server, int) else server
+    args = ", ".join(json.dumps(a) for a in (url, token, options))
+    return str(await page.eval(f"openSession({args})"))
+
+
+def changes(page: BrowserPage, kind: str) -> list[dict[str, Any]]:
+    return [r for r in page.reports if r["kind"] == kind]
+
+
+async def wait_change(
+    page: BrowserPage, kind: str, count: int = 1, timeout: float = 5
+) -> dict[str, Any]:
+    """The ``count``-th change of ``kind`` the page reported."""
+    found = await page.wait_for(
+        lambda: len(changes(page, kind)) >= count and changes(page, kind),
+        timeout,
+        f"{count} '{kind}' change(s)",
+    )
+    return found[count - 1]
+
+
+async def stats(page: BrowserPage) -> dict[str, Any]:
+    return dict(await page.eval("session.stats"))
+
+
+# The module's surface
+
+
+def test_the_declarations_type_the_documented_usage(tools: BrowserTools):
+    checked = subprocess.run(
+        [
+            str(tools.tsc),
+            "--strict",
+            "--noEmit",
+            "--target",
+            "es2022",
+            "--module",
+            "es2022",
+            "--moduleResolution",
+            "bundler",
+            "--lib",
+            "es2022,dom",
+            str(ROOT / "tests" / "browser" / "typecheck.ts"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_every_export_is_declared(page: BrowserPage):
+    declared = re.findall(
+        r"^export declare (?:const|class|function) (\w+)", SDK_TYPES.read_text(), re.M
+    )
+    exported = await page.eval("Object.keys(tokend)")
+    assert sorted(exported) == sorted(declared)
+
+
+# The codec, byte for byte against tokend.protocol
+
+
+async def test_frames_match_the_python_codec(page: BrowserPage):
+    key = bytes(range(32))
+    tid = uuid.uuid4()
+    expected = p.encode(p.make_heartbeat(key, tid.bytes, 7, 1_764_680_000_123))
+    hello = p.encode(p.Hello("a.b.c"))
+    welcome = p.Welcome(tid.bytes, 1_764_680_000_000, 30_000, 90_000, 120_000, key, resumed=True)
+    ack = p.HeartbeatAck(9, 1_764_680_900_000, "x.y.z", renewed=True, was_warn=True)
+    result = await page.eval(
+        f"""(async () => {{
+          const hex = (b) => Array.from(b, (x) => x.toString(16).padStart(2, '0')).join('');
+          const bytes = (h) => Uint8Array.from(h.match(/../g), (x) => parseInt(x, 16));
+          const key = await tokend.importSessionKey(bytes('{key.hex()}'));
+          const decode = (h) => {{
+            try {{
+              const f = tokend.decodeServerFrame(bytes(h).buffer);
+              for (const k of ['tid', 'sessionKey']) if (f[k]) f[k] = hex(f[k]);
+              return f;
+            }} catch (e) {{ return e.name + ': ' + e.message; }}
+          }};
+          return {{
+            heartbeat: hex(await tokend.encodeHeartbeat(key, bytes('{tid.hex}'), 7, 1764680000123)),
+            hello: hex(tokend.encodeHello('a.b.c')),
+            bye: hex(tokend.encodeBye()),
+            welcome: decode('{p.encode(welcome).hex()}'),
+            ack: decode('{p.encode(ack).hex()}'),
+            notice: decode('{p.encode(p.Notice()).hex()}'),
+            short: decode('{p.encode(welcome)[:-1].hex()}'),
+            reserved: decode('04f8' + '{p.encode(ack).hex()[4:]}'),
+            client: decode('{p.encode(p.Bye()).hex()}'),
+          }};
+        }})()"""
+    )
+    assert result["heartbeat"] == expected.hex()
+    assert result["hello"] == hello.hex()
+    assert result["bye"] == "05"
+    assert result["welcome"] == {
+        "type": "welcome",
+        "tid": tid.hex,
+        "expMs": welcome.exp_ms,
+        "heartbeatMs": 30_000,
+        "warnMs": 90_000,
+        "expireMs": 120_000,
+        "sessionKey": key.hex(),
+        "resumed": True,
+    }
+    assert result["ack"] == {
+        "type": "ack",
+        "seq": 9,
+        "expMs": ack.exp_ms,
+        "token": "x.y.z",
+        "renewed": True,
+        "resent": False,
+        "wasWarn": True,
+    }
+    assert result["notice"] == {"type": "notice", "state": "WARN"}
+    assert result["short"] == "ProtocolError: welcome is 72 bytes, got 71"
+    assert result["reserved"] == "ProtocolError: ack has reserved flag bits set"
+    assert result["client"] == "ProtocolError: client frame BYE from the server"
+
+
+# Against a real tokend
+
+
+async def test_connects_renews_and_logs_out(
+    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    app = await start_app(token_ttl=3, renew_window=2)
+    token = tokens.mint("browser", ttl_s=3)
+    assert await open_session(page, app.port, token, backoff=FAST_BACKOFF) == "started"
+    connected = await wait_change(page, "connected")
+    assert connected["detail"] == "new session"
+    tid = await page.eval("session.tid")
+    assert tid == str(tokens.verify(token).tid)
+    await events.wait_for("SESSION_STARTED", tid)
+    # A 3 s token with a 2 s renew window renews about every second.
+    second = await wait_change(page, "renewed", count=2, timeout=6)
+    assert second["detail"] == "renewed" and second["hasToken"]
+    held = await page.eval("[session.token, session.exp]")
+    claims = tokens.verify(held[0])  # the page holds a token the server signed
+    assert str(claims.tid) == tid and claims.exp * 1000 == held[1]
+    assert held[1] >= second["exp"] > tokens.verify(token).exp * 1000
+    await page.eval("session.close()")
+    ended = await wait_change(page, "ended")
+    assert (ended["code"], ended["meaning"], ended["error"]) == (1000, "bye", None)
+    assert ended["detail"] == "logged out (BYE)"
+    await events.wait_for("SESSION_CLOSED", tid)
+    sent = await stats(page)
+    assert sent["renewals"] == len(changes(page, "renewed")) == len(events.of("TOKEN_RENEWED", tid))
+    assert sent["reconnects"] == 0 and sent["acks"] >= sent["renewals"]
+
+
+async def test_warn_recover_then_expire_when_heartbeats_stop(
+    page: BrowserPage, app: App, tokens: TokenService, events: EventLog
+):
+    assert await open_session(page, app.port, tokens.mint("sleepy")) == "started"
+    tid = await page.eval("session.tid")
+    await page.eval("session.pauseHeartbeats()")
+    await wait_change(page, "warned")  # NOTICE after warn_after (0.6 s) without heartbeats
+    assert await page.eval("session.state") == "WARN"
+    await events.wait_for("SESSION_WARN", tid)
+    await page.eval("session.resumeHeartbeats()")
+    await wait_change(page, "recovered")
+    assert await page.eval("session.state") == "ACTIVE"
+    await events.wait_for("SESSION_RECOVERED", tid)
+    # Stopped for longer than expire_after (1.2 s): the server ends the session.
+    await page.eval("session.pauseHeartbeats()")
+    ended = await wait_change(page, "ended")
+    assert (ended["code"], ended["meaning"]) == (4505, "session expired")
+    assert ended["error"] == {"name": "SessionExpired", "code": 4505, "meaning": "session expired"}
+    expired = await events.wait_for("TOKEN_EXPIRED", tid)
+    assert expired[0]["reason"] == "heartbeat_timeout"
+    assert not changes(page, "reconnecting")
+
+
+async def test_resumes_after_a_server_restart_with_its_newest_token(
+    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    clocks = {"token_ttl": 4, "renew_window": 3}  # renewals about every second
+    app = await start_app(**clocks)
+    port = app.port
+    token = tokens.mint("restart", ttl_s=4)
+    assert await open_session(page, port, token, backoff=FAST_BACKOFF) == "started"
+    tid = await page.eval("session.tid")
+    await wait_change(page, "renewed")  # it holds a newer token than it started with
+    await app.stop()
+    going = await wait_change(page, "reconnecting")
+    assert (going["code"], going["meaning"]) == (1001, "server going away")
+    assert 0 <= going["delay"] <= FAST_BACKOFF["base"]
+    await start_app(port=port, **clocks)  # the same Redis, the same port
+    resumed = await wait_change(page, "resumed")
+    assert resumed["detail"] == "the same session goes on"
+    await events.wait_for("SESSION_RESUMED", tid)
+    # HELLO carried the newest token: nothing to re-send, and renewals go on.
+    renewals = len(changes(page, "renewed"))
+    after = await wait_change(page, "renewed", count=renewals + 1)
+    assert after["detail"] == "renewed"
+    assert all(c["detail"] == "renewed" for c in changes(page, "renewed"))
+    held = await page.eval("[session.connected, session.token]")
+    assert held[0] and held[1] != token and str(tokens.verify(held[1]).tid) == tid
+    assert not changes(page, "ended")
+
+
+async def test_revocation_ends_the_session_without_reconnecting(
+    page: BrowserPage, app: App, tokens: TokenService
+):
+    assert await open_session(page, app.port, tokens.mint("revoked"), backoff=FAST_BACKOFF) == (
+        "started"
+    )
+    tid = uuid.UUID(await page.eval("session.tid"))
+    assert app.node is not None
+    await app.node.store.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+    ended = await wait_change(page, "ended")
+    assert (ended["code"], ended["meaning"]) == (4506, "token revoked")
+    assert ended["error"] == {"name": "Revoked", "code": 4506, "meaning": "token revoked"}
+    assert await page.eval("session.wait().then(() => 'ok', (e) => e instanceof tokend.Revoked)")
+    assert not changes(page, "reconnecting")
+    assert (await stats(page))["reconnects"] == 0
+
+
+async def test_a_newer_connection_takes_the_session_over(
+    page: BrowserPage, app: App, tokens: TokenService
+):
+    token = tokens.mint("twice")
+    assert await open_session(page, app.port, token, backoff=FAST_BACKOFF) == "started"
+    async with RawClient.connect(app.port) as newcomer:
+        welcome = await newcomer.hello(token)
+        assert welcome.resumed
+        ended = await wait_change(page, "ended")
+    assert (ended["code"], ended["meaning"]) == (4507, "session taken over")
+    assert ended["error"]["name"] == "TakenOver"
+    assert await page.eval("session.error instanceof tokend.Revoked")  # a kind of revocation
+    assert not changes(page, "reconnecting")
+
+
+async def test_gives_up_after_max_attempts_and_closes_while_reconnecting(
+    page: BrowserPage, app: App, tokens: TokenService
+):
+    limited = {"base": 20, "cap": 40, "maxAttempts": 2}
+    assert await open_session(page, app.port, tokens.mint("a"), backoff=limited) == "started"
+    await page.eval("window.first = session")
+    patient = {"base": 60_000, "cap": 60_000}  # its retries wait up to a minute
+    assert await open_session(page, app.port, tokens.mint("b"), backoff=patient) == "started"
+    await app.stop()
+    gave_up = await wait_change(page, "ended")
+    assert gave_up["code"] is None and gave_up["error"]["name"] == "RetriesExhausted"
+    assert gave_up["detail"] == "gave up after 2 reconnect attempts; last: cannot connect"
+    assert await page.eval("first.stats.reconnects") == 2
+    # The other one waits for its next attempt: close() cannot say BYE, and ends it.
+    await page.until("session.stats.reconnects >= 1")
+    await page.eval("session.close()")
+    closed = await wait_change(page, "ended", count=2)
+    assert (closed["code"], closed["error"]) == (None, None)
+    assert closed["detail"] == "closed while not connected; the session stays until it expires"
+
+
+async def test_a_server_breaking_the_protocol_is_left_with_4503(
+    page: BrowserPage, tokens: TokenService
+):
+    received: list[int | None] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.send(_welcome_for(await ws.recv(), 1000, 3000))
+        await ws.send(b"\x09")  # an unknown frame type
+        await ws.wait_closed()
+        received.append(ws.close_code)
+
+    async with fake_server(handler) as url:
+        assert await open_session(page, url, tokens.mint("x"), backoff=FAST_BACKOFF) == "started"
+        ended = await wait_change(page, "ended")
+        assert ended["error"]["name"] == "ProtocolViolation" and ended["code"] is None
+        assert ended["detail"] == "unknown frame type 0x09"
+    assert received == [p.CloseCode.PROTOCOL_ERROR]
+    assert not changes(page, "reconnecting")
+
+
+async def test_a_bad_token_is_refused_with_4501(
+    page: BrowserPage, app: App, settings: Any, tmp_path: Path
+):
+    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys"))
+    outcome = await open_session(page, app.port, stranger.mint("mallory"), backoff=FAST_BACKOFF)
+    assert outcome == "AuthError"
+    ended = await wait_change(page, "ended")
+    assert (ended["code"], ended["meaning"]) == (4501, "invalid token")
+    assert not changes(page, "reconnecting") and not changes(page, "connected")
+    # Not a JWT at all: refused before connecting.
+    refused = await page.eval(
+        "(() => { try { new tokend.Session('ws://127.0.0.1:9/v1/ws', 'nope'); }"
+        " catch (e) { return [e.name, e.code, e.message]; } })()"
+    )
+    assert refused[0] == "AuthError" and refused[1] is None
+
+
+async def test_a_tab_back_in_view_sends_an_overdue_heartbeat_at_once_and_no_burst(
+    page: BrowserPage, start_app: StartApp, tokens: TokenService
+):
+    app = await start_app(heartbeat_interval=1, warn_after=5, expire_after=6)
+    assert await open_session(page, app.port, tokens.mint("tabs")) == "started"
+    # Right after an ACK the next heartbeat is about 1 s away: becoming visible sends none.
+    # Then the main thread is kept busy past the due time (as a throttled background
+    # tab would be) and the tab becomes visible: one heartbeat goes at once, not two.
+    # Its ACK comes long before the next heartbeat is due: by then the timer that was
+    # due during the busy spell has fired, and it must have sent nothing.
+    sent = await page.eval(
+        """(async () => {
+          const visible = () => {
+            const before = session.stats.heartbeats;
+            document.dispatchEvent(new Event('visibilitychange'));
+            return session.stats.heartbeats - before;
+          };
+          await until(() => session.stats.acks > 0);
+          const notDue = visible();
+          const busyUntil = performance.now() + 1500;
+          while (performance.now() < busyUntil);
+          const overdue = visible();
+          const [heartbeats, acks] = [session.stats.heartbeats, session.stats.acks];
+          await until(() => session.stats.acks > acks);
+          const extra = session.stats.heartbeats - heartbeats;
+          return { notDue, overdue, extra, state: document.visibilityState };
+        })()"""
+    )
+    assert sent == {"notDue": 0, "overdue": 1, "extra": 0, "state": "visible"}
+    assert (await stats(page))["maxLag"] >= 400  # it went half a second late, at least
+    assert not changes(page, "reconnecting") and not changes(page, "ended")
