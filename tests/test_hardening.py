@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from structlog.testing import capture_logs
+from structlog.testing import CapturingLogger
 from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
 
@@ -24,7 +24,7 @@ from tests.support import (
     http_get,
     node_env,
 )
-from tokend import client, store
+from tokend import client, server, store
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import TokenService
@@ -40,37 +40,45 @@ async def until(condition: Callable[[], bool], timeout: float) -> None:
             await asyncio.sleep(0.02)
 
 
-async def test_a_client_that_stops_reading_is_dropped(start_app, tokens: TokenService, redis):
+async def test_a_client_that_stops_reading_is_dropped(
+    start_app, tokens: TokenService, redis, monkeypatch
+):
     # No frame limit, so that the client can make the server write faster than it reads;
     # clocks long enough that only the stall, never expiry, can end the connection.
     app: App = await start_app(
         max_frame_rate=0, send_timeout=SEND_TIMEOUT, warn_after=30, expire_after=40
     )
     assert app.node is not None
+    server_log = CapturingLogger()
+    monkeypatch.setattr(server, "log", server_log)
     token = tokens.mint("sloth")
     client = await WireClient.open(app.port, rcvbuf=4096)
     await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(token))))
     welcome = await client.welcome()
     tid = str(uuid.UUID(bytes=welcome.tid))
-    with capture_logs() as logs:
-        async with EventLog(redis, f"{app.settings.key_prefix}:events") as events:
-            # Heartbeats whose exp is wrong: every ACK re-sends the token (~330 bytes). The
-            # client never reads another byte.
-            seq = 0
-            with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(15):
-                    while app.node.sessions:
-                        seq += 1
-                        hb = p.make_heartbeat(welcome.session_key, welcome.tid, seq, 1)
-                        # Pings of the largest size, answered by pongs: more to write.
-                        await client.send(Frame(Opcode.BINARY, p.encode(hb)), *PINGS)
-            await until(lambda: not app.node.sessions, 5)
-            client.close()
-            # The session is not ended: the client may come back and resume it.
-            async with RawClient.connect(app.port) as again:
-                assert (await again.hello(token)).resumed
-            assert not events.of("TOKEN_EXPIRED", tid)
-    [dropped] = [e for e in logs if e["event"] == "dropping connection: client not reading"]
+    async with EventLog(redis, f"{app.settings.key_prefix}:events") as events:
+        # Heartbeats whose exp is wrong: every ACK re-sends the token (~330 bytes). The
+        # client never reads another byte.
+        seq = 0
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(15):
+                while app.node.sessions:
+                    seq += 1
+                    hb = p.make_heartbeat(welcome.session_key, welcome.tid, seq, 1)
+                    # Pings of the largest size, answered by pongs: more to write.
+                    await client.send(Frame(Opcode.BINARY, p.encode(hb)), *PINGS)
+        await until(lambda: not app.node.sessions, 5)
+        client.close()
+        # The session is not ended: the client may come back and resume it.
+        async with RawClient.connect(app.port) as again:
+            assert (await again.hello(token)).resumed
+        assert not events.of("TOKEN_EXPIRED", tid)
+    assert app.node.metrics.dropped == {"not_reading": 1}
+    [dropped] = [
+        call.kwargs
+        for call in server_log.calls
+        if call.args == ("dropping connection: client not reading",)
+    ]
     # What the server held for it: the write limit (32 KiB) and what was in flight.
     assert dropped["unsent"] <= 2**15 + 4096
 

@@ -8,6 +8,25 @@ import sys
 import structlog
 
 
+class StderrLogger:
+    """Writes each line to ``sys.stderr`` as it is now, in one write.
+
+    One write per line (print() makes two): the workers of `serve --workers` share
+    stderr, and a pipe keeps writes up to PIPE_BUF (4 KiB) whole. Looked up at each
+    write rather than kept, so that a stream replaced later (as pytest does) is followed.
+    """
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    debug = info = warning = warn = error = critical = exception = fatal = failure = log = msg
+
+
+_STDERR = StderrLogger()
+
+
 def configure(fmt: str = "json", level: str = "info") -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
@@ -23,9 +42,7 @@ def configure(fmt: str = "json", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        # One write per line (print() makes two): the workers of `serve --workers`
-        # share stderr, and a pipe keeps writes up to PIPE_BUF (4 KiB) whole.
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        logger_factory=lambda *_: _STDERR,
         cache_logger_on_first_use=True,
     )
     # websockets and redis log through the standard library; keep them quiet but visible.

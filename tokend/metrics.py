@@ -105,6 +105,8 @@ class Metrics:
         self.renewals = 0
         self.expiries: Counter[str] = Counter()
         self.close_codes: Counter[int] = Counter()
+        # Connections dropped without a close frame (none could reach the client), by why.
+        self.dropped: Counter[str] = Counter()
         # Filled in by the node and the server: live values read at scrape time.
         self.sessions_by_state: Callable[[], dict[str, int]] = dict
         self.connections: Callable[[], int] = int
@@ -194,6 +196,12 @@ class _LiveCollector(Collector):
             "WebSocket close codes sent.",
             "code",
             ((str(code), n) for code, n in m.close_codes.items()),
+        )
+        yield _labelled(
+            "tokend_dropped_connections",
+            "Connections dropped without a close frame.",
+            "reason",
+            m.dropped.items(),
         )
 
 

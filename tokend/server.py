@@ -118,6 +118,8 @@ class TokendConnection(ServerConnection):
             self.stall = None
 
     def _stalled(self) -> None:
+        assert self.app.node is not None
+        self.app.node.metrics.dropped["not_reading"] += 1
         log.warning(
             "dropping connection: client not reading",
             peer=self.peer,

@@ -262,7 +262,9 @@ class BrowserPage:
             async with self._changed:
                 if "id" in message:
                     reply = self._replies.pop(message["id"])
-                    if "error" in message:
+                    if reply.done():  # its caller gave up waiting (cancelled)
+                        pass
+                    elif "error" in message:
                         reply.set_exception(PageError(message["error"]))
                     else:
                         reply.set_result(message["value"])
