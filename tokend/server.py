@@ -18,7 +18,7 @@ import json
 import resource
 import signal
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import structlog
@@ -37,7 +37,7 @@ from tokend.config import Settings
 from tokend.embedded import EmbeddedRedis
 from tokend.metrics import Metrics
 from tokend.node import Node
-from tokend.session import LinkClosed, Session, TokenBucket
+from tokend.session import Session, TokenBucket
 from tokend.store import connect
 from tokend.tokens import KeyRing, TokenService
 
@@ -80,6 +80,11 @@ class TokendConnection(ServerConnection):
     def for_app(cls, app: App) -> type[TokendConnection]:
         return type(cls.__name__, (cls,), {"app": app})
 
+    @staticmethod
+    def ip(transport: asyncio.BaseTransport) -> str:
+        peer = transport.get_extra_info("peername")
+        return str(peer[0]) if peer else "?"
+
     @property
     def peer(self) -> str:
         address = self.remote_address
@@ -87,10 +92,15 @@ class TokendConnection(ServerConnection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.app.open_connections += 1
+        self.app.connections_per_ip[self.ip(transport)] += 1
         super().connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.app.open_connections -= 1
+        ip = self.ip(self.transport)
+        self.app.connections_per_ip[ip] -= 1
+        if not self.app.connections_per_ip[ip]:
+            del self.app.connections_per_ip[ip]
         if self.stall is not None:
             self.stall.cancel()
         super().connection_lost(exc)
@@ -130,25 +140,25 @@ class TokendConnection(ServerConnection):
 
 
 class WebSocketLink:
-    """A websockets connection as a :class:`tokend.session.Link`."""
+    """A websockets connection as a :class:`tokend.session.Link`.
+
+    ``recv`` and ``send`` hand back the library's own coroutines rather than wrapping
+    them: an idle session then waits one coroutine frame less (docs/performance.md,
+    idle memory), and websockets' ConnectionClosed is the link's ``closed`` error.
+    """
 
     __slots__ = ("metrics", "ws")
+    closed = ConnectionClosed
 
     def __init__(self, ws: ServerConnection, metrics: Metrics) -> None:
         self.ws = ws
         self.metrics = metrics
 
-    async def recv(self) -> bytes | str:
-        try:
-            return await self.ws.recv()
-        except ConnectionClosed:
-            raise LinkClosed from None
+    def recv(self) -> Awaitable[bytes | str]:
+        return self.ws.recv()
 
-    async def send(self, data: bytes) -> None:
-        try:
-            await self.ws.send(data)
-        except ConnectionClosed:
-            raise LinkClosed from None
+    def send(self, data: bytes) -> Awaitable[None]:
+        return self.ws.send(data)
 
     async def close(self, code: int, reason: str) -> None:
         self.metrics.closed(code)
@@ -202,10 +212,11 @@ class App:
         self.node: Node | None = None
         self.server: Server | None = None
         self.admin: AdminServer | None = None
-        self.connections_per_ip: Counter[str] = Counter()
         self.draining = False
-        # TCP connections open now (WebSocket or plain HTTP), from TokendConnection.
+        # TCP connections open now (WebSocket or plain HTTP), in all and per client IP,
+        # kept by TokendConnection.
         self.open_connections = 0
+        self.connections_per_ip: Counter[str] = Counter()
         # Beyond this many, handshakes get 503: the Redis pool must still find descriptors.
         self.max_open_connections = connection_budget(settings)
 
@@ -229,7 +240,7 @@ class App:
             await asyncio.to_thread(self.embedded.start)
             url = self.embedded.url
         self.node = Node(settings, connect(url, settings), tokens)
-        self.node.metrics.connections = lambda: sum(self.connections_per_ip.values())
+        self.node.metrics.connections = lambda: len(self.server.connections) if self.server else 0
         await self.node.start()
         if settings.admin_port >= 0:
             self.admin = AdminServer(self.node, lambda: self.draining)
@@ -312,27 +323,27 @@ class App:
             await self.embedded.astop()
         log.info("stopped")
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    def _handle(self, ws: ServerConnection) -> Awaitable[None]:
+        """The connection's session: websockets awaits it as the handler.
+
+        A plain function returning the session's coroutine, so that an idle
+        connection waits in no frame of ours above it (the per-IP count is kept by
+        :class:`TokendConnection`).
+        """
         assert self.node is not None
         peer = ws.remote_address
-        ip = peer[0] if peer else "?"
-        self.connections_per_ip[ip] += 1
-        try:
-            link = WebSocketLink(ws, self.node.metrics)
-            await Session(self.node, link, f"{ip}:{peer[1] if peer else 0}").run()
-        finally:
-            self.connections_per_ip[ip] -= 1
-            if not self.connections_per_ip[ip]:
-                del self.connections_per_ip[ip]
+        name = f"{peer[0]}:{peer[1]}" if peer else "?"
+        return Session(self.node, WebSocketLink(ws, self.node.metrics), name).run()
 
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         assert self.node is not None
         path = request.path.partition("?")[0]
         if path == p.WS_PATH:
             cap = self.settings.max_connections_per_ip
-            peer = connection.remote_address
-            if cap and peer and self.connections_per_ip[peer[0]] >= cap:
-                log.warning("handshake refused: connections per IP", peer=peer[0], cap=cap)
+            ip = TokendConnection.ip(connection.transport)
+            # This connection is counted already: beyond the cap means more than it.
+            if cap and self.connections_per_ip[ip] > cap:
+                log.warning("handshake refused: connections per IP", peer=ip, cap=cap)
                 return json_response(
                     http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
                 )

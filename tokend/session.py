@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import os
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
@@ -34,19 +35,17 @@ TOMBSTONE_CODES = {
 }
 
 
-class LinkClosed(Exception):
-    """The peer went away."""
-
-
 class Link(Protocol):
     """What a session needs from its transport."""
 
-    async def recv(self) -> bytes | str:
-        """Next message, str for a text message (which the session refuses with 4503);
-        raises LinkClosed."""
+    #: Raised by ``recv`` and ``send`` once the peer has gone away.
+    closed: type[Exception]
+
+    def recv(self) -> Awaitable[bytes | str]:
+        """Next message, str for a text message (which the session refuses with 4503)."""
         ...
 
-    async def send(self, data: bytes) -> None: ...
+    def send(self, data: bytes) -> Awaitable[None]: ...
 
     async def close(self, code: int, reason: str) -> None: ...
 
@@ -129,7 +128,7 @@ class Session:
             await self._serve()
         except Close as close:
             await self.close(close)
-        except LinkClosed:
+        except self.link.closed:
             self.log.info("connection dropped")
         except Exception:
             self.log.exception("session failed")
