@@ -30,6 +30,7 @@ import csv
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -65,6 +66,8 @@ class Plan:
     renew_window: float
     processes: int
     out: Path
+    # Admin port for watching the run on the dashboard; None: no admin API.
+    dashboard_port: int | None = None
 
     @property
     def warn_after(self) -> float:
@@ -89,7 +92,8 @@ def server_env(plan: Plan, data_dir: Path, port: int) -> dict[str, str]:
         TOKEND_HOST=LOOPBACK,
         TOKEND_PORT=str(port),
         TOKEND_NODE_NAME="load",
-        TOKEND_ADMIN_PORT="0",  # ephemeral: never collide with another server's admin port
+        # Ephemeral unless the dashboard is asked for: never collide with another server.
+        TOKEND_ADMIN_PORT=str(plan.dashboard_port or 0),
         TOKEND_HEARTBEAT_INTERVAL=str(plan.heartbeat),
         TOKEND_WARN_AFTER=str(plan.warn_after),
         TOKEND_EXPIRE_AFTER=str(plan.expire_after),
@@ -98,6 +102,8 @@ def server_env(plan: Plan, data_dir: Path, port: int) -> dict[str, str]:
         TOKEND_LOG_LEVEL="warning",
         TOKEND_LOG_FORMAT="json",
     )
+    if plan.dashboard_port:
+        env["TOKEND_ADMIN_TOKEN"] = secrets.token_urlsafe(24)
     return env
 
 
@@ -181,6 +187,12 @@ def run(plan: Plan) -> Outcome:
                 stderr=subprocess.STDOUT,
             )
         wait_ready(port, server)
+        if plan.dashboard_port:
+            print(
+                f"dashboard: http://{LOOPBACK}:{plan.dashboard_port}/dashboard"
+                f"#token={env['TOKEND_ADMIN_TOKEN']}",
+                flush=True,
+            )
         command = [
             sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"),
             "--headless", "--users", str(plan.users), "--spawn-rate", str(plan.spawn_rate),
@@ -353,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         "--processes", type=int, default=1, help="locust worker processes (default 1)"
     )
     parser.add_argument("--out", type=Path, default=Path("load-results"), help="output directory")
+    parser.add_argument(
+        "--dashboard",
+        type=int,
+        metavar="PORT",
+        help="serve the admin listener on PORT with a fresh admin token and print the "
+        "dashboard's URL, to watch the run (default: no admin API)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.users <= 10_000 or not 1 <= args.duration <= 3600:
         parser.error("users must be 1..10000 and duration 1..3600 s")
@@ -365,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         renew_window=args.renew_window,
         processes=args.processes,
         out=args.out,
+        dashboard_port=args.dashboard,
     )
     summary, passed = summarize(plan, run(plan))
     (plan.out / "summary.txt").write_text(summary)
