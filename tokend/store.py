@@ -39,6 +39,7 @@ from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, pars
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from tokend.config import ConfigError, Settings
+from tokend.packing import pack_with_hiredis
 
 SHARDS = 16
 T = TypeVar("T")
@@ -204,15 +205,19 @@ class SessionView:
 def connect(url: str, settings: Settings) -> Client:
     """The client for ``url``'s scheme, with the deadline as its socket timeouts.
 
+    Its connections pack commands with hiredis (:mod:`tokend.packing`).
+
     On one Redis and through Sentinel the pool waits (up to the deadline) instead
     of failing when full; a Cluster client cannot wait, so :class:`Store` bounds
     its own concurrency to ``redis_pool_size`` instead. A URL that cannot be used
     raises ConfigError. Connections are made on first use.
     """
     try:
-        return _client(url, settings)
+        client = _client(url, settings)
     except ValueError as exc:  # redis-py's and _multi_host's word for a bad URL
         raise ConfigError(f"redis_url: {exc}") from None
+    pack_with_hiredis(client)
+    return client
 
 
 def _client(url: str, settings: Settings) -> Client:
