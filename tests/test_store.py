@@ -1,7 +1,11 @@
-"""The store's Redis client: commands packed with hiredis, byte for byte as redis-py does."""
+"""The store: its Redis client (commands packed with hiredis, byte for byte as redis-py
+does), the session hash, and control messages addressed to the node holding a connection."""
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -9,10 +13,11 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from tests.support import RedisProcess
+from tests.support import EventLog, RedisProcess
+from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
 from tokend.packing import FASTER, HiredisConnection, HiredisPacking
-from tokend.store import HEARTBEAT, connect
+from tokend.store import HEARTBEAT, Store, connect
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("PING",),
@@ -99,3 +104,134 @@ async def test_round_trips_through_real_redis(
         assert await pipe.execute() == [2, 2.5, 2]
     finally:
         await client.aclose()
+
+
+# Clocks long enough that no session changes state while a test reads it.
+WARN_MS, EXPIRE_MS = 20_000, 40_000
+CLOCKS = Clocks(WARN_MS, EXPIRE_MS)
+
+
+@pytest.fixture
+async def store(make_settings: Callable[..., Settings]) -> AsyncIterator[Store]:
+    """The store of node-a (the settings' node name)."""
+    settings = make_settings(
+        heartbeat_interval=5, warn_after=WARN_MS / 1000, expire_after=EXPIRE_MS / 1000
+    )
+    client = connect(settings.redis_url, settings)
+    yield Store(client, settings, "node-a")
+    await client.aclose()
+
+
+@pytest.fixture
+async def control(redis: Redis, store: Store) -> AsyncIterator[dict[str, EventLog]]:
+    """The control messages each node hears, by node name."""
+    async with (
+        EventLog(redis, store.keys.control_channel("node-a")) as node_a,
+        EventLog(redis, store.keys.control_channel("node-b")) as node_b,
+    ):
+        yield {"node-a": node_a, "node-b": node_b}
+
+
+async def started(store: Store, conn: str) -> uuid.UUID:
+    tid = uuid.uuid4()
+    now = int(time.time())
+    assert (await store.hello(tid, "alice", 5, now, now + 60, conn)).outcome == "started"
+    return tid
+
+
+async def redis_ms(store: Store) -> int:
+    seconds, micros = await store.redis.time()
+    return seconds * 1000 + micros // 1000
+
+
+async def sweep(store: Store, tids: list[uuid.UUID]) -> dict[str, tuple[str, str]]:
+    """Make ``tids`` due now, claim and sweep them: what was made, by tid."""
+    for tid in tids:
+        await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
+    _, claimed, _ = await store.claim_due(100, 1000)
+    assert sorted(t for shard in claimed for t in shard) == sorted(map(str, tids))
+    return {tid: (what, conn) for tid, what, conn in await store.transitions(claimed)}
+
+
+async def test_the_session_hash_names_its_node_only_in_conn(store: Store, redis: Redis) -> None:
+    tid = await started(store, "node-a/7")
+    fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+    assert fields["conn"] == "node-a/7" and "node" not in fields
+    view = await store.session(tid)
+    assert view is not None and (view.node, view.conn) == ("node-a", "node-a/7")
+
+
+async def test_a_control_message_goes_to_the_connections_node_alone(
+    store: Store, control: dict[str, EventLog]
+) -> None:
+    on_b, on_a = await started(store, "node-b/1"), await started(store, "node-a/1")
+    await store.revoke(on_b)
+    await control["node-b"].wait_until(lambda: len(control["node-b"].events) == 1)
+    await store.revoke(on_a)
+    await control["node-a"].wait_until(lambda: len(control["node-a"].events) == 1)
+    assert control["node-b"].events == [
+        {"op": "close", "tid": str(on_b), "conn": "node-b/1", "code": 4506}
+    ]
+    # node-a heard only its own (node-b's message was published, and delivered, first).
+    assert [m["conn"] for m in control["node-a"].events] == ["node-a/1"]
+
+
+async def test_a_sweep_hands_its_own_connections_back_instead_of_publishing(
+    store: Store, control: dict[str, EventLog]
+) -> None:
+    tids = [await started(store, conn) for conn in ("node-a/1", "node-b/1", "node-a/2")]
+    silent_since = await redis_ms(store) - WARN_MS - 5_000
+    for tid in tids:
+        await store.redis.hset(store.keys.session_keys(tid)[0], "hb", silent_since)
+    made = await sweep(store, tids)
+    assert made == {
+        str(tids[0]): ("warn", "node-a/1"),
+        str(tids[1]): ("warn", ""),
+        str(tids[2]): ("warn", "node-a/2"),
+    }
+    await control["node-b"].wait_until(lambda: len(control["node-b"].events) == 1)
+    assert control["node-b"].events[0] == {"op": "notice", "tid": str(tids[1]), "conn": "node-b/1"}
+    # Swept again at once: nothing more is due, nothing is made twice.
+    assert await sweep(store, tids) == {}
+    # Then node-a's first message is the next one published for it: no notice came before.
+    await store.revoke(tids[0])
+    await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
+    assert [m["op"] for m in control["node-a"].events] == ["close"]
+
+
+async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None:
+    """transition.lua against tokend.clocks: the transition made, the deadline put back.
+
+    Times sit a second or more away from every boundary, so that the few milliseconds
+    between reading Redis time here and the script's own cannot change a verdict.
+    """
+    now = await redis_ms(store)
+    silences = (1_000, WARN_MS - 1_000, WARN_MS + 1_000, EXPIRE_MS - 1_000, EXPIRE_MS + 1_000)
+    token_left = (-1_000, 3_000, WARN_MS + 3_000, 3_600_000)
+    cases = {
+        uuid.uuid4(): (state, now - silence, now + left)
+        for state in (State.ACTIVE, State.WARN)
+        for silence in silences
+        for left in token_left
+    }
+    for tid, (state, hb, exp) in cases.items():
+        await redis.hset(
+            store.keys.session_keys(tid)[0],
+            mapping={"sub": "s", "st": state.value, "hb": hb, "exp": exp, "conn": "node-z/1"},
+        )
+    made = await sweep(store, list(cases))
+    for tid, (state, hb, exp) in cases.items():
+        expected = due_transition(state, hb, exp, now, CLOCKS)
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        score = await redis.zscore(store.keys.script_keys(tid)[0], str(tid))
+        case = (state, now - hb, exp - now)
+        if expected is None:
+            assert str(tid) not in made and fields["st"] == state.value, case
+            assert score == deadline(state, hb, exp, CLOCKS), case
+        elif expected.to is State.WARN:
+            assert made[str(tid)] == ("warn", "") and fields["st"] == "WARN", case
+            assert score == deadline(State.WARN, hb, exp, CLOCKS), case
+        else:
+            assert made[str(tid)] == (expected.reason, ""), case
+            assert not fields and score is None, case
+    assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}

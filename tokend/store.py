@@ -6,11 +6,12 @@ the hash tag ``{<prefix>:<shard>}``, so a script that touches a session, its
 tombstone, the shard's deadline set and the shard's event stream stays in one
 Redis Cluster slot:
 
-* ``<prefix>:{<prefix>:<n>}:s:<tid>``  session hash (sub st hb exp iat prio conn node)
+* ``<prefix>:{<prefix>:<n>}:s:<tid>``  session hash (sub st hb exp iat prio conn)
 * ``<prefix>:{<prefix>:<n>}:t:<tid>``  tombstone of an ended session, until its exp
 * ``<prefix>:{<prefix>:<n>}:due``      deadline set: tid scored by its next transition time
 * ``<prefix>:{<prefix>:<n>}:events``   event stream shard
-* ``<prefix>:events`` / ``<prefix>:ctl``  pub/sub channels (events; node-to-node control)
+* ``<prefix>:events``  pub/sub channel of the events
+* ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
 
 :func:`connect` makes the client for a URL: one Redis (``redis://``, ``rediss://``,
 ``unix://``), a Redis Cluster (``redis+cluster://``) or the master a Sentinel
@@ -26,9 +27,9 @@ import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -82,10 +83,9 @@ class Script:
 HELLO = Script("hello")
 HEARTBEAT = Script("heartbeat")
 CLAIM = Script("claim")
-INSPECT = Script("inspect")
 TRANSITION = Script("transition")
 END = Script("end")
-SCRIPTS = (HELLO, HEARTBEAT, CLAIM, INSPECT, TRANSITION, END)
+SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +127,12 @@ class Keyspace:
         return f"{self.prefix}:events"
 
     @property
-    def control_channel(self) -> str:
+    def control_prefix(self) -> str:
+        """The scripts address a node's control messages to ``<this>:<node>``."""
         return f"{self.prefix}:ctl"
+
+    def control_channel(self, node: str) -> str:
+        return f"{self.control_prefix}:{node}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +143,9 @@ class HelloResult:
     tomb: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class HeartbeatResult:
+class HeartbeatResult(NamedTuple):
+    """One heartbeat's outcome; a tuple: made per heartbeat, at a tenth of a dataclass' cost."""
+
     outcome: str  # ok | gone | taken
     was_warn: bool = False
     renewed: bool = False
@@ -151,24 +156,25 @@ class HeartbeatResult:
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatRequest:
-    """A connection's heartbeat for the batch; built once per connection, reused."""
+    """A connection's heartbeat for the batch; built once per connection, reused.
+
+    ``keys`` and ``args`` are its part of the shard's heartbeat.lua call, as sent.
+    """
 
     tid: str
     conn: str
     shard: int
     keys: tuple[str, str]  # session hash, tombstone
-    # Received in time but stored late (after an outage): not judged for silence.
-    replayed: bool = False
+    args: tuple[str, str, str]  # tid, conn, replayed ("1" or "0")
 
+    @property
+    def replayed(self) -> bool:
+        """Received in time but stored late (after an outage): not judged for silence."""
+        return self.args[2] == "1"
 
-@dataclass(frozen=True, slots=True)
-class SessionRecord:
-    """A session hash as read by the sweeper; strings kept as read for compare-and-set."""
-
-    tid: str
-    st: str
-    hb: str
-    exp: str
+    def replay(self) -> HeartbeatRequest:
+        """The same heartbeat, to be stored late: see :attr:`replayed`."""
+        return replace(self, args=(self.tid, self.conn, "1"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +199,7 @@ class SessionView:
             fields["sub"],
             int(fields["exp"]),
             int(fields["hb"]),
-            fields.get("node", ""),
+            node_of(fields.get("conn", "")),
             fields.get("conn", ""),
             int(fields.get("prio", 0)),
         )
@@ -361,8 +367,16 @@ class Store:
         self._common = [
             node,
             self.keys.events_channel,
-            self.keys.control_channel,
+            self.keys.control_prefix,
             str(settings.stream_maxlen),
+        ]
+        self._shard_keys = [self.keys.shard_keys(n) for n in range(SHARDS)]
+        self._heartbeat_args = [
+            self.warn_ms,
+            self.renew_ms,
+            self.ttl_s,
+            self.grace_ms,
+            self.expire_ms,
         ]
         # Told (script name, seconds) after every script round trip; tokend.metrics sets it.
         self.observe: Callable[[str, float], None] = _ignore
@@ -464,31 +478,29 @@ class Store:
 
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         hash_key, tomb_key = self.keys.session_keys(tid)
-        return HeartbeatRequest(str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key))
+        return HeartbeatRequest(
+            str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key), (str(tid), conn, "0")
+        )
 
     async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         """Record many heartbeats: one script call per shard, all in one round trip."""
-        by_shard: dict[int, list[int]] = {}
+        # Per shard: the call's keys, its args, and the batch positions it answers.
+        calls: dict[int, tuple[list[str], list[Any], list[int]]] = {}
         for i, request in enumerate(batch):
-            by_shard.setdefault(request.shard, []).append(i)
-        calls = []
-        for shard, members in by_shard.items():
-            keys = self.keys.shard_keys(shard)
-            args: list[Any] = [
-                self.warn_ms,
-                self.renew_ms,
-                self.ttl_s,
-                self.grace_ms,
-                self.expire_ms,
-            ]
-            for i in members:
-                request = batch[i]
-                keys += request.keys
-                args += [request.tid, request.conn, "1" if request.replayed else "0"]
-            calls.append((HEARTBEAT, keys, args))
+            call = calls.get(request.shard)
+            if call is None:
+                call = calls[request.shard] = (
+                    self._shard_keys[request.shard][:],
+                    self._heartbeat_args[:],
+                    [],
+                )
+            call[0].extend(request.keys)
+            call[1].extend(request.args)
+            call[2].append(i)
+        replies = await self._eval_many([(HEARTBEAT, k, a) for k, a, _ in calls.values()])
         results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
-        for members, replies in zip(by_shard.values(), await self._eval_many(calls), strict=True):
-            for i, reply in zip(members, replies, strict=True):
+        for (_, _, members), shard_replies in zip(calls.values(), replies, strict=True):
+            for i, reply in zip(members, shard_replies, strict=True):
                 results[i] = _heartbeat_result(reply)
         return results
 
@@ -519,46 +531,30 @@ class Store:
             min(upcoming, default=None),
         )
 
-    async def inspect(self, claimed: Sequence[Sequence[str]]) -> list[SessionRecord | None]:
-        """Read claimed sessions (one script call per shard); None for a vanished one."""
+    async def transitions(self, claimed: Sequence[Sequence[str]]) -> list[tuple[str, str, str]]:
+        """Judge the claimed sessions (tids by shard) and make the transitions due.
+
+        One script call per shard (transition.lua), all in one round trip. Returns the
+        transitions made, as (tid, what, conn): ``what`` is "warn", an expiry reason,
+        or "gone" for a session that vanished unswept; ``conn`` is the connection of
+        this node to warn or close (the script sends no control message for it), or "".
+        """
         calls, tids = [], []
         for shard, shard_tids in enumerate(claimed):
             if shard_tids:
-                tag = self.keys.shard_keys(shard)
-                calls.append(
-                    (
-                        INSPECT,
-                        tag + [self.keys.session_keys_of(shard, t)[0] for t in shard_tids],
-                        [],
-                    )
-                )
+                keys = self._shard_keys[shard][:]
+                for tid in shard_tids:
+                    keys += self.keys.session_keys_of(shard, tid)
+                calls.append((TRANSITION, keys, [self.warn_ms, self.expire_ms, *shard_tids]))
                 tids += shard_tids
-        rows = [row for reply in await self._eval_many(calls) for row in reply]
-        return [
-            SessionRecord(tid, *row) if row else None for tid, row in zip(tids, rows, strict=True)
-        ]
-
-    async def transitions(self, moves: Sequence[tuple[SessionRecord, str, str]]) -> list[bool]:
-        """Compare-and-set (record, target, reason or deadline); one call per shard.
-
-        Returns which transitions took (always False for a 'LATER' reschedule).
-        """
-        by_shard: dict[int, list[int]] = {}
-        for i, (record, _, _) in enumerate(moves):
-            by_shard.setdefault(self.keys.shard_of(record.tid), []).append(i)
-        calls = []
-        for shard, members in by_shard.items():
-            keys, args = self.keys.shard_keys(shard), [self.expire_ms]
-            for i in members:
-                record, target, detail = moves[i]
-                keys += self.keys.session_keys_of(shard, record.tid)
-                args += [record.tid, record.st, record.hb, record.exp, target, detail]
-            calls.append((TRANSITION, keys, args))
-        took = [False] * len(moves)
-        for members, reply in zip(by_shard.values(), await self._eval_many(calls), strict=True):
-            for i, made in zip(members, reply, strict=True):
-                took[i] = bool(made)
-        return took
+        made = []
+        replies = (reply for shard in await self._eval_many(calls) for reply in shard)
+        for tid, reply in zip(tids, replies, strict=True):
+            if reply == -1:
+                made.append((tid, "gone", ""))
+            elif reply:
+                made.append((tid, *reply))
+        return made
 
     async def revoke(self, tid: uuid.UUID) -> int:
         """Revoke a token: its session ends wherever it is (close 4506) and it is barred.
@@ -631,6 +627,11 @@ class Store:
 
         rows = await self._deadline(call)
         return [SessionView.of(t, f) if f else None for t, f in zip(tids, rows, strict=True)]
+
+
+def node_of(conn: str) -> str:
+    """The node of a connection id ``<node>/<counter>`` ("" for none)."""
+    return conn.rpartition("/")[0]
 
 
 def _parse_cursor(cursor: str) -> tuple[int, str]:

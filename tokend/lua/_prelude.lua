@@ -20,10 +20,18 @@ local function emit(kind, tid, sub, at, reason)
   redis.call('PUBLISH', EVENTS, json)
 end
 
--- Ask whichever node holds connection `conn` to act on it.
+-- The node of connection `conn` ("<node>/<counter>"); nil for none.
+local function node_of(conn)
+  return conn and conn:match('^(.+)/')
+end
+
+-- Ask the node holding connection `conn` to act on it, on that node's own control
+-- channel (CONTROL:<node>), so that no other node hears of it.
 local function control(op, tid, conn, code)
-  if conn and conn ~= '' then
-    redis.call('PUBLISH', CONTROL, cjson.encode({op = op, tid = tid, conn = conn, code = code}))
+  local node = node_of(conn)
+  if node then
+    redis.call('PUBLISH', CONTROL .. ':' .. node,
+               cjson.encode({op = op, tid = tid, conn = conn, code = code}))
   end
 end
 
