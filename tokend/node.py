@@ -50,6 +50,10 @@ MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
 
 
+# Heartbeats waiting for a flush, by connection: (request, its future, serving rank).
+Waiting = dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult], int]]
+
+
 class HeartbeatBatcher:
     """Coalesces concurrent heartbeats into one store call per flush.
 
@@ -62,7 +66,7 @@ class HeartbeatBatcher:
     def __init__(self, store: Store, batch_size: int) -> None:
         self.store = store
         self.batch_size = batch_size
-        self._waiting: dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult], int]] = {}
+        self._waiting: Waiting = {}
         # Heartbeats acknowledged during an outage, to be stored when Redis is back.
         self.unstored: dict[str, HeartbeatRequest] = {}
         self._wake = asyncio.Event()
@@ -73,19 +77,16 @@ class HeartbeatBatcher:
         self._wake.set()
         return future
 
-    def _take(self) -> dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult]]]:
+    def _take(self) -> Waiting:
         """Remove and return the next flush's heartbeats, best-ranked first."""
-        entries = self._waiting.items()
-        if len(entries) > self.batch_size:
-            entries = heapq.nsmallest(self.batch_size, entries, key=lambda e: e[1][2])
-            self._wake.set()  # the rest go in the next flush
-        taken = {conn: (request, future) for conn, (request, future, _) in entries}
-        if len(taken) == len(self._waiting):
-            self._waiting.clear()
-        else:
-            for conn in taken:
-                del self._waiting[conn]
-        return taken
+        if len(self._waiting) <= self.batch_size:  # all of them: no copy
+            taken, self._waiting = self._waiting, {}
+            return taken
+        best = heapq.nsmallest(self.batch_size, self._waiting.items(), key=lambda e: e[1][2])
+        self._wake.set()  # the rest go in the next flush
+        for conn, _ in best:
+            del self._waiting[conn]
+        return dict(best)
 
     def forget(self, conn: str) -> None:
         self.unstored.pop(conn, None)
@@ -100,23 +101,23 @@ class HeartbeatBatcher:
             self._wake.clear()
             waiting = self._take()
             replays = {c: r.replay() for c, r in self.unstored.items() if c not in waiting}
-            requests = [r for r, _ in waiting.values()] + list(replays.values())
+            requests = [r for r, _, _ in waiting.values()] + list(replays.values())
             try:
                 results = await self.store.heartbeats(requests)
             except StoreUnavailable as exc:
-                for conn, (request, future) in waiting.items():
+                for conn, (request, future, _) in waiting.items():
                     self.unstored[conn] = request
                     if not future.done():
                         future.set_exception(exc)
                 continue
             except Exception as exc:  # a script error: fail these, keep serving
                 log.exception("heartbeat flush failed")
-                for _, future in waiting.values():
+                for _, future, _ in waiting.values():
                     if not future.done():
                         future.set_exception(exc)
                 continue
             unstored = self.unstored
-            for (conn, (_, future)), result in zip(waiting.items(), results, strict=False):
+            for (conn, (_, future, _)), result in zip(waiting.items(), results, strict=False):
                 if unstored:
                     unstored.pop(conn, None)
                 if not future.done():
