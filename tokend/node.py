@@ -265,12 +265,16 @@ class Node:
         [MIN_SWEEP_PAUSE, interval]: a deadline is met within a few milliseconds
         rather than up to a whole interval late.
         """
+        loop = asyncio.get_running_loop()
+        claimed_at = loop.time()
         now, claimed, next_due = await self.store.claim_due(SWEEP_BATCH, lease_ms)
         if any(claimed):
             await self._judge(claimed)
         if any(len(tids) >= SWEEP_BATCH for tids in claimed):
             return 0.0
+        # The earliest deadline as of the claim, less the time the sweep took since.
         until_due = interval if next_due is None else (next_due - now) / 1000
+        until_due -= loop.time() - claimed_at
         return min(interval, max(MIN_SWEEP_PAUSE, until_due))
 
     async def _judge(self, claimed: list[list[str]]) -> None:
