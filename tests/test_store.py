@@ -3,6 +3,7 @@ does), the session hash, and control messages addressed to the node holding a co
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -13,11 +14,11 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from tests.support import EventLog, RedisProcess
+from tests.support import EventLog, RedisProcess, free_port
 from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
 from tokend.packing import FASTER, HiredisConnection, HiredisPacking
-from tokend.store import HEARTBEAT, Store, connect
+from tokend.store import HEARTBEAT, Store, StoreUnavailable, connect
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("PING",),
@@ -235,3 +236,37 @@ async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None
             assert made[str(tid)] == (expected.reason, ""), case
             assert not fields and score is None, case
     assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}
+
+
+async def test_concurrent_hellos_share_one_round_trip(store: Store) -> None:
+    round_trips: list[str] = []
+    store.observe = lambda script, seconds: round_trips.append(script)
+    tids = [uuid.uuid4() for _ in range(20)]
+    now = int(time.time())
+    results = await asyncio.gather(
+        *(store.hello(tid, "alice", 5, now, now + 60, f"node-a/{n}") for n, tid in enumerate(tids)),
+        store.hello(tids[0], "mallory", 5, now, now + 60, "node-a/99"),  # after tids[0]'s
+    )
+    assert [r.outcome for r in results] == ["started"] * 20 + ["mismatch"]
+    assert round_trips == ["hello"]
+    # Each got its own reply: its session, as it asked.
+    for n, tid in enumerate(tids):
+        view = await store.session(tid)
+        assert view is not None and view.conn == f"node-a/{n}"
+
+
+async def test_hellos_fail_together_when_redis_is_gone(
+    make_settings: Callable[..., Settings],
+) -> None:
+    settings = make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout=0.5)
+    client = connect(settings.redis_url, settings)
+    store = Store(client, settings, "node-a")
+    now = int(time.time())
+    try:
+        results = await asyncio.gather(
+            *(store.hello(uuid.uuid4(), "a", 5, now, now + 60, f"node-a/{n}") for n in range(3)),
+            return_exceptions=True,
+        )
+        assert [type(r) for r in results] == [StoreUnavailable] * 3
+    finally:
+        await client.aclose()

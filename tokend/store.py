@@ -63,6 +63,10 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
+# One script call: the script, its keys, its arguments (after the common ones).
+ScriptCall = tuple["Script", list[str], list[Any]]
+
+
 class StoreUnavailable(Exception):
     """Redis did not answer within the deadline, or refused the connection."""
 
@@ -380,6 +384,9 @@ class Store:
         ]
         # Told (script name, seconds) after every script round trip; tokend.metrics sets it.
         self.observe: Callable[[str, float], None] = _ignore
+        # HELLOs waiting for the next round trip, and the task sending them (see hello()).
+        self._hellos: list[tuple[ScriptCall, asyncio.Future[Any]]] = []
+        self._hello_flusher: asyncio.Task[None] | None = None
 
     async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -409,7 +416,7 @@ class Store:
 
         return await self._timed(script.name, call)
 
-    async def _eval_many(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+    async def _eval_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
 
         async def run(indices: Sequence[int]) -> list[Any]:
@@ -464,17 +471,49 @@ class Store:
     async def hello(
         self, tid: uuid.UUID, sub: str, prio: int, iat_s: int, exp_s: int, conn: str
     ) -> HelloResult:
-        reply = await self._eval(
-            HELLO,
-            self.keys.script_keys(tid),
-            [str(tid), sub, prio, iat_s, exp_s, conn, self.warn_ms, self.grace_ms, self.expire_ms],
-        )
+        """Start or resume a session (hello.lua).
+
+        HELLOs arriving while one round trip is out go together in the next (one script
+        call each, one pipeline), as heartbeats do: in a connect storm a round trip per
+        HELLO, with its pool checkout and deadline, cost more than the script itself.
+        """
+        args = [
+            str(tid),
+            sub,
+            prio,
+            iat_s,
+            exp_s,
+            conn,
+            self.warn_ms,
+            self.grace_ms,
+            self.expire_ms,
+        ]
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._hellos.append(((HELLO, self.keys.script_keys(tid), args), future))
+        if self._hello_flusher is None or self._hello_flusher.done():
+            self._hello_flusher = asyncio.create_task(self._flush_hellos(), name="hellos")
+        reply = await future
         outcome = reply[0]
         if outcome in ("started", "resumed"):
             return HelloResult(outcome, int(reply[1]), int(reply[2]))
         if outcome == "tomb":
             return HelloResult(outcome, tomb=reply[1])
         return HelloResult(outcome)
+
+    async def _flush_hellos(self) -> None:
+        """Send the waiting HELLOs, one round trip at a time, until none wait."""
+        while self._hellos:
+            batch, self._hellos = self._hellos, []
+            try:
+                replies = await self._eval_many([call for call, _ in batch])
+            except Exception as exc:  # StoreUnavailable or a script error: the batch's
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), reply in zip(batch, replies, strict=True):
+                if not future.done():  # its connection may have gone meanwhile
+                    future.set_result(reply)
 
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         hash_key, tomb_key = self.keys.session_keys(tid)
