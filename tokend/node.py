@@ -278,9 +278,11 @@ class Node:
         return min(interval, max(MIN_SWEEP_PAUSE, until_due))
 
     async def _judge(self, claimed: list[list[str]]) -> None:
-        """Make the claimed sessions' due transitions (decided in Redis, by transition.lua,
-        as :func:`tokend.clocks.due_transition` decides), and warn or close the
-        connections held here."""
+        """Make the claimed sessions' due transitions; warn or close those held here.
+
+        transition.lua decides in Redis, by the rules of :func:`tokend.clocks.due_transition`
+        (spec "Session states and clocks").
+        """
         expired: Counter[str] = Counter()
         vanished = 0
         # Logged by the one node whose script made them: each WARN (the spec asks for

@@ -171,13 +171,12 @@ class HeartbeatRequest:
     keys: tuple[str, str]  # session hash, tombstone
     args: tuple[str, str, str]  # tid, conn, replayed ("1" or "0")
 
-    @property
-    def replayed(self) -> bool:
-        """Received in time but stored late (after an outage): not judged for silence."""
-        return self.args[2] == "1"
-
     def replay(self) -> HeartbeatRequest:
-        """The same heartbeat, to be stored late: see :attr:`replayed`."""
+        """The same heartbeat, marked as replayed.
+
+        It was received in time but is stored late (after an outage): the script does
+        not judge it for silence.
+        """
         return replace(self, args=(self.tid, self.conn, "1"))
 
 
