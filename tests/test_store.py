@@ -18,7 +18,7 @@ from tests.support import EventLog, RedisProcess, free_port
 from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
 from tokend.packing import FASTER, HiredisConnection, HiredisPacking
-from tokend.store import HEARTBEAT, Store, StoreUnavailable, connect
+from tokend.store import HEARTBEAT, Keyspace, Store, StoreUnavailable, connect
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("PING",),
@@ -270,3 +270,28 @@ async def test_hellos_fail_together_when_redis_is_gone(
         assert [type(r) for r in results] == [StoreUnavailable] * 3
     finally:
         await client.aclose()
+
+
+async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(
+    store: Store, redis: Redis
+) -> None:
+    conns = {await started(store, f"node-a/{n}"): f"node-a/{n}" for n in range(40)}
+    assert len({Keyspace.shard(tid) for tid in conns}) > 8  # 40 random tids: ~15 shards
+    taken, gone = next(iter(conns)), uuid.uuid4()
+    batch = [store.heartbeat_request(tid, conn) for tid, conn in conns.items()]
+    batch[0] = store.heartbeat_request(taken, "node-a/elsewhere")
+    batch.append(store.heartbeat_request(gone, "node-a/99"))
+
+    async def evalsha_calls() -> int:
+        return int((await redis.info("commandstats"))["cmdstat_evalsha"]["calls"])
+
+    await store.load_scripts()  # no NOSCRIPT retry to count
+    before = await evalsha_calls()
+    results = await store.heartbeats(batch)
+    assert await evalsha_calls() == before + 1
+    assert [r.outcome for r in results] == ["taken"] + ["ok"] * 39 + ["gone"]
+    # Each answer is its own session's: every session's deadline moved to its new one.
+    for tid, result in zip(list(conns)[1:], results[1:], strict=False):
+        assert await redis.zscore(store.keys.script_keys(tid)[0], str(tid)) == min(
+            int(await redis.hget(store.keys.session_keys(tid)[0], "hb")) + WARN_MS, result.exp_ms
+        )

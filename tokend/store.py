@@ -374,6 +374,8 @@ class Store:
             str(settings.stream_maxlen),
         ]
         self._shard_keys = [self.keys.shard_keys(n) for n in range(SHARDS)]
+        # A Cluster refuses a call whose keys span slots (CROSSSLOT).
+        self._one_slot_per_call = isinstance(redis, RedisCluster)
         self._heartbeat_args = [
             self.warn_ms,
             self.renew_ms,
@@ -521,25 +523,42 @@ class Store:
         )
 
     async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
-        """Record many heartbeats: one script call per shard, all in one round trip."""
-        # Per shard: the call's keys, its args, and the batch positions it answers.
-        calls: dict[int, tuple[list[str], list[Any], list[int]]] = {}
+        """Record many heartbeats in one round trip.
+
+        One heartbeat.lua call for the whole batch on one Redis; on a Cluster, one per
+        shard (a call's keys must be of one slot there).
+        """
+        # Per shard: its keys (shard keys, then its sessions'), the count and the
+        # sessions' arguments, and the batch positions they answer.
+        groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
         for i, request in enumerate(batch):
-            call = calls.get(request.shard)
-            if call is None:
-                call = calls[request.shard] = (
-                    self._shard_keys[request.shard][:],
-                    self._heartbeat_args[:],
-                    [],
-                )
-            call[0].extend(request.keys)
-            call[1].extend(request.args)
-            call[2].append(i)
-        replies = await self._eval_many([(HEARTBEAT, k, a) for k, a, _ in calls.values()])
+            group = groups.get(request.shard)
+            if group is None:
+                group = groups[request.shard] = (self._shard_keys[request.shard][:], [0], [])
+            group[0].extend(request.keys)
+            group[1].extend(request.args)
+            group[2].append(i)
+        for _, args, members in groups.values():
+            args[0] = len(members)
+        parts = list(groups.values())
+        # On a Cluster one call per shard (its slot); on one Redis, one call for them all.
+        if self._one_slot_per_call:
+            batches = [[part] for part in parts]
+        else:
+            batches = [parts] if parts else []
+        calls = [
+            (
+                HEARTBEAT,
+                [key for keys, _, _ in b for key in keys],
+                self._heartbeat_args + [arg for _, args, _ in b for arg in args],
+            )
+            for b in batches
+        ]
+        replies = (reply for call in await self._eval_many(calls) for reply in call)
+        order = (i for _, _, members in groups.values() for i in members)
         results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
-        for (_, _, members), shard_replies in zip(calls.values(), replies, strict=True):
-            for i, reply in zip(members, shard_replies, strict=True):
-                results[i] = _heartbeat_result(reply)
+        for i, reply in zip(order, replies, strict=True):
+            results[i] = _heartbeat_result(reply)
         return results
 
     async def end(

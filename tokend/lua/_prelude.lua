@@ -1,7 +1,9 @@
 -- Prepended to every tokend script (see tokend/store.py).
 -- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event
 -- stream; every other key is a session or tombstone key of the same shard, so
--- all keys share one hash tag. ARGV[1..4] are node name, events channel,
+-- all keys share one hash tag (heartbeat.lua, on one Redis, takes groups of
+-- several shards, each group's keys led by its shard's; on a Cluster, one group
+-- per call). ARGV[1..4] are node name, events channel,
 -- control channel and stream cap; script arguments start at ARGV[5].
 local NODE, EVENTS, CONTROL, MAXLEN = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local DUE, STREAM = KEYS[1], KEYS[2]
