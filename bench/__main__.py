@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not pin the server under test to CPU 0 and the rest to the other CPUs",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="run tokend as `tokend serve --workers N` (N processes on one port, unpinned; "
+        "CPU figures are the whole process tree's)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (logs)")
     args = parser.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
@@ -79,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     return args
 
 
@@ -186,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     print("sizes: " + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
     print("pinning: " + ("off" if args.no_pin else "server under test on CPU 0, the rest on 1+"))
+    if args.workers > 1:
+        print(f"tokend: --workers {args.workers}, not pinned")
     try:
-        ctx = Context(sizes, workdir, args.log_level, pin=not args.no_pin)
+        ctx = Context(sizes, workdir, args.log_level, pin=not args.no_pin, workers=args.workers)
         results, ok = asyncio.run(run_all(ctx, names, args.repeat))
     finally:
         if args.keep:

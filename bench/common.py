@@ -220,10 +220,21 @@ def proc_rss(pid: int) -> int:
 
 
 def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds a live process has used so far."""
+    """User + system CPU seconds a live process and its live children have used so far.
+
+    (The children count for ``tokend serve --workers N``, whose workers do the work.)
+    """
     stat = Path(f"/proc/{pid}/stat").read_text()
     after_name = stat.rpartition(")")[2].split()
-    return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child_pid in children:
+        with contextlib.suppress(OSError):  # it may have exited meanwhile
+            own += proc_cpu(int(child_pid))
+    return own
 
 
 def pin(pid: int, cpus: frozenset[int] | None) -> None:
@@ -363,10 +374,13 @@ class TokenPool:
 class Context:
     """One harness run: sizes, a scratch directory, signing keys, cached measurements."""
 
-    def __init__(self, sizes: Sizes, workdir: Path, log_level: str, *, pin: bool = True) -> None:
+    def __init__(
+        self, sizes: Sizes, workdir: Path, log_level: str, *, pin: bool = True, workers: int = 1
+    ) -> None:
         self.sizes = sizes
         self.workdir = workdir
         self.log_level = log_level
+        self.workers = workers
         # The server under test on one CPU, Redis and the load generators on the others.
         self.server_cpus, self.other_cpus = cpu_split() if pin else (None, None)
         self.keys_dir = workdir / "keys"
@@ -445,11 +459,11 @@ def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -
         **{config.env_name(k): str(v) for k, v in settings.items()},
     }
     env.pop("TOKEND_CONFIG", None)
-    argv = [sys.executable, "-m", "tokend", "serve"]
+    argv = [sys.executable, "-m", "tokend", "serve", "--workers", str(ctx.workers)]
     log = directory / "tokend.log"
-    with child(
-        "tokend", argv, log, port=port, ready='"listening"', cpus=ctx.server_cpus, env=env
-    ) as c:
+    # Workers pinned to the one server CPU would only share it: they run unpinned.
+    cpus = ctx.server_cpus if ctx.workers == 1 else None
+    with child("tokend", argv, log, port=port, ready='"listening"', cpus=cpus, env=env) as c:
         yield c
 
 

@@ -706,9 +706,13 @@ class EventLog:
     async def wait_for(
         self, kind: str, tid: str | None = None, count: int = 1, timeout: float = 5.0
     ) -> list[dict[str, Any]]:
-        async with asyncio.timeout(timeout), self._changed:
-            await self._changed.wait_for(lambda: len(self.of(kind, tid)) >= count)
+        await self.wait_until(lambda: len(self.of(kind, tid)) >= count, timeout)
         return self.of(kind, tid)
+
+    async def wait_until(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Until ``condition()`` holds over the messages received (``self.events``)."""
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(condition)
 
 
 async def http_get(port: int, path: str) -> tuple[int, Any]:

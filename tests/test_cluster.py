@@ -63,7 +63,6 @@ from tokend.store import (
     SHARDS,
     Client,
     Keyspace,
-    SessionRecord,
     Store,
     _multi_host,
     connect,
@@ -208,12 +207,6 @@ async def claim_all(store: Store, tids: list[uuid.UUID]) -> list[list[str]]:
     return claimed
 
 
-async def inspected(store: Store, tids: list[uuid.UUID]) -> list[SessionRecord]:
-    records = await store.inspect(await claim_all(store, tids))
-    assert all(r is not None for r in records)
-    return [r for r in records if r is not None]
-
-
 async def drive_hello(store: Store) -> None:
     await start_sessions(store)
 
@@ -228,15 +221,13 @@ async def drive_claim(store: Store) -> None:
     await claim_all(store, await start_sessions(store))
 
 
-async def drive_inspect(store: Store) -> None:
-    records = await inspected(store, await start_sessions(store))
-    assert {r.st for r in records} == {"ACTIVE"}
-
-
 async def drive_transition(store: Store) -> None:
-    records = await inspected(store, await start_sessions(store))
-    took = await store.transitions([(r, "WARN", "") for r in records])
-    assert took == [True] * SHARDS
+    tids = await start_sessions(store)
+    for tid in tids:  # silent since before warn_after
+        await store.redis.hset(store.keys.session_keys(tid)[0], "hb", 0)
+    made = await store.transitions(await claim_all(store, tids))
+    # Expired (silent for expire_after too); no connection of this node to close.
+    assert sorted(made) == sorted((str(t), "heartbeat_timeout", "") for t in tids)
 
 
 async def drive_end(store: Store) -> None:
@@ -250,7 +241,6 @@ DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
     "hello": drive_hello,
     "heartbeat": drive_heartbeat,
     "claim": drive_claim,
-    "inspect": drive_inspect,
     "transition": drive_transition,
     "end": drive_end,
 }
@@ -398,7 +388,10 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
                 replies = await asyncio.gather(*(s.heartbeats([request]) for s in stores))
                 results = [reply[0] for reply in replies]
                 assert [r.outcome for r in results] == ["ok", "ok"]
-                assert sum(r.renewed for r in results) <= 1
+                # Both win only when they straddle a second: then each moved exp to its own
+                # boundary (a loaded machine can put the two calls a second apart).
+                winners = [r.exp_ms for r in results if r.renewed]
+                assert len(set(winners)) == len(winners)
                 wins += sum(r.renewed for r in results)
                 exps += sorted(r.exp_ms for r in results)
                 expiries.append(await redis.pexpiretime(hash_key))

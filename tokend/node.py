@@ -3,10 +3,13 @@
 * :class:`HeartbeatBatcher` stores the heartbeats of many connections in one
   Redis round trip per flush, and replays those Redis could not take.
 * :meth:`Node._sweep` claims due sessions from every shard's deadline set and
-  makes their WARN/EXPIRED transitions, deciding with :mod:`tokend.clocks`.
+  makes their WARN/EXPIRED transitions (decided in the script, as
+  :mod:`tokend.clocks` decides).
   Every node sweeps, so no clock dies with a node.
-* :meth:`Node._listen` holds the node's single pub/sub subscription, on which
-  the scripts ask the node holding a connection to close it or warn it.
+* :meth:`Node._listen` holds the node's single pub/sub subscription, to its own
+  control channel, on which the scripts ask it to close or warn a connection it
+  holds. (A transition the node sweeps itself for one of its own connections is
+  acted on directly, with no message.)
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ import json
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
-from dataclasses import replace
 from typing import Any
 
 import structlog
 from redis import exceptions as rexc
 
-from tokend.clocks import Clocks, State, deadline, due_transition
+from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
@@ -33,7 +35,6 @@ from tokend.store import (
     Client,
     HeartbeatRequest,
     HeartbeatResult,
-    SessionRecord,
     Store,
     StoreUnavailable,
     subscription,
@@ -49,6 +50,10 @@ MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
 
 
+# Heartbeats waiting for a flush, by connection: (request, its future, serving rank).
+Waiting = dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult], int]]
+
+
 class HeartbeatBatcher:
     """Coalesces concurrent heartbeats into one store call per flush.
 
@@ -61,7 +66,7 @@ class HeartbeatBatcher:
     def __init__(self, store: Store, batch_size: int) -> None:
         self.store = store
         self.batch_size = batch_size
-        self._waiting: dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult], int]] = {}
+        self._waiting: Waiting = {}
         # Heartbeats acknowledged during an outage, to be stored when Redis is back.
         self.unstored: dict[str, HeartbeatRequest] = {}
         self._wake = asyncio.Event()
@@ -72,19 +77,16 @@ class HeartbeatBatcher:
         self._wake.set()
         return future
 
-    def _take(self) -> dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult]]]:
+    def _take(self) -> Waiting:
         """Remove and return the next flush's heartbeats, best-ranked first."""
-        entries = self._waiting.items()
-        if len(entries) > self.batch_size:
-            entries = heapq.nsmallest(self.batch_size, entries, key=lambda e: e[1][2])
-            self._wake.set()  # the rest go in the next flush
-        taken = {conn: (request, future) for conn, (request, future, _) in entries}
-        if len(taken) == len(self._waiting):
-            self._waiting.clear()
-        else:
-            for conn in taken:
-                del self._waiting[conn]
-        return taken
+        if len(self._waiting) <= self.batch_size:  # all of them: no copy
+            taken, self._waiting = self._waiting, {}
+            return taken
+        best = heapq.nsmallest(self.batch_size, self._waiting.items(), key=lambda e: e[1][2])
+        self._wake.set()  # the rest go in the next flush
+        for conn, _ in best:
+            del self._waiting[conn]
+        return dict(best)
 
     def forget(self, conn: str) -> None:
         self.unstored.pop(conn, None)
@@ -98,31 +100,30 @@ class HeartbeatBatcher:
             await self._wake.wait()
             self._wake.clear()
             waiting = self._take()
-            replays = {
-                c: replace(r, replayed=True) for c, r in self.unstored.items() if c not in waiting
-            }
+            replays = {c: r.replay() for c, r in self.unstored.items() if c not in waiting}
             # A connection whose earlier heartbeat is still unstored was not silent, whatever
             # Redis last recorded: its new heartbeat is not judged late either.
+            unstored = self.unstored
             requests = [
-                replace(r, replayed=True) if c in self.unstored else r
-                for c, (r, _) in waiting.items()
+                r.replay() if c in unstored else r for c, (r, _, _) in waiting.items()
             ] + list(replays.values())
             try:
                 results = await self.store.heartbeats(requests)
             except StoreUnavailable as exc:
-                for conn, (request, future) in waiting.items():
+                for conn, (request, future, _) in waiting.items():
                     self.unstored[conn] = request
                     if not future.done():
                         future.set_exception(exc)
                 continue
             except Exception as exc:  # a script error: fail these, keep serving
                 log.exception("heartbeat flush failed")
-                for _, future in waiting.values():
+                for _, future, _ in waiting.values():
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (conn, (_, future)), result in zip(waiting.items(), results, strict=False):
-                self.unstored.pop(conn, None)
+            for (conn, (_, future, _)), result in zip(waiting.items(), results, strict=False):
+                if unstored:
+                    unstored.pop(conn, None)
                 if not future.done():
                     future.set_result(result)
             for conn, result in zip(replays, results[len(waiting) :], strict=True):
@@ -141,7 +142,6 @@ class Node:
         self.redis = redis
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
-        self.clocks = Clocks(settings.ms("warn_after"), settings.ms("expire_after"))
         self.heartbeats = HeartbeatBatcher(self.store, settings.heartbeat_batch)
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
@@ -262,55 +262,58 @@ class Node:
                 await asyncio.sleep(pause)
 
     async def _sweep_once(self, lease_ms: int, interval: float) -> float:
-        """Claim, inspect, judge with clocks.py, compare-and-set: three round trips.
+        """Claim the due sessions, then judge and transition them: two round trips.
 
         Returns how long to wait before the next sweep: none when a shard filled its
         batch (more may be due there), else until the earliest deadline left, within
         [MIN_SWEEP_PAUSE, interval]: a deadline is met within a few milliseconds
         rather than up to a whole interval late.
         """
+        loop = asyncio.get_running_loop()
+        claimed_at = loop.time()
         now, claimed, next_due = await self.store.claim_due(SWEEP_BATCH, lease_ms)
         if any(claimed):
-            await self._judge(claimed, now)
+            await self._judge(claimed)
         if any(len(tids) >= SWEEP_BATCH for tids in claimed):
             return 0.0
+        # The earliest deadline as of the claim, less the time the sweep took since.
         until_due = interval if next_due is None else (next_due - now) / 1000
+        until_due -= loop.time() - claimed_at
         return min(interval, max(MIN_SWEEP_PAUSE, until_due))
 
-    async def _judge(self, claimed: list[list[str]], now: int) -> None:
-        """Decide the claimed sessions with clocks.py and compare-and-set the moves."""
-        moves: list[tuple[SessionRecord, str, str]] = []
+    async def _judge(self, claimed: list[list[str]]) -> None:
+        """Make the claimed sessions' due transitions; warn or close those held here.
+
+        transition.lua decides in Redis, by the rules of :func:`tokend.clocks.due_transition`
+        (spec "Session states and clocks").
+        """
+        expired: Counter[str] = Counter()
         vanished = 0
-        for tid, record in zip(
-            (t for shard in claimed for t in shard), await self.store.inspect(claimed), strict=True
-        ):
-            if record is None:
+        # Logged by the one node whose script made them: each WARN (the spec asks for
+        # it), the expiries of a sweep in one line.
+        for tid, what, conn in await self.store.transitions(claimed):
+            if what == "gone":
                 # Only when no node swept for expire_after past the token's exp: the
-                # script drops the orphaned deadline entry.
+                # script dropped the orphaned deadline entry.
                 vanished += 1
-                moves.append((SessionRecord(tid, "", "", ""), "GONE", ""))
-                continue
-            state, hb, exp = State(record.st), int(record.hb), int(record.exp)
-            transition = due_transition(state, hb, exp, now, self.clocks)
-            if transition is None:
-                moves.append((record, "LATER", str(deadline(state, hb, exp, self.clocks))))
+            elif what == "warn":
+                self.log.warning("session warn", tid=tid)
+                if conn:
+                    self._act("notice", tid, conn, None)
             else:
-                moves.append((record, transition.to.value, transition.reason or ""))
+                expired[what] += 1
+                self.metrics.expired(what)
+                if conn:
+                    self._act("close", tid, conn, CloseCode.SESSION_EXPIRED)
         if vanished:
             self.log.warning("sessions vanished unswept", count=vanished)
-        for (record, target, reason), made in zip(
-            moves, await self.store.transitions(moves), strict=True
-        ):
-            if made:  # logged by the one node whose compare-and-set took
-                log_at = self.log.warning if target == State.WARN else self.log.info
-                log_at("session " + target.lower(), tid=record.tid, reason=reason or None)
-                if target == State.EXPIRED:
-                    self.metrics.expired(reason)
+        if expired:
+            self.log.info("sessions expired", count=expired.total(), reasons=dict(expired))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""
         backoff = 0.1
-        channel = self.store.keys.control_channel
+        channel = self.store.keys.control_channel(self.name)
         while self.running:
             pubsub = None
             try:
@@ -337,23 +340,24 @@ class Node:
     def _control(self, data: str) -> None:
         try:
             message = json.loads(data)
-            session = self.sessions.get(message["conn"])
+            op, tid, conn = message["op"], message["tid"], message["conn"]
         except (ValueError, KeyError, TypeError):
             self.log.warning("malformed control message")
             return
+        self._act(op, tid, conn, message.get("code"))
+
+    def _act(self, op: str, tid: str, conn: str, code: int | None) -> None:
+        """Close (``op`` "close", with ``code``) or warn ("notice") a connection held here."""
+        session = self.sessions.get(conn)
         # A node restarted under the same name numbers its connections afresh: a
         # message about a connection of its previous life must not reach a new one.
-        if (
-            session is None
-            or session.claims is None
-            or str(session.claims.tid) != message.get("tid")
-        ):
+        if session is None or session.claims is None or str(session.claims.tid) != tid:
             return
-        if message.get("op") == "close":
+        if op == "close":
             try:
-                code = CloseCode(message.get("code"))
+                close_code = CloseCode(code)
             except ValueError:
-                code = CloseCode.INTERNAL_ERROR
-            self._spawn(session.close(Close(code, code.describe())))
-        elif message.get("op") == "notice":
+                close_code = CloseCode.INTERNAL_ERROR
+            self._spawn(session.close(Close(close_code, close_code.describe())))
+        elif op == "notice":
             self._spawn(session.notify_warn())

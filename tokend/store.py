@@ -6,11 +6,12 @@ the hash tag ``{<prefix>:<shard>}``, so a script that touches a session, its
 tombstone, the shard's deadline set and the shard's event stream stays in one
 Redis Cluster slot:
 
-* ``<prefix>:{<prefix>:<n>}:s:<tid>``  session hash (sub st hb exp iat prio conn node)
+* ``<prefix>:{<prefix>:<n>}:s:<tid>``  session hash (sub st hb exp iat prio conn)
 * ``<prefix>:{<prefix>:<n>}:t:<tid>``  tombstone of an ended session, until its exp
 * ``<prefix>:{<prefix>:<n>}:due``      deadline set: tid scored by its next transition time
 * ``<prefix>:{<prefix>:<n>}:events``   event stream shard
-* ``<prefix>:events`` / ``<prefix>:ctl``  pub/sub channels (events; node-to-node control)
+* ``<prefix>:events``  pub/sub channel of the events
+* ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
 
 :func:`connect` makes the client for a URL: one Redis (``redis://``, ``rediss://``,
 ``unix://``), a Redis Cluster (``redis+cluster://``) or the master a Sentinel
@@ -26,9 +27,9 @@ import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -39,6 +40,7 @@ from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, pars
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from tokend.config import ConfigError, Settings
+from tokend.packing import pack_with_hiredis
 
 SHARDS = 16
 T = TypeVar("T")
@@ -61,6 +63,10 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
+# One script call: the script, its keys, its arguments (after the common ones).
+ScriptCall = tuple["Script", list[str], list[Any]]
+
+
 class StoreUnavailable(Exception):
     """Redis did not answer within the deadline, or refused the connection."""
 
@@ -81,10 +87,9 @@ class Script:
 HELLO = Script("hello")
 HEARTBEAT = Script("heartbeat")
 CLAIM = Script("claim")
-INSPECT = Script("inspect")
 TRANSITION = Script("transition")
 END = Script("end")
-SCRIPTS = (HELLO, HEARTBEAT, CLAIM, INSPECT, TRANSITION, END)
+SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +131,12 @@ class Keyspace:
         return f"{self.prefix}:events"
 
     @property
-    def control_channel(self) -> str:
+    def control_prefix(self) -> str:
+        """The scripts address a node's control messages to ``<this>:<node>``."""
         return f"{self.prefix}:ctl"
+
+    def control_channel(self, node: str) -> str:
+        return f"{self.control_prefix}:{node}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +147,9 @@ class HelloResult:
     tomb: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class HeartbeatResult:
+class HeartbeatResult(NamedTuple):
+    """One heartbeat's outcome; a tuple: made per heartbeat, at a tenth of a dataclass' cost."""
+
     outcome: str  # ok | gone | taken
     was_warn: bool = False
     renewed: bool = False
@@ -150,24 +160,24 @@ class HeartbeatResult:
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatRequest:
-    """A connection's heartbeat for the batch; built once per connection, reused."""
+    """A connection's heartbeat for the batch; built once per connection, reused.
+
+    ``keys`` and ``args`` are its part of the shard's heartbeat.lua call, as sent.
+    """
 
     tid: str
     conn: str
     shard: int
     keys: tuple[str, str]  # session hash, tombstone
-    # Received in time but stored late (after an outage): not judged for silence.
-    replayed: bool = False
+    args: tuple[str, str, str]  # tid, conn, replayed ("1" or "0")
 
+    def replay(self) -> HeartbeatRequest:
+        """The same heartbeat, marked as replayed.
 
-@dataclass(frozen=True, slots=True)
-class SessionRecord:
-    """A session hash as read by the sweeper; strings kept as read for compare-and-set."""
-
-    tid: str
-    st: str
-    hb: str
-    exp: str
+        It was received in time but is stored late (after an outage): the script does
+        not judge it for silence.
+        """
+        return replace(self, args=(self.tid, self.conn, "1"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +202,7 @@ class SessionView:
             fields["sub"],
             int(fields["exp"]),
             int(fields["hb"]),
-            fields.get("node", ""),
+            node_of(fields.get("conn", "")),
             fields.get("conn", ""),
             int(fields.get("prio", 0)),
         )
@@ -204,15 +214,19 @@ class SessionView:
 def connect(url: str, settings: Settings) -> Client:
     """The client for ``url``'s scheme, with the deadline as its socket timeouts.
 
+    Its connections pack commands with hiredis (:mod:`tokend.packing`).
+
     On one Redis and through Sentinel the pool waits (up to the deadline) instead
     of failing when full; a Cluster client cannot wait, so :class:`Store` bounds
     its own concurrency to ``redis_pool_size`` instead. A URL that cannot be used
     raises ConfigError. Connections are made on first use.
     """
     try:
-        return _client(url, settings)
+        client = _client(url, settings)
     except ValueError as exc:  # redis-py's and _multi_host's word for a bad URL
         raise ConfigError(f"redis_url: {exc}") from None
+    pack_with_hiredis(client)
+    return client
 
 
 def _client(url: str, settings: Settings) -> Client:
@@ -356,8 +370,18 @@ class Store:
         self._prelude_args = [
             node,
             self.keys.events_channel,
-            self.keys.control_channel,
+            self.keys.control_prefix,
             str(settings.stream_maxlen),
+        ]
+        self._shard_keys = [self.keys.shard_keys(n) for n in range(SHARDS)]
+        # A Cluster refuses a call whose keys span slots (CROSSSLOT).
+        self._one_slot_per_call = isinstance(redis, RedisCluster)
+        self._heartbeat_args = [
+            self.warn_ms,
+            self.renew_ms,
+            self.ttl_s,
+            self.grace_ms,
+            self.expire_ms,
         ]
         # Told (script name, seconds) after every script round trip; tokend.metrics sets it.
         self.observe: Callable[[str, float], None] = _ignore
@@ -365,6 +389,9 @@ class Store:
         self.given_up_after_ms = settings.ms("redis_timeout") + settings.ms("leeway")
         # This node's wall clock: it only dates requests, never judges a session.
         self.wall_clock: Callable[[], float] = time.time
+        # HELLOs waiting for the next round trip, and the task sending them (see hello()).
+        self._hellos: list[tuple[ScriptCall, asyncio.Future[Any]]] = []
+        self._hello_flusher: asyncio.Task[None] | None = None
 
     @property
     def _common(self) -> list[str]:
@@ -408,7 +435,7 @@ class Store:
 
         return self._answered(await self._timed(script.name, call))
 
-    async def _eval_many(self, calls: Sequence[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+    async def _eval_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
 
         common = self._common
@@ -465,11 +492,28 @@ class Store:
     async def hello(
         self, tid: uuid.UUID, sub: str, prio: int, iat_s: int, exp_s: int, conn: str
     ) -> HelloResult:
-        reply = await self._eval(
-            HELLO,
-            self.keys.script_keys(tid),
-            [str(tid), sub, prio, iat_s, exp_s, conn, self.warn_ms, self.grace_ms, self.expire_ms],
-        )
+        """Start or resume a session (hello.lua).
+
+        HELLOs arriving while one round trip is out go together in the next (one script
+        call each, one pipeline), as heartbeats do: in a connect storm a round trip per
+        HELLO, with its pool checkout and deadline, cost more than the script itself.
+        """
+        args = [
+            str(tid),
+            sub,
+            prio,
+            iat_s,
+            exp_s,
+            conn,
+            self.warn_ms,
+            self.grace_ms,
+            self.expire_ms,
+        ]
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._hellos.append(((HELLO, self.keys.script_keys(tid), args), future))
+        if self._hello_flusher is None or self._hello_flusher.done():
+            self._hello_flusher = asyncio.create_task(self._flush_hellos(), name="hellos")
+        reply = await future
         outcome = reply[0]
         if outcome in ("started", "resumed"):
             return HelloResult(outcome, int(reply[1]), int(reply[2]))
@@ -477,34 +521,64 @@ class Store:
             return HelloResult(outcome, tomb=reply[1])
         return HelloResult(outcome)
 
+    async def _flush_hellos(self) -> None:
+        """Send the waiting HELLOs, one round trip at a time, until none wait."""
+        while self._hellos:
+            batch, self._hellos = self._hellos, []
+            try:
+                replies = await self._eval_many([call for call, _ in batch])
+            except Exception as exc:  # StoreUnavailable or a script error: the batch's
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), reply in zip(batch, replies, strict=True):
+                if not future.done():  # its connection may have gone meanwhile
+                    future.set_result(reply)
+
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         hash_key, tomb_key = self.keys.session_keys(tid)
-        return HeartbeatRequest(str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key))
+        return HeartbeatRequest(
+            str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key), (str(tid), conn, "0")
+        )
 
     async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
-        """Record many heartbeats: one script call per shard, all in one round trip."""
-        by_shard: dict[int, list[int]] = {}
+        """Record many heartbeats in one round trip.
+
+        One heartbeat.lua call for the whole batch on one Redis; on a Cluster, one per
+        shard (a call's keys must be of one slot there).
+        """
+        # Per shard: its keys (shard keys, then its sessions'), the count and the
+        # sessions' arguments, and the batch positions they answer.
+        groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
         for i, request in enumerate(batch):
-            by_shard.setdefault(request.shard, []).append(i)
-        calls = []
-        for shard, members in by_shard.items():
-            keys = self.keys.shard_keys(shard)
-            args: list[Any] = [
-                self.warn_ms,
-                self.renew_ms,
-                self.ttl_s,
-                self.grace_ms,
-                self.expire_ms,
-            ]
-            for i in members:
-                request = batch[i]
-                keys += request.keys
-                args += [request.tid, request.conn, "1" if request.replayed else "0"]
-            calls.append((HEARTBEAT, keys, args))
+            group = groups.get(request.shard)
+            if group is None:
+                group = groups[request.shard] = (self._shard_keys[request.shard][:], [0], [])
+            group[0].extend(request.keys)
+            group[1].extend(request.args)
+            group[2].append(i)
+        for _, args, members in groups.values():
+            args[0] = len(members)
+        parts = list(groups.values())
+        # On a Cluster one call per shard (its slot); on one Redis, one call for them all.
+        if self._one_slot_per_call:
+            batches = [[part] for part in parts]
+        else:
+            batches = [parts] if parts else []
+        calls = [
+            (
+                HEARTBEAT,
+                [key for keys, _, _ in b for key in keys],
+                self._heartbeat_args + [arg for _, args, _ in b for arg in args],
+            )
+            for b in batches
+        ]
+        replies = (reply for call in await self._eval_many(calls) for reply in call)
+        order = (i for _, _, members in groups.values() for i in members)
         results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
-        for members, replies in zip(by_shard.values(), await self._eval_many(calls), strict=True):
-            for i, reply in zip(members, replies, strict=True):
-                results[i] = _heartbeat_result(reply)
+        for i, reply in zip(order, replies, strict=True):
+            results[i] = _heartbeat_result(reply)
         return results
 
     async def end(
@@ -534,46 +608,30 @@ class Store:
             min(upcoming, default=None),
         )
 
-    async def inspect(self, claimed: Sequence[Sequence[str]]) -> list[SessionRecord | None]:
-        """Read claimed sessions (one script call per shard); None for a vanished one."""
+    async def transitions(self, claimed: Sequence[Sequence[str]]) -> list[tuple[str, str, str]]:
+        """Judge the claimed sessions (tids by shard) and make the transitions due.
+
+        One script call per shard (transition.lua), all in one round trip. Returns the
+        transitions made, as (tid, what, conn): ``what`` is "warn", an expiry reason,
+        or "gone" for a session that vanished unswept; ``conn`` is the connection of
+        this node to warn or close (the script sends no control message for it), or "".
+        """
         calls, tids = [], []
         for shard, shard_tids in enumerate(claimed):
             if shard_tids:
-                tag = self.keys.shard_keys(shard)
-                calls.append(
-                    (
-                        INSPECT,
-                        tag + [self.keys.session_keys_of(shard, t)[0] for t in shard_tids],
-                        [],
-                    )
-                )
+                keys = self._shard_keys[shard][:]
+                for tid in shard_tids:
+                    keys += self.keys.session_keys_of(shard, tid)
+                calls.append((TRANSITION, keys, [self.warn_ms, self.expire_ms, *shard_tids]))
                 tids += shard_tids
-        rows = [row for reply in await self._eval_many(calls) for row in reply]
-        return [
-            SessionRecord(tid, *row) if row else None for tid, row in zip(tids, rows, strict=True)
-        ]
-
-    async def transitions(self, moves: Sequence[tuple[SessionRecord, str, str]]) -> list[bool]:
-        """Compare-and-set (record, target, reason or deadline); one call per shard.
-
-        Returns which transitions took (always False for a 'LATER' reschedule).
-        """
-        by_shard: dict[int, list[int]] = {}
-        for i, (record, _, _) in enumerate(moves):
-            by_shard.setdefault(self.keys.shard_of(record.tid), []).append(i)
-        calls = []
-        for shard, members in by_shard.items():
-            keys, args = self.keys.shard_keys(shard), [self.expire_ms]
-            for i in members:
-                record, target, detail = moves[i]
-                keys += self.keys.session_keys_of(shard, record.tid)
-                args += [record.tid, record.st, record.hb, record.exp, target, detail]
-            calls.append((TRANSITION, keys, args))
-        took = [False] * len(moves)
-        for members, reply in zip(by_shard.values(), await self._eval_many(calls), strict=True):
-            for i, made in zip(members, reply, strict=True):
-                took[i] = bool(made)
-        return took
+        made = []
+        replies = (reply for shard in await self._eval_many(calls) for reply in shard)
+        for tid, reply in zip(tids, replies, strict=True):
+            if reply == -1:
+                made.append((tid, "gone", ""))
+            elif reply:
+                made.append((tid, *reply))
+        return made
 
     async def revoke(self, tid: uuid.UUID) -> int:
         """Revoke a token: its session ends wherever it is (close 4506) and it is barred.
@@ -646,6 +704,11 @@ class Store:
 
         rows = await self._deadline(call)
         return [SessionView.of(t, f) if f else None for t, f in zip(tids, rows, strict=True)]
+
+
+def node_of(conn: str) -> str:
+    """The node of a connection id ``<node>/<counter>`` ("" for none)."""
+    return conn.rpartition("/")[0]
 
 
 def _parse_cursor(cursor: str) -> tuple[int, str]:

@@ -1,9 +1,11 @@
 -- Prepended to every tokend script (see tokend/store.py).
 -- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event
 -- stream; every other key is a session or tombstone key of the same shard, so
--- all keys share one hash tag. ARGV[1..4] are node name, events channel,
--- control channel and stream cap; ARGV[5] is the request's deadline (below) and is
--- taken out, so that script arguments start at ARGV[5].
+-- all keys share one hash tag (heartbeat.lua, on one Redis, takes groups of
+-- several shards, each group's keys led by its shard's; on a Cluster, one group
+-- per call). ARGV[1..4] are node name, events channel, control channel and stream
+-- cap; ARGV[5] is the request's deadline (below) and is taken out, so that script
+-- arguments start at ARGV[5].
 local NODE, EVENTS, CONTROL, MAXLEN = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local GIVEN_UP_AT = tonumber(table.remove(ARGV, 5))
 local DUE, STREAM = KEYS[1], KEYS[2]
@@ -31,10 +33,18 @@ local function emit(kind, tid, sub, at, reason)
   redis.call('PUBLISH', EVENTS, json)
 end
 
--- Ask whichever node holds connection `conn` to act on it.
+-- The node of connection `conn` ("<node>/<counter>"); nil for none.
+local function node_of(conn)
+  return conn and conn:match('^(.+)/')
+end
+
+-- Ask the node holding connection `conn` to act on it, on that node's own control
+-- channel (CONTROL:<node>), so that no other node hears of it.
 local function control(op, tid, conn, code)
-  if conn and conn ~= '' then
-    redis.call('PUBLISH', CONTROL, cjson.encode({op = op, tid = tid, conn = conn, code = code}))
+  local node = node_of(conn)
+  if node then
+    redis.call('PUBLISH', CONTROL .. ':' .. node,
+               cjson.encode({op = op, tid = tid, conn = conn, code = code}))
   end
 end
 

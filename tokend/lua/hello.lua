@@ -29,7 +29,7 @@ if s[1] then
     return {'tomb', 'expired'}
   end
   -- A resume counts as a heartbeat: the session is ACTIVE again.
-  redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn, 'node', NODE)
+  redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   control('close', tid, s[4], 4507)
   emit('SESSION_RESUMED', tid, sub, now)
@@ -45,7 +45,7 @@ if exp <= now then
   return {'expired'}
 end
 redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
-           'prio', prio, 'conn', conn, 'node', NODE)
+           'prio', prio, 'conn', conn)
 redis.call('PEXPIREAT', skey, exp + grace_ms)
 redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
 emit('SESSION_STARTED', tid, sub, now)

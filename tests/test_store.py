@@ -1,0 +1,297 @@
+"""The store: its Redis client (commands packed with hiredis, byte for byte as redis-py
+does), the session hash, and control messages addressed to the node holding a connection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.connection import Connection
+from redis.exceptions import DataError
+
+from tests.support import EventLog, RedisProcess, free_port
+from tokend.clocks import Clocks, State, deadline, due_transition
+from tokend.config import Settings
+from tokend.packing import FASTER, HiredisConnection, HiredisPacking
+from tokend.store import HEARTBEAT, Keyspace, Store, StoreUnavailable, connect
+
+COMMANDS: list[tuple[Any, ...]] = [
+    ("PING",),
+    ("SET", "key", "value"),
+    ("SET", "clé", "välue ✓", "PX", 1500),
+    ("HSET", b"raw\x00key", b"\xff\xfe", 0, -7, 3.25, 1e20, 2**70),
+    ("SCRIPT LOAD", "return 1"),  # a command name of two words
+    (b"CONFIG GET", "maxmemory"),
+    ("SET", "big", "x" * 100_000),  # above redis-py's buffer cutoff: chunked by redis-py
+    ("EVALSHA", HEARTBEAT.sha, 4, "{p:1}:due", "{p:1}:events", "s", "t", "node", 60, "tid"),
+    ("SET", "view", bytearray(b"ab"), memoryview(b"cd")),  # hiredis refuses: fallback
+]
+
+
+def python_packed(connection: Connection, command: tuple[Any, ...]) -> bytes:
+    return b"".join(Connection.pack_command(connection, *command))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: str(c[0]))
+def test_packs_the_bytes_redis_py_packs(command: tuple[Any, ...]) -> None:
+    ours = HiredisConnection()
+    assert b"".join(ours.pack_command(*command)) == python_packed(ours, command)
+
+
+def test_a_pipeline_packs_as_redis_py_does() -> None:
+    ours = HiredisConnection()
+    expected = b"".join(python_packed(ours, command) for command in COMMANDS)
+    assert b"".join(ours.pack_commands(COMMANDS)) == expected
+
+
+@pytest.mark.parametrize("bad", [True, None, object()])
+def test_refuses_what_redis_py_refuses(bad: object) -> None:
+    with pytest.raises(DataError):
+        HiredisConnection().pack_command("SET", "key", bad)
+
+
+def test_another_encoding_is_packed_by_redis_py() -> None:
+    latin = HiredisConnection(encoding="latin-1")
+    assert b"".join(latin.pack_command("SET", "k", "é")).endswith(b"$1\r\n\xe9\r\n")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:1/0",
+        "rediss://127.0.0.1:1/0",
+        "unix:///tmp/tokend-test.sock",
+        "redis+sentinel://127.0.0.1:1/mymaster",
+        "rediss+sentinel://127.0.0.1:1/mymaster",
+    ],
+)
+async def test_every_single_redis_url_gets_hiredis_packing(url: str, settings: Settings) -> None:
+    client = connect(url, settings)
+    try:
+        assert isinstance(client, Redis)
+        assert issubclass(client.connection_pool.connection_class, HiredisPacking)
+        assert client.connection_pool.connection_class in FASTER.values()
+    finally:
+        await client.aclose()
+
+
+async def test_cluster_nodes_get_hiredis_packing(settings: Settings) -> None:
+    client = connect("redis+cluster://127.0.0.1:1,127.0.0.1:2", settings)
+    try:
+        assert isinstance(client, RedisCluster)
+        nodes = client.nodes_manager.startup_nodes.values()
+        assert [node.connection_class for node in nodes] == [HiredisConnection] * 2
+        # Nodes the client discovers later are made with these.
+        assert client.nodes_manager.connection_kwargs["connection_class"] is HiredisConnection
+    finally:
+        await client.aclose()
+
+
+async def test_round_trips_through_real_redis(
+    redis_server: RedisProcess, settings: Settings
+) -> None:
+    client = connect(redis_server.url, settings)
+    try:
+        key = f"{settings.key_prefix}:packing"
+        await client.hset(key, mapping={"s": "välue", "i": 7, "f": 0.5, "b": b"\x01"})
+        assert await client.hgetall(key) == {"s": "välue", "i": "7", "f": "0.5", "b": "\x01"}
+        pipe = client.pipeline(transaction=False)
+        pipe.incrby(key + ":n", 2).incrbyfloat(key + ":n", 0.5).delete(key, key + ":n")
+        assert await pipe.execute() == [2, 2.5, 2]
+    finally:
+        await client.aclose()
+
+
+# Clocks long enough that no session changes state while a test reads it.
+WARN_MS, EXPIRE_MS = 20_000, 40_000
+CLOCKS = Clocks(WARN_MS, EXPIRE_MS)
+
+
+@pytest.fixture
+async def store(make_settings: Callable[..., Settings]) -> AsyncIterator[Store]:
+    """The store of node-a (the settings' node name)."""
+    settings = make_settings(
+        heartbeat_interval=5, warn_after=WARN_MS / 1000, expire_after=EXPIRE_MS / 1000
+    )
+    client = connect(settings.redis_url, settings)
+    yield Store(client, settings, "node-a")
+    await client.aclose()
+
+
+@pytest.fixture
+async def control(redis: Redis, store: Store) -> AsyncIterator[dict[str, EventLog]]:
+    """The control messages each node hears, by node name."""
+    async with (
+        EventLog(redis, store.keys.control_channel("node-a")) as node_a,
+        EventLog(redis, store.keys.control_channel("node-b")) as node_b,
+    ):
+        yield {"node-a": node_a, "node-b": node_b}
+
+
+async def started(store: Store, conn: str) -> uuid.UUID:
+    tid = uuid.uuid4()
+    now = int(time.time())
+    assert (await store.hello(tid, "alice", 5, now, now + 60, conn)).outcome == "started"
+    return tid
+
+
+async def redis_ms(store: Store) -> int:
+    seconds, micros = await store.redis.time()
+    return seconds * 1000 + micros // 1000
+
+
+async def sweep(store: Store, tids: list[uuid.UUID]) -> dict[str, tuple[str, str]]:
+    """Make ``tids`` due now, claim and sweep them: what was made, by tid."""
+    for tid in tids:
+        await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
+    _, claimed, _ = await store.claim_due(100, 1000)
+    assert sorted(t for shard in claimed for t in shard) == sorted(map(str, tids))
+    return {tid: (what, conn) for tid, what, conn in await store.transitions(claimed)}
+
+
+async def test_the_session_hash_names_its_node_only_in_conn(store: Store, redis: Redis) -> None:
+    tid = await started(store, "node-a/7")
+    fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+    assert fields["conn"] == "node-a/7" and "node" not in fields
+    view = await store.session(tid)
+    assert view is not None and (view.node, view.conn) == ("node-a", "node-a/7")
+
+
+async def test_a_control_message_goes_to_the_connections_node_alone(
+    store: Store, control: dict[str, EventLog]
+) -> None:
+    on_b, on_a = await started(store, "node-b/1"), await started(store, "node-a/1")
+    await store.revoke(on_b)
+    await control["node-b"].wait_until(lambda: len(control["node-b"].events) == 1)
+    await store.revoke(on_a)
+    await control["node-a"].wait_until(lambda: len(control["node-a"].events) == 1)
+    assert control["node-b"].events == [
+        {"op": "close", "tid": str(on_b), "conn": "node-b/1", "code": 4506}
+    ]
+    # node-a heard only its own (node-b's message was published, and delivered, first).
+    assert [m["conn"] for m in control["node-a"].events] == ["node-a/1"]
+
+
+async def test_a_sweep_hands_its_own_connections_back_instead_of_publishing(
+    store: Store, control: dict[str, EventLog]
+) -> None:
+    tids = [await started(store, conn) for conn in ("node-a/1", "node-b/1", "node-a/2")]
+    silent_since = await redis_ms(store) - WARN_MS - 5_000
+    for tid in tids:
+        await store.redis.hset(store.keys.session_keys(tid)[0], "hb", silent_since)
+    made = await sweep(store, tids)
+    assert made == {
+        str(tids[0]): ("warn", "node-a/1"),
+        str(tids[1]): ("warn", ""),
+        str(tids[2]): ("warn", "node-a/2"),
+    }
+    await control["node-b"].wait_until(lambda: len(control["node-b"].events) == 1)
+    assert control["node-b"].events[0] == {"op": "notice", "tid": str(tids[1]), "conn": "node-b/1"}
+    # Swept again at once: nothing more is due, nothing is made twice.
+    assert await sweep(store, tids) == {}
+    # Then node-a's first message is the next one published for it: no notice came before.
+    await store.revoke(tids[0])
+    await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
+    assert [m["op"] for m in control["node-a"].events] == ["close"]
+
+
+async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None:
+    """transition.lua against tokend.clocks: the transition made, the deadline put back.
+
+    Times sit a second or more away from every boundary, so that the few milliseconds
+    between reading Redis time here and the script's own cannot change a verdict.
+    """
+    now = await redis_ms(store)
+    silences = (1_000, WARN_MS - 1_000, WARN_MS + 1_000, EXPIRE_MS - 1_000, EXPIRE_MS + 1_000)
+    token_left = (-1_000, 3_000, WARN_MS + 3_000, 3_600_000)
+    cases = {
+        uuid.uuid4(): (state, now - silence, now + left)
+        for state in (State.ACTIVE, State.WARN)
+        for silence in silences
+        for left in token_left
+    }
+    for tid, (state, hb, exp) in cases.items():
+        await redis.hset(
+            store.keys.session_keys(tid)[0],
+            mapping={"sub": "s", "st": state.value, "hb": hb, "exp": exp, "conn": "node-z/1"},
+        )
+    made = await sweep(store, list(cases))
+    for tid, (state, hb, exp) in cases.items():
+        expected = due_transition(state, hb, exp, now, CLOCKS)
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        score = await redis.zscore(store.keys.script_keys(tid)[0], str(tid))
+        case = (state, now - hb, exp - now)
+        if expected is None:
+            assert str(tid) not in made and fields["st"] == state.value, case
+            assert score == deadline(state, hb, exp, CLOCKS), case
+        elif expected.to is State.WARN:
+            assert made[str(tid)] == ("warn", "") and fields["st"] == "WARN", case
+            assert score == deadline(State.WARN, hb, exp, CLOCKS), case
+        else:
+            assert made[str(tid)] == (expected.reason, ""), case
+            assert not fields and score is None, case
+    assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}
+
+
+async def test_concurrent_hellos_share_one_round_trip(store: Store) -> None:
+    round_trips: list[str] = []
+    store.observe = lambda script, seconds: round_trips.append(script)
+    tids = [uuid.uuid4() for _ in range(20)]
+    now = int(time.time())
+    results = await asyncio.gather(
+        *(store.hello(tid, "alice", 5, now, now + 60, f"node-a/{n}") for n, tid in enumerate(tids)),
+        store.hello(tids[0], "mallory", 5, now, now + 60, "node-a/99"),  # after tids[0]'s
+    )
+    assert [r.outcome for r in results] == ["started"] * 20 + ["mismatch"]
+    assert round_trips == ["hello"]
+    # Each got its own reply: its session, as it asked.
+    for n, tid in enumerate(tids):
+        view = await store.session(tid)
+        assert view is not None and view.conn == f"node-a/{n}"
+
+
+async def test_hellos_fail_together_when_redis_is_gone(
+    make_settings: Callable[..., Settings],
+) -> None:
+    settings = make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout=0.5)
+    client = connect(settings.redis_url, settings)
+    store = Store(client, settings, "node-a")
+    now = int(time.time())
+    try:
+        results = await asyncio.gather(
+            *(store.hello(uuid.uuid4(), "a", 5, now, now + 60, f"node-a/{n}") for n in range(3)),
+            return_exceptions=True,
+        )
+        assert [type(r) for r in results] == [StoreUnavailable] * 3
+    finally:
+        await client.aclose()
+
+
+async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(
+    store: Store, redis: Redis
+) -> None:
+    conns = {await started(store, f"node-a/{n}"): f"node-a/{n}" for n in range(40)}
+    assert len({Keyspace.shard(tid) for tid in conns}) > 8  # 40 random tids: ~15 shards
+    taken, gone = next(iter(conns)), uuid.uuid4()
+    batch = [store.heartbeat_request(tid, conn) for tid, conn in conns.items()]
+    batch[0] = store.heartbeat_request(taken, "node-a/elsewhere")
+    batch.append(store.heartbeat_request(gone, "node-a/99"))
+
+    async def evalsha_calls() -> int:
+        return int((await redis.info("commandstats"))["cmdstat_evalsha"]["calls"])
+
+    await store.load_scripts()  # no NOSCRIPT retry to count
+    before = await evalsha_calls()
+    results = await store.heartbeats(batch)
+    assert await evalsha_calls() == before + 1
+    assert [r.outcome for r in results] == ["taken"] + ["ok"] * 39 + ["gone"]
+    # Each answer is its own session's: every session's deadline moved to its new one.
+    for tid, result in zip(list(conns)[1:], results[1:], strict=False):
+        assert await redis.zscore(store.keys.script_keys(tid)[0], str(tid)) == min(
+            int(await redis.hget(store.keys.session_keys(tid)[0], "hb")) + WARN_MS, result.exp_ms
+        )
