@@ -1,11 +1,13 @@
 """Session clocks: the ACTIVE / WARN / EXPIRED state machine, as pure functions.
 
 Implements the spec's "Session states and clocks". Every function takes the
-current time as an argument, so tests drive it with a fake clock; the server
-feeds it Redis ``TIME`` so that no node's own clock decides an expiry.
+current time as an argument, so tests drive it with a fake clock.
 
-The Lua scripts in ``tokend/lua`` keep the same deadlines when they record a
-heartbeat (see ``heartbeat.lua``); ``tests/test_clocks.py`` holds both to it.
+This is the reference the server's decisions are held to: they are made in Redis,
+on Redis ``TIME`` (so that no node's own clock decides an expiry), by
+``heartbeat.lua`` when it records a heartbeat and by ``transition.lua`` when a
+sweep judges due sessions; ``tests/test_clocks.py`` and ``tests/test_store.py``
+hold those scripts to these rules.
 """
 
 from __future__ import annotations
