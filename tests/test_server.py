@@ -9,7 +9,6 @@ import pytest
 
 from tests.support import EventLog, RawClient, stream_events
 from tokend import protocol as p
-from tokend.clocks import serving_rank
 from tokend.server import App
 from tokend.tokens import TokenService
 
@@ -396,24 +395,6 @@ async def test_renewals_cross_a_key_rotation(start_app, tokens: TokenService, se
     assert status == 200
     assert {k["kid"] for k in jwks["keys"]} >= {old_kid, new_kid}
     assert json.dumps(jwks).count("Ed25519") == len(jwks["keys"])
-
-
-async def test_overloaded_batcher_serves_high_prio_first_and_warn_last(start_app):
-    """More heartbeats waiting than one flush takes: served in serving_rank order."""
-    app = await start_app(heartbeat_batch=2)
-    batcher, store = app.node.heartbeats, app.node.store
-    # (prio, warned), submitted worst first so that arrival order cannot pass the test.
-    waiting = [(0, True), (9, True), (0, False), (5, False), (9, False), (7, False)]
-    done_order: list[tuple[int, bool]] = []
-    futures = []
-    for prio, warned in waiting:
-        request = store.heartbeat_request(uuid.uuid4(), f"test/{prio}-{warned}")
-        future = batcher.submit(request, serving_rank(prio, warned))
-        future.add_done_callback(lambda _, entry=(prio, warned): done_order.append(entry))
-        futures.append(future)
-    await asyncio.gather(*futures)
-    flushes = [set(done_order[i : i + 2]) for i in range(0, len(done_order), 2)]
-    assert flushes == [{(9, False), (7, False)}, {(5, False), (0, False)}, {(9, True), (0, True)}]
 
 
 async def test_sweeper_wakes_for_the_earliest_deadline(

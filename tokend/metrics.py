@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -102,6 +102,7 @@ class Metrics:
         self._stage_window_list = [self.stage_windows[stage] for stage in STAGES]
         self.redis_windows: dict[str, Window] = {}
         self.heartbeats = 0
+        self._until_sample = STAGE_SAMPLE_EVERY
         self.renewals = 0
         self.expiries: Counter[str] = Counter()
         self.close_codes: Counter[int] = Counter()
@@ -112,16 +113,23 @@ class Metrics:
         self.connections: Callable[[], int] = int
         self.registry.register(_LiveCollector(self))
 
-    def heartbeat(
-        self, received: float, decoded: float, verified: float, stored: float, renewed: bool
-    ) -> None:
-        """One heartbeat acknowledged; times are ``time.perf_counter()`` readings."""
-        self.heartbeats += 1
+    def sampling(self) -> bool:
+        """True for the one message in :data:`STAGE_SAMPLE_EVERY` whose stages are timed."""
+        self._until_sample -= 1
+        if self._until_sample:
+            return False
+        self._until_sample = STAGE_SAMPLE_EVERY
+        return True
+
+    def acked(self, heartbeats: int, renewed: bool) -> None:
+        """Heartbeats acknowledged (one renewed, if ``renewed``)."""
+        self.heartbeats += heartbeats
         if renewed:
             self.renewals += 1
-        if self.heartbeats % STAGE_SAMPLE_EVERY:
-            return
-        marks = (received, decoded, verified, stored, time.perf_counter())
+
+    def stages(self, marks: Sequence[float]) -> None:
+        """A sampled heartbeat's ``time.perf_counter()`` readings: received, decoded,
+        verified, stored, sent (the ends of the stages of :data:`STAGES`)."""
         for i, (child, window) in enumerate(
             zip(self._stage_children, self._stage_window_list, strict=True)
         ):

@@ -1,7 +1,9 @@
 """One tokend node: its live connections and the background work that serves them.
 
 * :class:`HeartbeatBatcher` stores the heartbeats of many connections in one
-  Redis round trip per flush, and replays those Redis could not take.
+  Redis round trip per flush and writes their ACKs from the flush; it holds and
+  later replays those Redis could not take. :class:`HelloBatcher` does the same
+  for HELLOs.
 * :meth:`Node._sweep` claims due sessions from every shard's deadline set and
   makes their WARN/EXPIRED transitions (decided in the script, as
   :mod:`tokend.clocks` decides).
@@ -17,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import json
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from redis import exceptions as rexc
@@ -30,16 +33,11 @@ from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
-from tokend.session import Close, Session
-from tokend.store import (
-    Client,
-    HeartbeatRequest,
-    HeartbeatResult,
-    Store,
-    StoreUnavailable,
-    subscription,
-)
-from tokend.tokens import TokenService
+from tokend.store import Client, Store, StoreUnavailable, subscription
+from tokend.tokens import Claims, TokenService
+
+if TYPE_CHECKING:
+    from tokend.connection import Connection
 
 log = structlog.get_logger("tokend.node")
 
@@ -50,89 +48,152 @@ MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
 
 
-# Heartbeats waiting for a flush, by connection: (request, its future, serving rank).
-Waiting = dict[str, tuple[HeartbeatRequest, asyncio.Future[HeartbeatResult], int]]
+class Batcher:
+    """Connections waiting for one store round trip; the next starts when one ends.
 
-
-class HeartbeatBatcher:
-    """Coalesces concurrent heartbeats into one store call per flush.
-
-    A flush starts as soon as the previous one ends, so a lone heartbeat waits for
-    no timer while a busy node sends large batches. A flush takes at most
-    ``batch_size`` heartbeats; when more wait (Redis or the node is overloaded), the
-    best-ranked go first (:func:`tokend.clocks.serving_rank`) and the rest wait for the next flush.
+    A lone request waits for no timer, while a busy node sends large batches. A
+    connection waits at most once (a dict keyed by it, in arrival order).
     """
 
-    def __init__(self, store: Store, batch_size: int) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.batch_size = batch_size
-        self._waiting: Waiting = {}
-        # Heartbeats acknowledged during an outage, to be stored when Redis is back.
-        self.unstored: dict[str, HeartbeatRequest] = {}
+        self.waiting: dict[Connection, None] = {}
         self._wake = asyncio.Event()
 
-    def submit(self, request: HeartbeatRequest, rank: int) -> asyncio.Future[HeartbeatResult]:
-        future: asyncio.Future[HeartbeatResult] = asyncio.get_running_loop().create_future()
-        self._waiting[request.conn] = (request, future, rank)
+    def submit(self, connection: Connection) -> None:
+        self.waiting[connection] = None
         self._wake.set()
-        return future
 
-    def _take(self) -> Waiting:
-        """Remove and return the next flush's heartbeats, best-ranked first."""
-        if len(self._waiting) <= self.batch_size:  # all of them: no copy
-            taken, self._waiting = self._waiting, {}
-            return taken
-        best = heapq.nsmallest(self.batch_size, self._waiting.items(), key=lambda e: e[1][2])
-        self._wake.set()  # the rest go in the next flush
-        for conn, _ in best:
-            del self._waiting[conn]
-        return dict(best)
-
-    def forget(self, conn: str) -> None:
-        self.unstored.pop(conn, None)
-
-    def kick(self) -> None:
-        if self.unstored:
-            self._wake.set()
+    def forget(self, connection: Connection) -> None:
+        self.waiting.pop(connection, None)
 
     async def run(self, node: Node) -> None:
         while node.running:
             await self._wake.wait()
             self._wake.clear()
-            waiting = self._take()
-            replays = {c: r.replay() for c, r in self.unstored.items() if c not in waiting}
-            # A connection whose earlier heartbeat is still unstored was not silent, whatever
-            # Redis last recorded: its new heartbeat is not judged late either.
-            unstored = self.unstored
-            requests = [
-                r.replay() if c in unstored else r for c, (r, _, _) in waiting.items()
-            ] + list(replays.values())
-            try:
-                results = await self.store.heartbeats(requests)
-            except StoreUnavailable as exc:
-                for conn, (request, future, _) in waiting.items():
-                    self.unstored[conn] = request
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            except Exception as exc:  # a script error: fail these, keep serving
-                log.exception("heartbeat flush failed")
-                for _, future, _ in waiting.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            for (conn, (_, future, _)), result in zip(waiting.items(), results, strict=False):
-                if unstored:
-                    unstored.pop(conn, None)
-                if not future.done():
-                    future.set_result(result)
-            for conn, result in zip(replays, results[len(waiting) :], strict=True):
-                self.unstored.pop(conn, None)
-                node.replayed(conn, result)
+            await self.flush()
+
+    async def flush(self) -> None:
+        raise NotImplementedError
+
+
+class HelloBatcher(Batcher):
+    """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush."""
+
+    async def flush(self) -> None:
+        batch, self.waiting = list(self.waiting), {}
+        requests = []
+        for connection in batch:
+            session = connection.session
+            assert session is not None and session.claims is not None
+            c = session.claims
+            requests.append((c.tid, c.sub, c.prio, c.iat, c.exp, session.conn))
+        try:
+            answers = await self.store.hellos(requests)
+        except Exception as exc:  # StoreUnavailable (1013) or a script error (1011)
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("hello flush failed")
+            for connection in batch:
+                connection.hello_failed(exc)
+            return
+        for connection, answer in zip(batch, answers, strict=True):
+            connection.hello_answered(answer)
+
+
+class HeartbeatBatcher(Batcher):
+    """Heartbeats of many connections in one store call per flush; ACKs written from it.
+
+    A flush takes at most ``batch_size`` connections; when more wait (Redis or the
+    node is overloaded), the best-ranked go first (:func:`tokend.clocks.serving_rank`)
+    and the rest wait for the next flush.
+
+    While Redis is unavailable the heartbeats are acknowledged from what the session
+    knows and kept in :attr:`unstored`; they are stored, marked as replayed (not
+    judged late), in the first flush after Redis is back. The outage is logged once
+    when it starts and once when it ends, with counts.
+    """
+
+    def __init__(self, store: Store, batch_size: int) -> None:
+        super().__init__(store)
+        self.batch_size = batch_size
+        # Connections with heartbeats acknowledged during an outage, not yet stored.
+        self.unstored: dict[Connection, None] = {}
+        self.held = 0  # heartbeats acknowledged unstored since the outage began
+
+    def forget(self, connection: Connection) -> None:
+        super().forget(connection)
+        self.unstored.pop(connection, None)
+
+    def kick(self) -> None:
+        if self.unstored:
+            self._wake.set()
+
+    def _take(self) -> list[Connection]:
+        """Remove and return the next flush's connections, best-ranked first."""
+        if len(self.waiting) <= self.batch_size:  # all of them: no copy
+            taken, self.waiting = list(self.waiting), {}
+        else:
+            taken = heapq.nsmallest(
+                self.batch_size,
+                self.waiting,
+                key=lambda c: c.session.rank,  # type: ignore[union-attr]
+            )
+            self._wake.set()  # the rest go in the next flush
+            for connection in taken:
+                del self.waiting[connection]
+        for connection in taken:
+            connection.session.take_heartbeats()  # type: ignore[union-attr]
+        return taken
+
+    async def flush(self) -> None:
+        batch = self._take()
+        unstored = self.unstored
+        replays = []
+        if unstored:
+            taken = set(batch)
+            replays = [c for c in unstored if c not in taken]
+        # A connection whose earlier heartbeat is still unstored was not silent, whatever
+        # Redis last recorded: its new heartbeat is not judged late either.
+        requests = [
+            c.heartbeat_request.replay() if c in unstored else c.heartbeat_request  # type: ignore[union-attr]
+            for c in batch
+        ] + [c.heartbeat_request.replay() for c in replays]  # type: ignore[union-attr]
+        try:
+            answers = await self.store.heartbeats(requests)
+        except StoreUnavailable as exc:
+            if not self.held:
+                log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))
+            for connection in batch:
+                self.held += len(connection.session.unanswered)  # type: ignore[union-attr]
+                unstored[connection] = None
+                connection.heartbeats_held()
+            return
+        except Exception:  # a script error: close these connections, keep serving the rest
+            log.exception("heartbeat flush failed")
+            for connection in batch:
+                connection.close(CloseCode.INTERNAL_ERROR, "internal_error")
+            return
+        if self.held:
+            log.warning("store back: heartbeats held stored", held=self.held, replayed=len(replays))
+            self.held = 0
+        for connection, answer in zip(batch, answers, strict=False):
+            if unstored:
+                unstored.pop(connection, None)
+            connection.heartbeats_stored(answer)
+            session = connection.session
+            if session is not None and session.unanswered:  # more came in meanwhile
+                self.submit(connection)
+        for connection, answer in zip(replays, answers[len(batch) :], strict=True):
+            unstored.pop(connection, None)
+            connection.replayed(answer)
 
 
 class Node:
-    """Shared state of a tokend process; :mod:`tokend.server` drives it."""
+    """Shared state of a tokend process; :mod:`tokend.server` drives it.
+
+    It is also the :class:`tokend.session.Host` of its sessions: it verifies and signs
+    their tokens and keeps the per-sub session counts.
+    """
 
     def __init__(
         self, settings: Settings, redis: Client, tokens: TokenService, name: str | None = None
@@ -143,13 +204,15 @@ class Node:
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
         self.heartbeats = HeartbeatBatcher(self.store, settings.heartbeat_batch)
+        self.hellos = HelloBatcher(self.store)
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
-        self.sessions: dict[str, Session] = {}  # by conn id
+        self.sessions: dict[str, Connection] = {}  # WELCOMEd connections by conn id
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
         self.subscribed = asyncio.Event()
+        self._conn_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         # Loops also check this: on Python 3.11 a cancel that lands as an inner
         # asyncio.timeout() expires can be swallowed (fixed in 3.12).
@@ -167,6 +230,7 @@ class Node:
         self.running = True
         self._tasks = [
             asyncio.create_task(self.heartbeats.run(self), name="heartbeats"),
+            asyncio.create_task(self.hellos.run(self), name="hellos"),
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
         ]
@@ -191,19 +255,41 @@ class Node:
             await asyncio.wait(tasks, timeout=5)
         await self.redis.aclose()
 
+    # The sessions' host (tokend.session.Host)
+
+    def verify(self, token: str) -> Claims:
+        return self.tokens.verify(token)
+
+    def sign(self, claims: Claims) -> str:
+        return self.tokens.sign(claims)
+
+    def sub_is_full(self, claims: Claims) -> bool:
+        cap = self.settings.max_sessions_per_sub
+        return bool(cap) and self.other_sessions_of(claims.sub, claims.tid) >= cap
+
     # Connections
 
-    def attach(self, session: Session) -> None:
-        assert session.claims is not None
-        self.sessions[session.conn] = session
+    def new_conn_id(self) -> str:
+        """A connection id, unique across the cluster: ``<node>/<counter>``."""
+        return f"{self.name}/{next(self._conn_ids)}"
+
+    def attach(self, connection: Connection) -> None:
+        """A connection was WELCOMEd: it holds a session now."""
+        session = connection.session
+        assert session is not None and session.claims is not None
+        self.sessions[session.conn] = connection
         if self.settings.max_sessions_per_sub:
             self.sub_sessions.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
 
-    def detach(self, session: Session) -> None:
-        if self.sessions.pop(session.conn, None) is None or session.claims is None:
+    def detach(self, connection: Connection) -> None:
+        """A connection ended (whether or not it was WELCOMEd)."""
+        self.hellos.forget(connection)
+        self.heartbeats.forget(connection)
+        session = connection.session
+        if session is None or self.sessions.get(session.conn) is not connection:
             return
-        self.heartbeats.forget(session.conn)
-        if not self.settings.max_sessions_per_sub:
+        del self.sessions[session.conn]
+        if not self.settings.max_sessions_per_sub or session.claims is None:
             return
         tids = self.sub_sessions[session.claims.sub]
         tids[session.claims.tid] -= 1
@@ -213,7 +299,7 @@ class Node:
                 del self.sub_sessions[session.claims.sub]
 
     def sessions_by_state(self) -> dict[str, int]:
-        warned = sum(1 for session in self.sessions.values() if session.warned)
+        warned = sum(1 for c in self.sessions.values() if c.session and c.session.warned)
         return {State.ACTIVE.value: len(self.sessions) - warned, State.WARN.value: warned}
 
     def other_sessions_of(self, sub: str, tid: uuid.UUID) -> int:
@@ -221,20 +307,11 @@ class Node:
         tids = self.sub_sessions.get(sub)
         return len(tids) - (tid in tids) if tids else 0
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background; it is cancelled when the node stops."""
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def replayed(self, conn: str, result: HeartbeatResult) -> None:
-        """A heartbeat stored late (after an outage) came back."""
-        session = self.sessions.get(conn)
-        if session is None:
-            return
-        try:
-            session.apply(result)
-        except Close as close:
-            self._spawn(session.close(close))
 
     # Background work
 
@@ -348,16 +425,14 @@ class Node:
 
     def _act(self, op: str, tid: str, conn: str, code: int | None) -> None:
         """Close (``op`` "close", with ``code``) or warn ("notice") a connection held here."""
-        session = self.sessions.get(conn)
+        connection = self.sessions.get(conn)
+        session = connection.session if connection is not None else None
         # A node restarted under the same name numbers its connections afresh: a
         # message about a connection of its previous life must not reach a new one.
         if session is None or session.claims is None or str(session.claims.tid) != tid:
             return
+        assert connection is not None
         if op == "close":
-            try:
-                close_code = CloseCode(code)
-            except ValueError:
-                close_code = CloseCode.INTERNAL_ERROR
-            self._spawn(session.close(Close(close_code, close_code.describe())))
+            connection.told_to_close(code)
         elif op == "notice":
-            self._spawn(session.notify_warn())
+            connection.warn()

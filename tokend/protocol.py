@@ -9,7 +9,6 @@ big-endian, every time is Unix epoch milliseconds.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
@@ -189,7 +188,7 @@ _BYE = bytes([FrameType.BYE])
 
 def heartbeat_mac(session_key: bytes, signed_part: bytes) -> bytes:
     """First 16 bytes of HMAC-SHA256(session key, the heartbeat's first 34 bytes)."""
-    return hmac.new(session_key, signed_part, hashlib.sha256).digest()[:MAC_LENGTH]
+    return hmac.digest(session_key, signed_part, "sha256")[:MAC_LENGTH]
 
 
 def make_heartbeat(session_key: bytes, tid: bytes, seq: int, exp_ms: int) -> Heartbeat:
@@ -207,15 +206,14 @@ def encode(frame: Frame) -> bytes:
                     raise ProtocolError("heartbeat: tid is 16 bytes, mac 16 bytes")
                 return frame.signed_part() + frame.mac
             case HeartbeatAck():
-                token = (frame.token or "").encode("ascii")
-                if bool(token) != bool(frame.renewed or frame.resent):
-                    raise ProtocolError("ack: a token goes with the renewed or resent flag")
-                if len(token) > MAX_TOKEN_LENGTH:
-                    raise ProtocolError("ack: token longer than 8192 bytes")
-                head = _ACK_HEAD.pack(
-                    FrameType.HEARTBEAT_ACK, frame.flags, frame.seq, frame.exp_ms, len(token)
+                return encode_ack(
+                    frame.seq,
+                    frame.exp_ms,
+                    frame.token,
+                    renewed=frame.renewed,
+                    resent=frame.resent,
+                    was_warn=frame.was_warn,
                 )
-                return head + token
             case Hello():
                 token = frame.token.encode("ascii")
                 if not 1 <= len(token) <= MAX_TOKEN_LENGTH:
@@ -243,6 +241,34 @@ def encode(frame: Frame) -> bytes:
     except (struct.error, UnicodeEncodeError) as exc:
         raise ProtocolError(f"cannot encode {type(frame).__name__}: {exc}") from None
     raise ProtocolError(f"not a frame: {frame!r}")
+
+
+def encode_ack(
+    seq: int,
+    exp_ms: int,
+    token: str | None = None,
+    *,
+    renewed: bool = False,
+    resent: bool = False,
+    was_warn: bool = False,
+) -> bytes:
+    """Serialize a HEARTBEAT_ACK (spec 0x04) without building the frame object first.
+
+    The server sends one per heartbeat; :func:`encode` of a :class:`HeartbeatAck`
+    comes here too, so there is one layout.
+    """
+    raw = token.encode("ascii") if token else b""
+    if bool(raw) != (renewed or resent):
+        raise ProtocolError("ack: a token goes with the renewed or resent flag")
+    if len(raw) > MAX_TOKEN_LENGTH:
+        raise ProtocolError("ack: token longer than 8192 bytes")
+    flags = (ACK_RENEWED if renewed else 0) | (ACK_RESENT if resent else 0)
+    if was_warn:
+        flags |= ACK_WAS_WARN
+    try:
+        return _ACK_HEAD.pack(FrameType.HEARTBEAT_ACK, flags, seq, exp_ms, len(raw)) + raw
+    except struct.error as exc:
+        raise ProtocolError(f"cannot encode HeartbeatAck: {exc}") from None
 
 
 def decode(data: bytes) -> Frame:

@@ -1,326 +1,379 @@
-"""One client connection speaking protocol v1, over an abstract :class:`Link`.
+"""The protocol v1 state machine of one connection, Sans-I/O.
 
-This module drives the spec's frame sequence (HELLO, then HEARTBEATs, then BYE
-or a close) and maps every failure to its close code. It knows nothing about
-websockets: ``tokend.server`` adapts a websockets connection to :class:`Link`.
+Decoded frames, the store's answers and timer events go in; frames to send, what to
+ask the store, and the close (code and reason) come out. Nothing here waits, reads
+a socket or talks to Redis: :mod:`tokend.connection` drives a :class:`Session` from
+a WebSocket, ``tests/test_session.py`` from lists of frames and a fake clock.
+
+Every check of the spec (``shared/spec/protocol-v1.md``) that concerns one
+connection lives here: frame order, token verification, the sub's session cap, the
+frame rate, the heartbeat proof (mac, then tid, then seq), the renew / re-send
+decision, WARN notice and recovery, heartbeats held through a store outage, and
+the close code of every failure (docs/protocol.md, "Close reasons").
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import os
-import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Protocol
-
-import structlog
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple, Protocol
 
 from tokend import protocol as p
+from tokend.answers import (
+    Ended,
+    HeartbeatAnswer,
+    HeartbeatOutcome,
+    HelloAnswer,
+    HelloOutcome,
+)
 from tokend.clocks import serving_rank
-from tokend.store import HeartbeatRequest, HeartbeatResult, StoreUnavailable
 from tokend.tokens import Claims, TokenError
 
-if TYPE_CHECKING:
-    from tokend.node import Node
-
-_log = structlog.get_logger("tokend.session")
-_conn_ids = itertools.count(1)
-
-# Tombstone reason -> close code for a HELLO or heartbeat on an ended session.
-TOMBSTONE_CODES = {
-    "expired": p.CloseCode.SESSION_EXPIRED,
-    "revoked": p.CloseCode.TOKEN_REVOKED,
-    "closed": p.CloseCode.TOKEN_REVOKED,
+# Tombstone -> close code, for a HELLO or heartbeat on a session that ended.
+ENDED_CODES = {
+    Ended.EXPIRED: p.CloseCode.SESSION_EXPIRED,
+    Ended.REVOKED: p.CloseCode.TOKEN_REVOKED,
+    Ended.CLOSED: p.CloseCode.TOKEN_REVOKED,
 }
 
 
-class Link(Protocol):
-    """What a session needs from its transport."""
+class Close(NamedTuple):
+    """End the connection with this close code and (stable, documented) reason."""
 
-    #: Raised by ``recv`` and ``send`` once the peer has gone away.
-    closed: type[Exception]
+    code: p.CloseCode
+    reason: str
 
-    def recv(self) -> Awaitable[bytes | str]:
-        """Next message, str for a text message (which the session refuses with 4503)."""
+    @property
+    def routine(self) -> bool:
+        """Part of normal operation (logged at info rather than warning)."""
+        return self.code in _ROUTINE_CLOSES
+
+
+# Closes the store asks for, from another node's script or sweep.
+_TOLD_REASONS = {
+    p.CloseCode.SESSION_EXPIRED: "session_expired",
+    p.CloseCode.TOKEN_REVOKED: "session_revoked",
+    p.CloseCode.TAKEN_OVER: "taken_over",
+}
+_ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
+
+
+class Ask(Enum):
+    """What a session needs from the store after a frame."""
+
+    START = "start"  # start or resume the session of ``Session.claims``
+    HEARTBEAT = "heartbeat"  # store the heartbeats in ``Session.unanswered``
+    BYE = "bye"  # end the session (logout)
+
+
+class Phase(Enum):
+    HELLO = "hello"  # waiting for HELLO
+    STARTING = "starting"  # HELLO verified; the store has been asked
+    OPEN = "open"  # WELCOME sent: heartbeats and BYE
+    ENDING = "ending"  # BYE sent to the store
+    CLOSED = "closed"  # a close was decided: nothing more comes out
+
+
+class Host(Protocol):
+    """What a session asks of the node that runs it, answered at once."""
+
+    def verify(self, token: str) -> Claims:
+        """The token's claims; raises TokenError."""
         ...
 
-    def send(self, data: bytes) -> Awaitable[None]: ...
+    def sign(self, claims: Claims) -> str: ...
 
-    async def close(self, code: int, reason: str) -> None: ...
+    def sub_is_full(self, claims: Claims) -> bool:
+        """True when the token's sub may open no further session (``max_sessions_per_sub``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    """The clocks WELCOME announces, and the frame rate a connection may use."""
+
+    heartbeat_ms: int
+    warn_ms: int
+    expire_ms: int
+    max_frame_rate: float  # frames per second after WELCOME; 0 for no limit
 
 
 class TokenBucket:
     """A rate limit: refills at ``rate`` per second and holds at most ten times that."""
 
-    __slots__ = ("allowance", "burst", "checked", "rate")
+    __slots__ = ("allowance", "burst", "checked", "clock", "rate")
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, clock: Callable[[], float]) -> None:
         self.rate = rate
         self.burst = 10 * rate
         self.allowance = self.burst
-        self.checked = time.monotonic()
+        self.clock = clock
+        self.checked = clock()
 
     def take(self) -> bool:
         """Spend one; False when the bucket is empty (the caller is over the rate)."""
-        now = time.monotonic()
+        now = self.clock()
         self.allowance = min(self.burst, self.allowance + (now - self.checked) * self.rate) - 1
         self.checked = now
         return self.allowance >= 0
 
 
-class Close(Exception):
-    """End the connection with this close code."""
-
-    def __init__(self, code: p.CloseCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
 class Session:
-    """Protocol state of one connection; ``conn`` names it across the cluster."""
+    """Protocol state of one connection; ``conn`` names it across the cluster.
+
+    Invariants: ``unanswered`` holds, oldest first, the (seq, exp) of every heartbeat
+    verified and not yet acknowledged; the first ``storing`` of them are in the
+    store's hands. Once :attr:`phase` is CLOSED every input returns nothing.
+    """
 
     __slots__ = (
+        "cadence",
         "claims",
+        "clock",
         "conn",
         "exp_ms",
-        "heartbeat_request",
+        "frames",
+        "held",
+        "host",
         "iat_s",
         "key",
         "last_seq",
-        "link",
-        "node",
-        "peer",
+        "phase",
+        "resumed",
+        "storing",
         "tid_bytes",
         "token_exp_ms",
+        "unanswered",
         "warned",
     )
 
-    def __init__(self, node: Node, link: Link, peer: str) -> None:
-        self.node = node
-        self.link = link
-        self.conn = f"{node.name}/{next(_conn_ids)}"
-        self.peer = peer
+    def __init__(self, host: Host, cadence: Cadence, conn: str, clock: Callable[[], float]) -> None:
+        self.host = host
+        self.cadence = cadence
+        self.conn = conn
+        self.clock = clock
+        self.phase = Phase.HELLO
         self.claims: Claims | None = None
-        self.heartbeat_request: HeartbeatRequest | None = None
         self.tid_bytes = b""
         self.key = b""
         self.last_seq = 0
-        self.exp_ms = 0
+        self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
+        self.resumed = False
         self.warned = False
+        self.held = False  # a heartbeat was acknowledged that the store has not recorded
+        self.frames: TokenBucket | None = None
+        self.unanswered: list[tuple[int, int]] = []
+        self.storing = 0
 
     @property
-    def log(self) -> structlog.typing.FilteringBoundLogger:
-        """This connection's logger, built per line rather than kept: an idle session
-        should cost little more than its socket (docs/performance.md, idle memory)."""
-        fields = {"node": self.node.name, "conn": self.conn, "peer": self.peer}
-        if self.claims is not None:
-            fields |= {"tid": str(self.claims.tid), "sub": self.claims.sub}
-        return _log.bind(**fields)
+    def rank(self) -> int:
+        """Serving order under overload (:func:`tokend.clocks.serving_rank`)."""
+        assert self.claims is not None
+        return serving_rank(self.claims.prio, self.warned)
 
-    async def run(self) -> None:
-        """Serve the connection until it closes; never raises."""
-        try:
-            await self._hello()
-            await self._serve()
-        except Close as close:
-            await self.close(close)
-        except self.link.closed:
-            self.log.info("connection dropped")
-        except Exception:
-            self.log.exception("session failed")
-            await self.link.close(p.CloseCode.INTERNAL_ERROR, "internal error")
-        finally:
-            self.node.detach(self)
+    # Frames from the client
 
-    @staticmethod
-    def _decode(data: bytes | str) -> p.Frame:
-        if isinstance(data, str):
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "text message")
-        try:
-            frame = p.decode(data)
-        except p.ProtocolError as exc:
-            raise Close(p.CloseCode.PROTOCOL_ERROR, str(exc)) from None
-        if not isinstance(frame, p.CLIENT_FRAMES):
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "server frame from client")
-        return frame
+    def receive(self, frame: p.Frame) -> Ask | Close | None:
+        """A decoded message from the client: what to ask the store, or how to close."""
+        if self.phase is Phase.OPEN:
+            if self.frames is not None and not self.frames.take():
+                return self._close(p.CloseCode.RATE_LIMITED, "frame_rate")
+            if isinstance(frame, p.Heartbeat):
+                return self._heartbeat(frame)
+            if isinstance(frame, p.Bye):
+                self.phase = Phase.ENDING
+                return Ask.BYE
+            if isinstance(frame, p.Hello):
+                return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_again")
+            return self._close(p.CloseCode.PROTOCOL_ERROR, "server_frame")
+        if self.phase is Phase.HELLO:
+            if isinstance(frame, p.Hello):
+                return self._hello(frame)
+            if isinstance(frame, p.CLIENT_FRAMES):
+                return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_first")
+            return self._close(p.CloseCode.PROTOCOL_ERROR, "server_frame")
+        if self.phase is Phase.STARTING:
+            # The client has no WELCOME yet, so nothing but HELLO was valid, once.
+            return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_first")
+        return None  # ENDING (BYE is being stored) or CLOSED: the close follows
 
-    async def _hello(self) -> None:
+    def malformed(self, reason: str) -> Close | None:
+        """A message that is not a protocol v1 frame (or a text message): 4503."""
+        return self._close(p.CloseCode.PROTOCOL_ERROR, reason)
+
+    def _hello(self, hello: p.Hello) -> Ask | Close:
         try:
-            async with asyncio.timeout(self.node.settings.hello_timeout):
-                frame = self._decode(await self.link.recv())
-        except TimeoutError:
-            raise Close(p.CloseCode.HELLO_TIMEOUT, "no HELLO in time") from None
-        if not isinstance(frame, p.Hello):
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "first frame must be HELLO")
-        try:
-            claims = self.node.tokens.verify(frame.token)
+            claims = self.host.verify(hello.token)
         except TokenError as exc:
             code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
-            raise Close(code, exc.reason) from None
+            return self._close(code, exc.reason)
+        if self.host.sub_is_full(claims):
+            return self._close(p.CloseCode.RATE_LIMITED, "sub_session_limit")
         self.claims = claims
-        cap = self.node.settings.max_sessions_per_sub
-        if cap and self.node.other_sessions_of(claims.sub, claims.tid) >= cap:
-            raise Close(p.CloseCode.RATE_LIMITED, "too many sessions for this sub")
-        try:
-            result = await self.node.store.hello(
-                claims.tid, claims.sub, claims.prio, claims.iat, claims.exp, self.conn
-            )
-        except StoreUnavailable as exc:
-            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable") from exc
-        if result.outcome == "tomb":
-            raise Close(
-                TOMBSTONE_CODES.get(result.tomb, p.CloseCode.TOKEN_REVOKED),
-                f"session {result.tomb}",
-            )
-        if result.outcome == "expired":
-            raise Close(p.CloseCode.TOKEN_EXPIRED, "token expired")
-        if result.outcome == "mismatch":
-            raise Close(p.CloseCode.INVALID_TOKEN, "sub does not match the session")
-        self.heartbeat_request = self.node.store.heartbeat_request(claims.tid, self.conn)
-        self.tid_bytes = claims.tid.bytes
-        self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
-        self.token_exp_ms = claims.exp * 1000
+        self.phase = Phase.STARTING
+        return Ask.START
+
+    def _heartbeat(self, hb: p.Heartbeat) -> Ask | Close:
+        # Spec 0x03: the mac first (constant time), then the tid, then the seq.
+        if not hb.mac_is_valid(self.key):
+            return self._close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
+        if hb.tid != self.tid_bytes:
+            return self._close(p.CloseCode.BAD_HEARTBEAT, "wrong_tid")
+        if hb.seq <= self.last_seq:
+            return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
+        self.last_seq = hb.seq
+        self.unanswered.append((hb.seq, hb.exp_ms))
+        return Ask.HEARTBEAT
+
+    # The store's answers
+
+    def started(self, answer: HelloAnswer) -> bytes | Close | None:
+        """The store's answer to :attr:`Ask.START`: WELCOME, or the refusal."""
+        if self.phase is not Phase.STARTING:
+            return None
+        outcome = answer.outcome
+        if outcome is HelloOutcome.ENDED:
+            ended = answer.ended or Ended.REVOKED
+            return self._close(ENDED_CODES[ended], f"session_{ended}")
+        if outcome is HelloOutcome.EXPIRED:
+            return self._close(p.CloseCode.TOKEN_EXPIRED, "expired")
+        if outcome is HelloOutcome.MISMATCH:
+            return self._close(p.CloseCode.INVALID_TOKEN, "sub_mismatch")
+        assert self.claims is not None
+        self.phase = Phase.OPEN
+        self.resumed = outcome is HelloOutcome.RESUMED
+        self.tid_bytes = self.claims.tid.bytes
+        self.exp_ms, self.iat_s = answer.exp_ms, answer.iat_s
+        self.token_exp_ms = self.claims.exp * 1000
         self.key = os.urandom(p.SESSION_KEY_LENGTH)
-        resumed = result.outcome == "resumed"
-        self.node.attach(self)
-        settings = self.node.settings
-        await self.link.send(
-            p.encode(
-                p.Welcome(
-                    self.tid_bytes,
-                    self.exp_ms,
-                    settings.ms("heartbeat_interval"),
-                    settings.ms("warn_after"),
-                    settings.ms("expire_after"),
-                    self.key,
-                    resumed=resumed,
-                )
+        if self.cadence.max_frame_rate:
+            self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock)
+        cadence = self.cadence
+        return p.encode(
+            p.Welcome(
+                self.tid_bytes,
+                self.exp_ms,
+                cadence.heartbeat_ms,
+                cadence.warn_ms,
+                cadence.expire_ms,
+                self.key,
+                resumed=self.resumed,
             )
         )
-        self.log.info("session resumed" if resumed else "session started", exp=self.exp_ms)
 
-    async def _serve(self) -> None:
-        rate = self.node.settings.max_frame_rate
-        frames = TokenBucket(rate) if rate else None
-        link = self.link
-        while True:
-            # Awaited here, not in a helper: one coroutine frame less per idle session.
-            data = await link.recv()
-            received = time.perf_counter()  # the heartbeat's decode stage starts
-            frame = self._decode(data)
-            if frames is not None and not frames.take():
-                raise Close(p.CloseCode.RATE_LIMITED, "too many frames")
-            if isinstance(frame, p.Heartbeat):
-                await self._heartbeat(frame, received)
-            elif isinstance(frame, p.Bye):
-                await self._bye()
-            else:
-                raise Close(p.CloseCode.PROTOCOL_ERROR, "HELLO after WELCOME")
+    def take_heartbeats(self) -> None:
+        """The unanswered heartbeats go to the store now (one request covers them all)."""
+        self.storing = len(self.unanswered)
 
-    async def _heartbeat(self, hb: p.Heartbeat, received: float) -> None:
-        decoded = time.perf_counter()
-        # Spec 0x03: mac first (constant time), then tid, then seq.
-        if not hb.mac_is_valid(self.key):
-            raise Close(p.CloseCode.BAD_HEARTBEAT, "bad mac")
-        if hb.tid != self.tid_bytes:
-            raise Close(p.CloseCode.BAD_HEARTBEAT, "wrong tid")
-        if hb.seq <= self.last_seq:
-            raise Close(p.CloseCode.BAD_HEARTBEAT, "replayed or old seq")
-        self.last_seq = hb.seq
-        verified = time.perf_counter()
-        assert self.claims is not None
-        try:
-            assert self.heartbeat_request is not None
-            result = await self.node.heartbeats.submit(
-                self.heartbeat_request, serving_rank(self.claims.prio, self.warned)
-            )
-        except StoreUnavailable:
-            # Not lost: the node replays it when Redis is back. Answer from what we know.
-            self.log.warning("heartbeat not yet stored: store unavailable")
-            await self.link.send(
-                p.encode(p.HeartbeatAck(hb.seq, self.exp_ms, was_warn=self.warned))
-            )
-            return
-        stored = time.perf_counter()
-        self.apply(result)
-        # The client lacks the current token if it says so (its exp), or if it was
-        # never given it on this connection (resumed with an older token).
-        client_is_current = hb.exp_ms == self.exp_ms == self.token_exp_ms
-        resend = not result.renewed and not client_is_current
-
-        token = None
-        if result.renewed or resend:
-            token = self.node.tokens.sign(
-                Claims(
-                    self.claims.tid,
-                    self.claims.sub,
-                    self.iat_s,
-                    self.exp_ms // 1000,
-                    self.claims.prio,
+    def stored(self, answer: HeartbeatAnswer) -> list[bytes] | Close | None:
+        """The store recorded the heartbeats taken: their ACKs, or the close it implies."""
+        if self.phase is Phase.CLOSED:
+            return None
+        close = self._apply(answer)
+        if close is not None:
+            return close
+        due = self._answered()
+        acks = []
+        for i, (seq, client_exp_ms) in enumerate(due):
+            renewed = answer.renewed and not i
+            # The client lacks the current token if it says so (its exp), or if it was
+            # never given it on this connection (resumed with an older token).
+            current = client_exp_ms == self.exp_ms == self.token_exp_ms
+            resent = not renewed and not current
+            token = None
+            if renewed or resent:
+                assert self.claims is not None
+                claims = self.claims
+                token = self.host.sign(
+                    Claims(claims.tid, claims.sub, self.iat_s, self.exp_ms // 1000, claims.prio)
                 )
-            )
-            self.token_exp_ms = self.exp_ms
-            # debug: at renewal-storm rates an info line per renewal costs a quarter of the
-            # work; TOKEN_RENEWED on the event channel is the record of each renewal.
-            self.log.debug("token renewed" if result.renewed else "token re-sent", exp=self.exp_ms)
-        await self.link.send(
-            p.encode(
-                p.HeartbeatAck(
-                    hb.seq,
+                self.token_exp_ms = self.exp_ms
+            acks.append(
+                p.encode_ack(
+                    seq,
                     self.exp_ms,
                     token,
-                    renewed=result.renewed,
-                    resent=resend,
-                    was_warn=result.was_warn,
+                    renewed=renewed,
+                    resent=resent,
+                    was_warn=answer.was_warn and not i,
                 )
             )
-        )
-        self.node.metrics.heartbeat(received, decoded, verified, stored, result.renewed)
+        return acks
 
-    def apply(self, result: HeartbeatResult) -> None:
-        """Take in the store's answer to a heartbeat (also a replayed one).
+    def held_back(self) -> list[bytes] | None:
+        """The store is unavailable: acknowledge from what is known, replay later.
 
-        Raises :class:`Close` when the store says the session is no longer ours.
+        The heartbeats were received in time; the node stores them (marked as replayed,
+        so not judged late) once Redis answers again.
         """
-        if result.outcome == "taken":
-            raise Close(p.CloseCode.TAKEN_OVER, "session taken over")
-        if result.outcome == "gone":
-            raise Close(
-                TOMBSTONE_CODES.get(result.tomb, p.CloseCode.SESSION_EXPIRED),
-                f"session {result.tomb or 'ended'}",
-            )
-        if result.was_warn:
-            self.log.info("session recovered")
+        if self.phase is Phase.CLOSED:
+            return None
+        self.held = True
+        return [p.encode_ack(seq, self.exp_ms, was_warn=self.warned) for seq, _ in self._answered()]
+
+    def replayed(self, answer: HeartbeatAnswer) -> Close | None:
+        """A heartbeat held through an outage was stored at last."""
+        self.held = False
+        if self.phase is Phase.CLOSED:
+            return None
+        return self._apply(answer)
+
+    def _answered(self) -> list[tuple[int, int]]:
+        due, self.unanswered = self.unanswered[: self.storing], self.unanswered[self.storing :]
+        self.storing = 0
+        return due
+
+    def _apply(self, answer: HeartbeatAnswer) -> Close | None:
+        if answer.outcome is HeartbeatOutcome.TAKEN:
+            return self._close(p.CloseCode.TAKEN_OVER, "taken_over")
+        if answer.outcome is HeartbeatOutcome.GONE:
+            if answer.ended is None:
+                return self._close(p.CloseCode.SESSION_EXPIRED, "session_vanished")
+            return self._close(ENDED_CODES[answer.ended], f"session_{answer.ended}")
         self.warned = False
-        self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
+        self.exp_ms, self.iat_s = answer.exp_ms, answer.iat_s
+        return None
 
-    async def _bye(self) -> None:
-        assert self.claims is not None
-        try:
-            await self.node.store.end(
-                self.claims.tid, conn=self.conn, event="SESSION_CLOSED", tomb="closed", code=None
-            )
-        except StoreUnavailable as exc:
-            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable, BYE not recorded") from exc
-        raise Close(p.CloseCode.NORMAL, "bye")
+    def ended(self) -> Close | None:
+        """The store took :attr:`Ask.BYE` (logged out, or the session had already ended)."""
+        return self._close(p.CloseCode.NORMAL, "bye")
 
-    async def notify_warn(self) -> None:
-        """The session entered WARN (swept by some node): tell the client."""
+    def store_unavailable(self) -> Close | None:
+        """The store could not take HELLO or BYE: the client should retry (1013)."""
+        return self._close(p.CloseCode.TRY_AGAIN_LATER, "store_unavailable")
+
+    # Timers and other nodes
+
+    def hello_timed_out(self) -> Close | None:
+        if self.phase is not Phase.HELLO:
+            return None
+        return self._close(p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
+
+    def warn(self) -> bytes | None:
+        """The session entered WARN (swept by some node): the client is told (NOTICE)."""
+        if self.phase is not Phase.OPEN:
+            return None
         self.warned = True
-        self.log.info("notice sent: session in WARN")
-        await self.link.send(p.encode(p.Notice()))
+        return p.encode(p.Notice())
 
-    async def close(self, close: Close) -> None:
-        if close.code in _ROUTINE_CLOSES:
-            self.log.info("closing", code=int(close.code), reason=close.reason)
-        else:
-            self.log.warning("closing", code=int(close.code), reason=close.reason)
-        await self.link.close(close.code, close.reason)
+    def told_to_close(self, code: int | None) -> Close | None:
+        """Another node, through the store, ends this connection's session."""
+        try:
+            close_code = p.CloseCode(code)
+        except ValueError:
+            close_code = p.CloseCode.INTERNAL_ERROR
+        return self._close(close_code, _TOLD_REASONS.get(close_code, "internal_error"))
 
+    def close(self, code: p.CloseCode, reason: str) -> Close | None:
+        """Close for a reason from outside the connection (another node, a drain)."""
+        return self._close(code, reason)
 
-# Closes that are part of normal operation, logged at info rather than warning.
-_ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
+    def _close(self, code: p.CloseCode, reason: str) -> Close | None:
+        if self.phase is Phase.CLOSED:
+            return None
+        self.phase = Phase.CLOSED
+        return Close(code, reason)

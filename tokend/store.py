@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -39,6 +39,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
+from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.config import ConfigError, Settings
 from tokend.packing import pack_with_hiredis
 
@@ -65,6 +66,8 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 # One script call: the script, its keys, its arguments (after the common ones).
 ScriptCall = tuple["Script", list[str], list[Any]]
+# A HELLO for hello.lua: tid, sub, prio, iat (s), exp (s), conn.
+HelloRequest = tuple[uuid.UUID, str, int, int, int, str]
 
 
 class StoreUnavailable(Exception):
@@ -137,25 +140,6 @@ class Keyspace:
 
     def control_channel(self, node: str) -> str:
         return f"{self.control_prefix}:{node}"
-
-
-@dataclass(frozen=True, slots=True)
-class HelloResult:
-    outcome: str  # started | resumed | tomb | expired | mismatch
-    exp_ms: int = 0
-    iat_s: int = 0
-    tomb: str = ""
-
-
-class HeartbeatResult(NamedTuple):
-    """One heartbeat's outcome; a tuple: made per heartbeat, at a tenth of a dataclass' cost."""
-
-    outcome: str  # ok | gone | taken
-    was_warn: bool = False
-    renewed: bool = False
-    exp_ms: int = 0
-    iat_s: int = 0
-    tomb: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,9 +373,6 @@ class Store:
         self.given_up_after_ms = settings.ms("redis_timeout") + settings.ms("leeway")
         # This node's wall clock: it only dates requests, never judges a session.
         self.wall_clock: Callable[[], float] = time.time
-        # HELLOs waiting for the next round trip, and the task sending them (see hello()).
-        self._hellos: list[tuple[ScriptCall, asyncio.Future[Any]]] = []
-        self._hello_flusher: asyncio.Task[None] | None = None
 
     @property
     def _common(self) -> list[str]:
@@ -491,50 +472,36 @@ class Store:
 
     async def hello(
         self, tid: uuid.UUID, sub: str, prio: int, iat_s: int, exp_s: int, conn: str
-    ) -> HelloResult:
-        """Start or resume a session (hello.lua).
+    ) -> HelloAnswer:
+        """Start or resume one session (hello.lua)."""
+        return (await self.hellos([(tid, sub, prio, iat_s, exp_s, conn)]))[0]
 
-        HELLOs arriving while one round trip is out go together in the next (one script
-        call each, one pipeline), as heartbeats do: in a connect storm a round trip per
-        HELLO, with its pool checkout and deadline, cost more than the script itself.
+    async def hellos(self, batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
+        """Start or resume many sessions in one round trip (one hello.lua call each).
+
+        In a connect storm a round trip per HELLO, with its pool checkout and deadline,
+        costs more than the script itself; the node sends the HELLOs that arrive while
+        one round trip is out together in the next.
         """
-        args = [
-            str(tid),
-            sub,
-            prio,
-            iat_s,
-            exp_s,
-            conn,
-            self.warn_ms,
-            self.grace_ms,
-            self.expire_ms,
+        calls = [
+            (
+                HELLO,
+                self.keys.script_keys(tid),
+                [
+                    str(tid),
+                    sub,
+                    prio,
+                    iat_s,
+                    exp_s,
+                    conn,
+                    self.warn_ms,
+                    self.grace_ms,
+                    self.expire_ms,
+                ],
+            )
+            for tid, sub, prio, iat_s, exp_s, conn in batch
         ]
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._hellos.append(((HELLO, self.keys.script_keys(tid), args), future))
-        if self._hello_flusher is None or self._hello_flusher.done():
-            self._hello_flusher = asyncio.create_task(self._flush_hellos(), name="hellos")
-        reply = await future
-        outcome = reply[0]
-        if outcome in ("started", "resumed"):
-            return HelloResult(outcome, int(reply[1]), int(reply[2]))
-        if outcome == "tomb":
-            return HelloResult(outcome, tomb=reply[1])
-        return HelloResult(outcome)
-
-    async def _flush_hellos(self) -> None:
-        """Send the waiting HELLOs, one round trip at a time, until none wait."""
-        while self._hellos:
-            batch, self._hellos = self._hellos, []
-            try:
-                replies = await self._eval_many([call for call, _ in batch])
-            except Exception as exc:  # StoreUnavailable or a script error: the batch's
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            for (_, future), reply in zip(batch, replies, strict=True):
-                if not future.done():  # its connection may have gone meanwhile
-                    future.set_result(reply)
+        return [_hello_answer(reply) for reply in await self._eval_many(calls)]
 
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         hash_key, tomb_key = self.keys.session_keys(tid)
@@ -542,7 +509,7 @@ class Store:
             str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key), (str(tid), conn, "0")
         )
 
-    async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+    async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatAnswer]:
         """Record many heartbeats in one round trip.
 
         One heartbeat.lua call for the whole batch on one Redis; on a Cluster, one per
@@ -576,9 +543,9 @@ class Store:
         ]
         replies = (reply for call in await self._eval_many(calls) for reply in call)
         order = (i for _, _, members in groups.values() for i in members)
-        results: list[HeartbeatResult] = [HeartbeatResult("gone")] * len(batch)
+        results: list[HeartbeatAnswer] = [_GONE] * len(batch)
         for i, reply in zip(order, replies, strict=True):
-            results[i] = _heartbeat_result(reply)
+            results[i] = _heartbeat_answer(reply)
         return results
 
     async def end(
@@ -724,9 +691,31 @@ def _ignore(name: str, seconds: float) -> None:
     pass
 
 
-def _heartbeat_result(reply: list[Any]) -> HeartbeatResult:
+def _hello_answer(reply: list[Any]) -> HelloAnswer:
+    outcome = reply[0]
+    if outcome in ("started", "resumed"):
+        return HelloAnswer(HelloOutcome(outcome), int(reply[1]), int(reply[2]))
+    if outcome == "tomb":
+        return HelloAnswer(HelloOutcome.ENDED, ended=_ended(reply[1]))
+    return HelloAnswer(HelloOutcome(outcome))
+
+
+_GONE = HeartbeatAnswer(HeartbeatOutcome.GONE)
+_TAKEN = HeartbeatAnswer(HeartbeatOutcome.TAKEN)
+_OK = HeartbeatOutcome.OK
+
+
+def _heartbeat_answer(reply: list[Any]) -> HeartbeatAnswer:
     if reply[0] == "ok":
-        return HeartbeatResult("ok", bool(reply[1]), bool(reply[2]), int(reply[3]), int(reply[4]))
+        return HeartbeatAnswer(_OK, bool(reply[1]), bool(reply[2]), int(reply[3]), int(reply[4]))
     if reply[0] == "gone":
-        return HeartbeatResult("gone", tomb=reply[1])
-    return HeartbeatResult("taken")
+        return HeartbeatAnswer(HeartbeatOutcome.GONE, ended=_ended(reply[1]))
+    return _TAKEN
+
+
+def _ended(tomb: str) -> Ended | None:
+    """A tombstone's reason; None for none (or one this version does not know)."""
+    try:
+        return Ended(tomb)
+    except ValueError:
+        return None

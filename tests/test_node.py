@@ -1,0 +1,243 @@
+"""The node's batchers (tokend/node.py) on a real Redis, without sockets.
+
+A :class:`Waiter` stands where a :class:`tokend.connection.Connection` stands: a real
+session core (:mod:`tokend.session`), started in Redis with a real HELLO, and the
+methods the batchers call, which record what they were given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from tests.support import RedisProcess
+from tokend import node as node_module
+from tokend import protocol as p
+from tokend.answers import HeartbeatAnswer, HelloAnswer
+from tokend.config import Settings
+from tokend.node import HeartbeatBatcher, HelloBatcher
+from tokend.session import Ask, Cadence, Session
+from tokend.store import HeartbeatRequest, Store, connect
+from tokend.tokens import Claims, KeyRing, TokenService
+
+CADENCE = Cadence(1_000, 30_000, 40_000, 0)
+
+
+class Host:
+    def __init__(self, tokens: TokenService) -> None:
+        self.tokens = tokens
+
+    def verify(self, token: str) -> Claims:
+        return self.tokens.verify(token)
+
+    def sign(self, claims: Claims) -> str:
+        return self.tokens.sign(claims)
+
+    def sub_is_full(self, claims: Claims) -> bool:
+        return False
+
+
+class Waiter:
+    """A connection as the batchers see it; records what they hand it."""
+
+    def __init__(self, host: Host, store: Store, name: str, prio: int = 5) -> None:
+        self.session = Session(host, CADENCE, f"node-a/{name}", time.monotonic)
+        self.token = host.tokens.mint(name, prio=prio)
+        self.store = store
+        self.heartbeat_request: HeartbeatRequest | None = None
+        self.calls: list[tuple[str, Any]] = []
+        self.welcome: p.Welcome | None = None
+        self.seq = 0
+
+    def hello(self) -> None:
+        assert self.session.receive(p.Hello(self.token)) is Ask.START
+
+    def hello_answered(self, answer: HelloAnswer) -> None:
+        out = self.session.started(answer)
+        self.calls.append(("hello_answered", answer))
+        if isinstance(out, bytes):
+            self.welcome = p.decode(out)  # type: ignore[assignment]
+            assert self.session.claims is not None
+            self.heartbeat_request = self.store.heartbeat_request(
+                self.session.claims.tid, self.session.conn
+            )
+
+    def hello_failed(self, error: Exception) -> None:
+        self.calls.append(("hello_failed", error))
+
+    def beat(self) -> None:
+        assert self.welcome is not None
+        self.seq += 1
+        hb = p.make_heartbeat(
+            self.welcome.session_key, self.welcome.tid, self.seq, self.welcome.exp_ms
+        )
+        assert self.session.receive(hb) is Ask.HEARTBEAT
+
+    def heartbeats_stored(self, answer: HeartbeatAnswer) -> None:
+        self.calls.append(("stored", [p.decode(a) for a in self.session.stored(answer)]))  # type: ignore[union-attr]
+
+    def heartbeats_held(self) -> None:
+        self.calls.append(("held", self.session.held_back()))
+
+    def replayed(self, answer: HeartbeatAnswer) -> None:
+        self.calls.append(("replayed", answer))
+        self.session.replayed(answer)
+
+    def close(self, code: p.CloseCode, reason: str) -> None:
+        self.calls.append(("close", code))
+
+
+@pytest.fixture
+def host(settings: Settings) -> Host:
+    return Host(TokenService(settings, KeyRing.open(settings.resolved_keys_dir)))
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[Store]:
+    client = connect(settings.redis_url, settings)
+    yield Store(client, settings, "node-a")
+    await client.aclose()
+
+
+async def started(
+    host: Host, store: Store, names: list[str], prios: list[int] | None = None
+) -> list[Waiter]:
+    """Waiters whose sessions HELLO started, through one HelloBatcher flush."""
+    hellos = HelloBatcher(store)
+    waiters = [
+        Waiter(host, store, name, prio)
+        for name, prio in zip(names, prios or [5] * len(names), strict=True)
+    ]
+    for waiter in waiters:
+        waiter.hello()
+        hellos.submit(waiter)  # type: ignore[arg-type]
+    await hellos.flush()
+    assert all(w.welcome is not None for w in waiters)
+    return waiters
+
+
+async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: Store) -> None:
+    round_trips: list[str] = []
+    store.observe = lambda script, seconds: round_trips.append(script)
+    waiters = await started(host, store, [f"h-{n}" for n in range(20)])
+    assert round_trips == ["hello"]
+    for waiter in waiters:
+        [(what, answer)] = waiter.calls
+        assert what == "hello_answered" and answer.outcome == "started"
+        assert waiter.session.claims is not None
+        view = await store.session(waiter.session.claims.tid)
+        assert view is not None and view.conn == waiter.session.conn
+
+
+async def test_a_hello_batch_fails_together_when_redis_is_gone(
+    host: Host, make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    gone = RedisProcess(tmp_path / "gone")
+    settings = make_settings(redis_url=gone.url, redis_timeout=0.3)
+    client = connect(settings.redis_url, settings)
+    try:
+        dead = Store(client, settings, "node-a")
+        hellos = HelloBatcher(dead)
+        waiters = [Waiter(host, dead, f"g-{n}") for n in range(3)]
+        for waiter in waiters:
+            waiter.hello()
+            hellos.submit(waiter)  # type: ignore[arg-type]
+        await hellos.flush()
+        assert [type(w.calls[0][1]).__name__ for w in waiters] == ["StoreUnavailable"] * 3
+    finally:
+        await client.aclose()
+
+
+async def test_an_overloaded_batcher_serves_high_prio_first_and_warn_last(
+    host: Host, store: Store
+) -> None:
+    """More heartbeats waiting than one flush takes: served in serving_rank order."""
+    # (prio, warned), submitted worst first so that arrival order cannot pass the test.
+    kinds = [(0, True), (9, True), (0, False), (5, False), (9, False), (7, False)]
+    waiters = await started(
+        host, store, [f"p{prio}-{warned}" for prio, warned in kinds], [k[0] for k in kinds]
+    )
+    batcher = HeartbeatBatcher(store, batch_size=2)
+    for waiter, (_, warned) in zip(waiters, kinds, strict=True):
+        if warned:
+            waiter.session.warn()
+        waiter.beat()
+        batcher.submit(waiter)  # type: ignore[arg-type]
+    flushes = []
+    while batcher.waiting:
+        before = {id(w): len(w.calls) for w in waiters}
+        await batcher.flush()
+        flushes.append(
+            {kind for w, kind in zip(waiters, kinds, strict=True) if len(w.calls) > before[id(w)]}
+        )
+    assert flushes == [{(9, False), (7, False)}, {(5, False), (0, False)}, {(9, True), (0, True)}]
+    for waiter in waiters:
+        (what, [ack]) = waiter.calls[-1]
+        assert what == "stored" and isinstance(ack, p.HeartbeatAck) and ack.seq == 1
+
+
+async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
+    host: Host, store: Store
+) -> None:
+    [waiter] = await started(host, store, ["late"])
+    batcher = HeartbeatBatcher(store, batch_size=10)
+    waiter.beat()
+    batcher.submit(waiter)  # type: ignore[arg-type]
+    original = store.heartbeats
+
+    async def beat_meanwhile(requests: list[HeartbeatRequest]) -> list[HeartbeatAnswer]:
+        waiter.beat()  # the client's next heartbeat lands while Redis works on the first
+        batcher.submit(waiter)  # type: ignore[arg-type]
+        return await original(requests)
+
+    store.heartbeats = beat_meanwhile  # type: ignore[method-assign]
+    await batcher.flush()
+    store.heartbeats = original  # type: ignore[method-assign]
+    assert [ack.seq for ack in waiter.calls[-1][1]] == [1]
+    assert list(batcher.waiting) == [waiter]
+    await batcher.flush()
+    assert [ack.seq for ack in waiter.calls[-1][1]] == [2]
+
+
+async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
+    host: Host,
+    make_settings: Callable[..., Settings],
+    own_redis: RedisProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = make_settings(redis_url=own_redis.url, redis_timeout=0.3)
+    client = connect(settings.redis_url, settings)
+    try:
+        outage_store = Store(client, settings, "node-a")
+        waiters = await started(host, outage_store, ["o-1", "o-2"])
+        batcher = HeartbeatBatcher(outage_store, batch_size=10)
+        own_redis.kill()
+        with capture_logs() as logs:
+            # A logger made now, so that it is not one cached before the capture.
+            monkeypatch.setattr(node_module, "log", structlog.get_logger("tokend.node"))
+            for _ in range(3):  # three heartbeats each, three failed flushes
+                for waiter in waiters:
+                    waiter.beat()
+                    batcher.submit(waiter)  # type: ignore[arg-type]
+                await batcher.flush()
+            own_redis.start()
+            await batcher.flush()  # nothing new waits: the held ones are replayed
+        events = [(entry["event"], entry.get("held"), entry.get("replayed")) for entry in logs]
+        assert events == [
+            ("store unavailable: acknowledging heartbeats unstored", None, None),
+            ("store back: heartbeats held stored", 6, 2),
+        ]
+        for waiter in waiters:
+            kinds = [what for what, _ in waiter.calls[1:]]
+            assert kinds == ["held", "held", "held", "replayed"]
+            assert waiter.calls[-1][1].outcome == "ok"
+            assert not waiter.session.held
+        assert not batcher.unstored
+    finally:
+        await client.aclose()

@@ -1,0 +1,52 @@
+"""The store's answers to a session, as the session core sees them: enums and tuples.
+
+This is the narrow interface between :mod:`tokend.session` (pure protocol logic) and
+:mod:`tokend.store` (Redis): no key, script name or raw reply crosses it. The store
+turns each script's reply into one of these; the session decides what it means for
+the connection.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import NamedTuple
+
+
+class Ended(StrEnum):
+    """Why a session ended, as its tombstone records it until its token's exp."""
+
+    EXPIRED = "expired"
+    REVOKED = "revoked"
+    CLOSED = "closed"  # logged out with BYE
+
+
+class HelloOutcome(StrEnum):
+    STARTED = "started"
+    RESUMED = "resumed"
+    ENDED = "ended"  # a tombstone: the token's session ended (``HelloAnswer.ended`` says how)
+    EXPIRED = "expired"  # the token's exp has passed
+    MISMATCH = "mismatch"  # a live session of this tid belongs to another sub
+
+
+class HelloAnswer(NamedTuple):
+    outcome: HelloOutcome
+    exp_ms: int = 0  # the session's current exp (a resumed one may be newer than the token's)
+    iat_s: int = 0
+    ended: Ended | None = None
+
+
+class HeartbeatOutcome(StrEnum):
+    OK = "ok"  # stored
+    GONE = "gone"  # no live session: ``ended`` says how, None when it vanished unrecorded
+    TAKEN = "taken"  # another connection holds the session now
+
+
+class HeartbeatAnswer(NamedTuple):
+    """One heartbeat's outcome; a tuple: made per heartbeat, at a tenth of a dataclass' cost."""
+
+    outcome: HeartbeatOutcome
+    was_warn: bool = False
+    renewed: bool = False
+    exp_ms: int = 0
+    iat_s: int = 0
+    ended: Ended | None = None

@@ -1,0 +1,536 @@
+"""One client connection: websockets' Sans-I/O server protocol driven by an asyncio.Protocol.
+
+The only module of the server that knows about websockets. A :class:`Connection`
+feeds the bytes of its socket to a ``websockets.server.ServerProtocol`` (RFC 6455:
+opening handshake, framing, control frames, the closing handshake, message size),
+hands the binary messages that come out, decoded, to its :class:`tokend.session.Session`,
+and carries out what the session answers: frames to send, a request for the node's
+batchers, a close.
+
+No task and no coroutine waits for an idle connection: it is this object, its
+websockets protocol, its session and its socket. Heartbeats are answered from the
+node's batch flush, which calls :meth:`Connection.heartbeats_stored` (one write per
+connection per flush).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
+
+import structlog
+from websockets.datastructures import Headers
+from websockets.exceptions import NegotiationError
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request, Response
+from websockets.protocol import State
+from websockets.server import ServerProtocol
+from websockets.typing import Subprotocol
+
+from tokend import protocol as p
+from tokend.answers import HeartbeatAnswer, HelloAnswer
+from tokend.session import Ask, Close, Session, TokenBucket
+from tokend.store import StoreUnavailable
+
+if TYPE_CHECKING:
+    from tokend.config import Settings
+    from tokend.node import Node
+    from tokend.session import Cadence
+    from tokend.store import HeartbeatRequest
+
+_log = structlog.get_logger("tokend.connection")
+# websockets logs each connection opened and closed at info through the standard library.
+_ws_logger = logging.getLogger("websockets.server")
+
+# Write buffer limits (bytes): above HIGH the client is not reading (see pause_writing).
+WRITE_HIGH = 32 * 1024
+WRITE_LOW = 8 * 1024
+# Seconds to wait for the client's part of the closing handshake before dropping it.
+CLOSE_TIMEOUT = 2.0
+# Heartbeats of one connection verified and not yet answered at which its reading
+# pauses until the store answers: a client keeps one out at a time, and one that sends
+# faster than the store answers is held back as TCP holds back a slow reader.
+READ_PAUSE_AT = 16
+
+
+class HttpAnswer(NamedTuple):
+    """A plain HTTP answer given instead of (or before) the WebSocket handshake."""
+
+    status: http.HTTPStatus
+    body: Any  # JSON
+    headers: Sequence[tuple[str, str]] = ()
+
+
+class Gate(Protocol):
+    """What a connection asks of the server that accepted it."""
+
+    settings: Settings
+    node: Node
+    cadence: Cadence
+    # Acceptable Origin headers (None among them: no header), or None for any.
+    origins: Sequence[str | None] | None
+
+    def opened(self, connection: Connection) -> None: ...
+
+    def closed(self, connection: Connection) -> None: ...
+
+    def answer(self, ip: str, path: str) -> HttpAnswer | Awaitable[HttpAnswer] | None:
+        """None to go on with the WebSocket handshake, else the HTTP answer to give."""
+        ...
+
+
+class TokendProtocol(ServerProtocol):
+    """websockets' server protocol, offering subprotocol ``tokend.v1`` only."""
+
+    def select_subprotocol(self, subprotocols: Sequence[Subprotocol]) -> Subprotocol | None:
+        """``tokend.v1`` if offered; no header is accepted; only others is HTTP 400."""
+        if not subprotocols:
+            return None
+        if p.SUBPROTOCOL in subprotocols:
+            return Subprotocol(p.SUBPROTOCOL)
+        raise NegotiationError(f"unsupported subprotocol; this server speaks {p.SUBPROTOCOL}")
+
+
+class Connection(asyncio.Protocol):
+    """A client's TCP connection, from accept to close.
+
+    Invariants: ``session`` is set once the handshake succeeded; the session's phase
+    CLOSED means a close frame was sent (or the protocol failed the connection),
+    after which nothing but the closing handshake is written.
+    """
+
+    __slots__ = (
+        "closing",
+        "deadline",
+        "fragments",
+        "gate",
+        "heartbeat_request",
+        "ip",
+        "marks",
+        "peer",
+        "pings",
+        "session",
+        "stall",
+        "transport",
+        "ws",
+    )
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        settings = gate.settings
+        self.ws = TokendProtocol(
+            origins=gate.origins,
+            max_size=settings.max_message_size,
+            logger=_ws_logger,
+        )
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
+        self.ip = "?"
+        self.peer = "?"
+        # The hello timer until WELCOME, then the closing handshake's deadline.
+        self.deadline: asyncio.TimerHandle | None = None
+        self.closing = False  # the deadline is the closing handshake's
+        self.stall: asyncio.TimerHandle | None = None  # armed while writes are paused
+        self.fragments: bytearray | None = None  # a fragmented binary message so far
+        self.pings: TokenBucket | None = None  # made at the first ping
+        # perf_counter() readings of a heartbeat sampled for the stage histogram.
+        self.marks: tuple[float, float, float] | None = None
+
+    @property
+    def log(self) -> structlog.typing.FilteringBoundLogger:
+        """This connection's logger, built per line rather than kept: an idle session
+        should cost little more than its socket (docs/performance.md, idle memory)."""
+        session = self.session
+        fields = {"node": self.gate.node.name, "peer": self.peer}
+        if session is not None:
+            fields["conn"] = session.conn
+            if session.claims is not None:
+                fields |= {"tid": str(session.claims.tid), "sub": session.claims.sub}
+        return _log.bind(**fields)
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.ip, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
+        transport.set_write_buffer_limits(WRITE_HIGH, WRITE_LOW)
+        self.gate.opened(self)
+        # The handshake and then HELLO must each come within hello_timeout.
+        self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        ws = self.ws
+        try:
+            ws.receive_data(data)
+            for event in ws.events_received():
+                if isinstance(event, Frame):
+                    self._frame(event)
+                else:
+                    self._request(event)  # type: ignore[arg-type]
+            session = self.session
+            if ws.close_sent is not None and session is not None:
+                self._failed(session)
+        except Exception:
+            self.log.exception("connection failed")
+            if self.session is not None:
+                self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+        self._write()
+
+    def _failed(self, session: Session) -> None:
+        """websockets failed the connection itself (RFC 6455 7.1.7): a protocol error of
+        the framing (1002), a message over ``max_message_size`` (1009)."""
+        sent = self.ws.close_sent
+        assert sent is not None
+        if session.close(p.CloseCode.PROTOCOL_ERROR, sent.reason) is not None:
+            self.log.warning("closing", code=sent.code, reason=sent.reason)
+            self.gate.node.metrics.closed(sent.code)
+
+    def eof_received(self) -> None:
+        self.ws.receive_eof()
+        self._write()
+        # None: the transport closes itself; a WebSocket never writes after the peer's EOF.
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ws.receive_eof()  # idempotent; the protocol is CLOSED after it
+        for timer in (self.deadline, self.stall):
+            if timer is not None:
+                timer.cancel()
+        self.deadline = self.stall = None
+        session = self.session
+        if session is not None:
+            if session.close(p.CloseCode.GOING_AWAY, "dropped") is not None:
+                self.log.info("connection dropped")
+            self.gate.node.detach(self)
+        self.gate.closed(self)
+
+    def pause_writing(self) -> None:
+        """The client reads slower than we write: read nothing more from it (no more
+        ACKs or pongs to write) and drop it if this lasts ``send_timeout``."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self.stall = asyncio.get_running_loop().call_later(
+            self.gate.settings.send_timeout, self._stalled
+        )
+
+    def resume_writing(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+        self._resume_reading()
+
+    # Incoming
+
+    def _request(self, request: Request) -> None:
+        path = request.path.partition("?")[0]
+        answer = self.gate.answer(self.ip, path)
+        if answer is None:
+            response = self.ws.accept(request)
+            self.ws.send_response(response)
+            if response.status_code == 101:
+                self._opened()
+            else:
+                self.log.info("handshake refused", status=response.status_code, path=path)
+        elif isinstance(answer, HttpAnswer):
+            self.ws.send_response(_response(answer))
+        else:
+            self.gate.node.spawn(self._answer_later(answer))
+
+    async def _answer_later(self, answer: Awaitable[HttpAnswer]) -> None:
+        response = _response(await answer)
+        if self.ws.state is State.CONNECTING and self.transport is not None:
+            self.ws.send_response(response)
+            self._write()
+
+    def _opened(self) -> None:
+        node = self.gate.node
+        self.session = Session(node, self.gate.cadence, node.new_conn_id(), time.monotonic)
+        self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
+
+    def _frame(self, frame: Frame) -> None:
+        opcode = frame.opcode
+        if opcode is Opcode.BINARY:
+            if frame.fin:
+                self._message(frame.data)
+            else:
+                self.fragments = bytearray(frame.data)
+        elif opcode is Opcode.CONT:
+            # websockets has checked the order of fragments and their total size.
+            assert self.fragments is not None
+            self.fragments += frame.data
+            if frame.fin:
+                message, self.fragments = bytes(self.fragments), None
+                self._message(message)
+        elif opcode is Opcode.TEXT:
+            assert self.session is not None
+            self._outcome(self.session.malformed("text_message"))
+        elif opcode is Opcode.PING:
+            self._ping()
+        elif opcode is Opcode.CLOSE:
+            session = self.session
+            if session is not None and session.close(p.CloseCode.NORMAL, "client") is not None:
+                rcvd = self.ws.close_rcvd
+                self.log.info("connection closed by client", code=rcvd.code if rcvd else None)
+
+    def _ping(self) -> None:
+        """websockets answers each ping; they count against ``max_frame_rate``.
+
+        The pong is written without flow control, so an unlimited ping flood from a
+        client that reads nothing would grow the write buffer without bound.
+        """
+        rate = self.gate.settings.max_frame_rate
+        if not rate:
+            return
+        if self.pings is None:
+            self.pings = TokenBucket(rate, time.monotonic)
+        if not self.pings.take() and self.session is not None:
+            self._outcome(self.session.close(p.CloseCode.RATE_LIMITED, "ping_rate"))
+
+    def _message(self, data: bytes | bytearray | memoryview) -> None:
+        session = self.session
+        assert session is not None
+        metrics = self.gate.node.metrics
+        received = time.perf_counter() if metrics.sampling() else 0.0
+        try:
+            frame = p.decode(data)  # type: ignore[arg-type]
+        except p.ProtocolError as exc:
+            self.log.info("malformed message", error=str(exc))
+            self._outcome(session.malformed("malformed_frame"))
+            return
+        if received:
+            decoded = time.perf_counter()
+            outcome = session.receive(frame)
+            if outcome is Ask.HEARTBEAT:
+                self.marks = (received, decoded, time.perf_counter())
+        else:
+            outcome = session.receive(frame)
+        self._outcome(outcome)
+
+    def _outcome(self, outcome: Ask | Close | None) -> None:
+        if outcome is Ask.HEARTBEAT:
+            self.gate.node.heartbeats.submit(self)
+            if len(self.session.unanswered) >= READ_PAUSE_AT and self.transport is not None:  # type: ignore[union-attr]
+                self.transport.pause_reading()
+        elif outcome is Ask.START:
+            self.gate.node.hellos.submit(self)
+        elif outcome is Ask.BYE:
+            self.gate.node.spawn(self._bye())
+        elif outcome is not None:
+            self._close(outcome)
+
+    # The store's answers (called by the node's batchers)
+
+    def hello_answered(self, answer: HelloAnswer) -> None:
+        session = self.session
+        assert session is not None
+        welcome = session.started(answer)
+        if not isinstance(welcome, bytes):
+            self._close(welcome)
+        elif self.transport is not None and not self.transport.is_closing():
+            self._disarm()
+            node = self.gate.node
+            assert session.claims is not None
+            self.heartbeat_request = node.store.heartbeat_request(session.claims.tid, session.conn)
+            node.attach(self)
+            self.send([welcome])
+            self.log.info(
+                "session resumed" if session.resumed else "session started", exp=session.exp_ms
+            )
+        self._write()
+
+    def hello_failed(self, error: Exception) -> None:
+        assert self.session is not None
+        if isinstance(error, StoreUnavailable):
+            self._close(self.session.store_unavailable())
+        else:
+            self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+        self._write()
+
+    def heartbeats_stored(self, answer: HeartbeatAnswer) -> None:
+        """The batch flush stored this connection's heartbeats: send their ACKs."""
+        session = self.session
+        assert session is not None
+        stored = time.perf_counter() if self.marks is not None else 0.0
+        out = session.stored(answer)
+        self._resume_reading()
+        if isinstance(out, list):
+            if answer.was_warn:
+                self.log.info("session recovered")
+            self.send(out)
+            metrics = self.gate.node.metrics
+            metrics.acked(len(out), answer.renewed)
+            if stored:
+                assert self.marks is not None
+                metrics.stages((*self.marks, stored, time.perf_counter()))
+                self.marks = None
+        elif out is not None:
+            self._close(out)
+            self._write()
+
+    def heartbeats_held(self) -> None:
+        """The store is unavailable: ACK from what the session knows (replayed later)."""
+        assert self.session is not None
+        acks = self.session.held_back()
+        self._resume_reading()
+        if acks:
+            self.send(acks)
+
+    def _resume_reading(self) -> None:
+        """Read again, unless writes are paused or too many heartbeats wait for the store."""
+        transport, session = self.transport, self.session
+        if (
+            transport is None
+            or transport.is_reading()
+            or transport.is_closing()
+            or self.stall is not None
+            or (session is not None and len(session.unanswered) >= READ_PAUSE_AT)
+        ):
+            return
+        transport.resume_reading()
+
+    def replayed(self, answer: HeartbeatAnswer) -> None:
+        """A heartbeat held through an outage was stored at last."""
+        assert self.session is not None
+        close = self.session.replayed(answer)
+        if close is not None:
+            self._close(close)
+            self._write()
+
+    async def _bye(self) -> None:
+        session = self.session
+        assert session is not None and session.claims is not None
+        node = self.gate.node
+        try:
+            await node.store.end(
+                session.claims.tid,
+                conn=session.conn,
+                event="SESSION_CLOSED",
+                tomb="closed",
+                code=None,
+            )
+        except StoreUnavailable:
+            close = session.store_unavailable()
+        else:
+            close = session.ended()
+        self._close(close)
+        self._write()
+
+    # Other nodes, the sweeper, the drain
+
+    def warn(self) -> None:
+        """The session entered WARN: NOTICE."""
+        assert self.session is not None
+        notice = self.session.warn()
+        if notice is not None:
+            self.log.info("notice sent: session in WARN")
+            self.send([notice])
+
+    def told_to_close(self, code: int | None) -> None:
+        """The store (another node's script, a sweep) ends this session."""
+        assert self.session is not None
+        self._close(self.session.told_to_close(code))
+        self._write()
+
+    def close(self, code: p.CloseCode, reason: str) -> None:
+        """Close from outside the client's messages: a drain, a failed flush."""
+        if self.session is None:  # still in the opening handshake
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._close(self.session.close(code, reason))
+        self._write()
+
+    # Outgoing
+
+    def send(self, messages: Sequence[bytes]) -> None:
+        """Send binary messages, in one write to the socket."""
+        ws = self.ws
+        if ws.state is not State.OPEN:
+            return
+        for message in messages:
+            ws.send_binary(message)
+        self._write()
+
+    def _close(self, close: Close | None) -> None:
+        """Start the closing handshake (RFC 6455 7.1.2) with the session's close."""
+        if close is None:
+            return
+        if close.routine:
+            self.log.info("closing", code=int(close.code), reason=close.reason)
+        else:
+            self.log.warning("closing", code=int(close.code), reason=close.reason)
+        self.gate.node.metrics.closed(close.code)
+        if self.ws.state is State.OPEN:
+            self.ws.send_close(close.code, close.reason)
+
+    def _write(self) -> None:
+        """Write what the protocol has to send; half-close after its EOF (RFC 6455 7.1.1)."""
+        transport = self.transport
+        data = self.ws.data_to_send()
+        if not data or transport is None or transport.is_closing():
+            return
+        for chunk in data:
+            if chunk:
+                transport.write(chunk)
+            elif transport.can_write_eof():
+                transport.write_eof()
+            else:
+                transport.close()
+        if not self.closing and self.ws.close_expected():
+            self.closing = True
+            self._arm(CLOSE_TIMEOUT, self._abort)
+
+    # Timers
+
+    def _arm(self, delay: float, callback: Any) -> None:
+        self._disarm()
+        self.deadline = asyncio.get_running_loop().call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _hello_timed_out(self) -> None:
+        self.deadline = None
+        if self.session is None:  # the opening handshake did not finish in time
+            self._abort()
+            return
+        self._close(self.session.hello_timed_out())
+        self._write()
+
+    def _abort(self) -> None:
+        self.deadline = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _stalled(self) -> None:
+        self.stall = None
+        node = self.gate.node
+        node.metrics.dropped["not_reading"] += 1
+        assert self.transport is not None
+        self.log.warning(
+            "dropping connection: client not reading",
+            send_timeout=self.gate.settings.send_timeout,
+            unsent=self.transport.get_write_buffer_size(),
+        )
+        if self.session is not None:
+            self.session.close(p.CloseCode.GOING_AWAY, "not_reading")
+        self.transport.abort()
+
+
+def _response(answer: HttpAnswer) -> Response:
+    body = json.dumps(answer.body).encode()
+    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    for name, value in answer.headers:
+        headers[name] = value
+    if "Cache-Control" not in headers:
+        headers["Cache-Control"] = "no-store"
+    return Response(answer.status.value, answer.status.phrase, headers, body)
