@@ -1,10 +1,12 @@
 """Bare servers with tokend's framing and no logic: the baseline, and the client's ceiling.
 
-``--impl websockets`` (the baseline): same library, event loop and options as tokend
-(no compression, no pings, 16 KiB messages, backlog 4096). ``--impl picows``: a Cython
-server, much cheaper per message than any websockets server; the heartbeat scenario
-runs its load generator against it to show how far above the measured rates the
-client itself can go.
+``--impl websockets`` (the baseline the targets are judged against): the same library
+and event loop as tokend through its asyncio server (no compression, no pings, 16 KiB
+messages, backlog 4096). ``--impl sansio``: the same library's Sans-I/O core driven by
+a plain ``asyncio.Protocol``, as tokend drives it (tokend/connection.py): the floor of
+tokend's design, a second baseline. ``--impl picows``: a Cython server, much cheaper
+per message than any websockets server; the heartbeat scenario runs its load
+generator against it to show how far above the measured rates the client itself can go.
 
 Both answer a 50-byte heartbeat with a 20-byte ACK-shaped frame and any other message
 (the HELLO) with a 72-byte WELCOME-shaped frame, both prepared once at start.
@@ -24,6 +26,8 @@ import sys
 import uvloop
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_create_server
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.frames import Frame, Opcode
+from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
@@ -47,6 +51,50 @@ class PicowsAnswer(WSListener):  # type: ignore[misc]
             transport.disconnect()
 
 
+class SansIoAnswer(asyncio.Protocol):
+    """websockets' ServerProtocol on a plain asyncio.Protocol: no task, no future."""
+
+    __slots__ = ("transport", "ws")
+
+    def __init__(self) -> None:
+        self.ws = ServerProtocol(subprotocols=[Subprotocol(p.SUBPROTOCOL)], max_size=16384)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        ws = self.ws
+        ws.receive_data(data)
+        for event in ws.events_received():
+            if isinstance(event, Frame):
+                if event.opcode is Opcode.BINARY:
+                    ws.send_binary(ACK if len(event.data) == p.HEARTBEAT_LENGTH else WELCOME)
+            else:
+                ws.send_response(ws.accept(event))  # type: ignore[arg-type]
+        self.write()
+
+    def eof_received(self) -> None:
+        self.ws.receive_eof()
+        self.write()
+
+    def write(self) -> None:
+        assert self.transport is not None
+        for chunk in self.ws.data_to_send():
+            if chunk:
+                self.transport.write(chunk)
+            elif self.transport.can_write_eof():
+                self.transport.write_eof()
+
+
+async def run_sansio(port: int, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(SansIoAnswer, "127.0.0.1", port, backlog=4096)
+    print("listening", file=sys.stderr, flush=True)
+    await stop.wait()
+    server.close()
+
+
 async def run_picows(port: int, stop: asyncio.Event) -> None:
     server = await ws_create_server(
         lambda _request: PicowsAnswer(), "127.0.0.1", port, backlog=4096
@@ -62,6 +110,9 @@ async def run(port: int, impl: str) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if impl == "picows":
         await run_picows(port, stop)
+        return
+    if impl == "sansio":
+        await run_sansio(port, stop)
         return
     async with serve(
         answer,
@@ -82,7 +133,7 @@ async def run(port: int, impl: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--impl", choices=("websockets", "picows"), default="websockets")
+    parser.add_argument("--impl", choices=("websockets", "sansio", "picows"), default="websockets")
     args = parser.parse_args()
     uvloop.run(run(args.port, args.impl))
 

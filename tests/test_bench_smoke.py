@@ -42,8 +42,9 @@ def test_quick_heartbeat_and_connect_storm(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["scenario"] for r in rows] == ["heartbeat", "heartbeat", "connect storm"]
+    assert [r["scenario"] for r in rows] == ["heartbeat"] * 3 + ["connect storm"]
     for row in rows:
         assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
-        assert row["met"] in (True, False)
+        # Judged against a target, or (the Sans-I/O floor) reported only.
+        assert row["met"] in ((None,) if row["target"] == "(reported)" else (True, False))
     assert "| heartbeat " in done.stdout and "| connect storm " in done.stdout

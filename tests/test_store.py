@@ -161,6 +161,30 @@ async def test_the_session_hash_names_its_node_only_in_conn(store: Store, redis:
     assert view is not None and (view.node, view.conn) == ("node-a", "node-a/7")
 
 
+async def test_a_resume_never_takes_over_the_connection_resuming(
+    store: Store, control: dict[str, EventLog]
+) -> None:
+    """A node restarted under its name numbers connections afresh: the client resuming
+    may get the very id its old connection had. It must not be told it was taken over;
+    a resume from elsewhere still takes over the old connection."""
+    tid, other = await started(store, "node-a/1"), await started(store, "node-a/2")
+    now = int(time.time())
+    assert (await store.hello(tid, "alice", 5, now, now + 60, "node-a/1")).outcome == "resumed"
+    await store.revoke(other)  # a message published after any the resume would have sent
+    await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
+    assert control["node-a"].events == [
+        {"op": "close", "tid": str(other), "conn": "node-a/2", "code": 4506}
+    ]
+    assert (await store.hello(tid, "alice", 5, now, now + 60, "node-b/1")).outcome == "resumed"
+    await control["node-a"].wait_until(lambda: len(control["node-a"].events) == 2)
+    assert control["node-a"].events[1] == {
+        "op": "close",
+        "tid": str(tid),
+        "conn": "node-a/1",
+        "code": 4507,
+    }
+
+
 async def test_a_control_message_goes_to_the_connections_node_alone(
     store: Store, control: dict[str, EventLog]
 ) -> None:

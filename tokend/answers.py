@@ -48,5 +48,5 @@ class HeartbeatAnswer(NamedTuple):
     was_warn: bool = False
     renewed: bool = False
     exp_ms: int = 0
-    iat_s: int = 0
+    iat_s: int = 0  # 0: unchanged (only a renewal changes it)
     ended: Ended | None = None

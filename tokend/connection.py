@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 import structlog
 from websockets.datastructures import Headers
 from websockets.exceptions import NegotiationError
-from websockets.frames import Frame, Opcode
+from websockets.frames import Frame, Opcode, apply_mask
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 from websockets.server import ServerProtocol
+from websockets.streams import StreamReader
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
@@ -52,6 +53,11 @@ WRITE_HIGH = 32 * 1024
 WRITE_LOW = 8 * 1024
 # Seconds to wait for the client's part of the closing handshake before dropping it.
 CLOSE_TIMEOUT = 2.0
+# The first two bytes of a client's heartbeat as one whole WebSocket frame (RFC 6455
+# 5.2): FIN and opcode 2 (binary); MASK set and payload length 50. Then the 4-byte
+# masking key and the 50 masked bytes: 56 in all. See Connection.data_received.
+HEARTBEAT_FRAME_HEAD = (0x82, 0x80 | p.HEARTBEAT_LENGTH)
+HEARTBEAT_FRAME_LENGTH = 2 + 4 + p.HEARTBEAT_LENGTH
 # Heartbeats of one connection verified and not yet answered at which its reading
 # pauses until the store answers: a client keeps one out at a time, and one that sends
 # faster than the store answers is held back as TCP holds back a slow reader.
@@ -105,6 +111,7 @@ class Connection(asyncio.Protocol):
     """
 
     __slots__ = (
+        "aligned",
         "closing",
         "deadline",
         "fragments",
@@ -112,6 +119,7 @@ class Connection(asyncio.Protocol):
         "heartbeat_request",
         "ip",
         "marks",
+        "paused",
         "peer",
         "pings",
         "session",
@@ -139,6 +147,9 @@ class Connection(asyncio.Protocol):
         self.stall: asyncio.TimerHandle | None = None  # armed while writes are paused
         self.fragments: bytearray | None = None  # a fragmented binary message so far
         self.pings: TokenBucket | None = None  # made at the first ping
+        self.paused = False  # reading paused by us (see pause_writing and READ_PAUSE_AT)
+        # websockets' parser waits for the first byte of a frame: see data_received.
+        self.aligned = False
         # perf_counter() readings of a heartbeat sampled for the stage histogram.
         self.marks: tuple[float, float, float] | None = None
 
@@ -167,6 +178,29 @@ class Connection(asyncio.Protocol):
         self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
 
     def data_received(self, data: bytes) -> None:
+        """Bytes from the client, through websockets' parser (RFC 6455 5.2, 5.4, 5.5).
+
+        Fast path: a read that is exactly one whole, unfragmented, masked binary frame of
+        a heartbeat's size, while the parser waits for the start of a frame, is unmasked
+        here and handed on as the parser would hand it (its only effect on the parser
+        would be to return to the same waiting state). tests/test_connection.py holds
+        this path equal, byte for byte and event for event, to the parser's on split,
+        coalesced, fragmented and interleaved-control input.
+        """
+        if (
+            self.aligned
+            and len(data) == HEARTBEAT_FRAME_LENGTH
+            and data[0] == HEARTBEAT_FRAME_HEAD[0]
+            and data[1] == HEARTBEAT_FRAME_HEAD[1]
+        ):
+            try:
+                self._message(apply_mask(data[6:], data[2:6]))
+            except Exception:
+                self.log.exception("connection failed")
+                if self.session is not None:
+                    self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+            self._write()
+            return
         ws = self.ws
         try:
             ws.receive_data(data)
@@ -182,7 +216,13 @@ class Connection(asyncio.Protocol):
             self.log.exception("connection failed")
             if self.session is not None:
                 self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+        self.aligned = self.fast_path and at_frame_start(ws)
         self._write()
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether heartbeat frames may take the fast path at all on this connection."""
+        return not self.ws.debug and self.gate.settings.max_message_size >= p.HEARTBEAT_LENGTH
 
     def _failed(self, session: Session) -> None:
         """websockets failed the connection itself (RFC 6455 7.1.7): a protocol error of
@@ -214,8 +254,7 @@ class Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         """The client reads slower than we write: read nothing more from it (no more
         ACKs or pongs to write) and drop it if this lasts ``send_timeout``."""
-        assert self.transport is not None
-        self.transport.pause_reading()
+        self._pause_reading()
         self.stall = asyncio.get_running_loop().call_later(
             self.gate.settings.send_timeout, self._stalled
         )
@@ -224,7 +263,8 @@ class Connection(asyncio.Protocol):
         if self.stall is not None:
             self.stall.cancel()
             self.stall = None
-        self._resume_reading()
+        if self.paused:
+            self._resume_reading()
 
     # Incoming
 
@@ -316,8 +356,8 @@ class Connection(asyncio.Protocol):
     def _outcome(self, outcome: Ask | Close | None) -> None:
         if outcome is Ask.HEARTBEAT:
             self.gate.node.heartbeats.submit(self)
-            if len(self.session.unanswered) >= READ_PAUSE_AT and self.transport is not None:  # type: ignore[union-attr]
-                self.transport.pause_reading()
+            if len(self.session.unanswered) >= READ_PAUSE_AT:  # type: ignore[union-attr]
+                self._pause_reading()
         elif outcome is Ask.START:
             self.gate.node.hellos.submit(self)
         elif outcome is Ask.BYE:
@@ -359,7 +399,8 @@ class Connection(asyncio.Protocol):
         assert session is not None
         stored = time.perf_counter() if self.marks is not None else 0.0
         out = session.stored(answer)
-        self._resume_reading()
+        if self.paused:
+            self._resume_reading()
         if isinstance(out, list):
             if answer.was_warn:
                 self.log.info("session recovered")
@@ -378,21 +419,27 @@ class Connection(asyncio.Protocol):
         """The store is unavailable: ACK from what the session knows (replayed later)."""
         assert self.session is not None
         acks = self.session.held_back()
-        self._resume_reading()
+        if self.paused:
+            self._resume_reading()
         if acks:
             self.send(acks)
+
+    def _pause_reading(self) -> None:
+        if self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
 
     def _resume_reading(self) -> None:
         """Read again, unless writes are paused or too many heartbeats wait for the store."""
         transport, session = self.transport, self.session
         if (
             transport is None
-            or transport.is_reading()
             or transport.is_closing()
             or self.stall is not None
             or (session is not None and len(session.unanswered) >= READ_PAUSE_AT)
         ):
             return
+        self.paused = False
         transport.resume_reading()
 
     def replayed(self, answer: HeartbeatAnswer) -> None:
@@ -524,6 +571,25 @@ class Connection(asyncio.Protocol):
         if self.session is not None:
             self.session.close(p.CloseCode.GOING_AWAY, "not_reading")
         self.transport.abort()
+
+
+def at_frame_start(ws: ServerProtocol) -> bool:
+    """True when websockets' parser has nothing buffered and waits for a frame's first byte.
+
+    That is: the connection is OPEN, no fragmented message is under way, and the
+    innermost generator of the parser is the reader's ``at_eof`` (the wait between two
+    frames of ``Protocol.parse``; inside a frame it would be ``read_exact``). Should a
+    future websockets change this, the answer is False and every frame takes the parser.
+    """
+    if ws.state is not State.OPEN or ws.current_size is not None or ws.reader.buffer:
+        return False
+    generator: Any = ws.parser
+    while (inner := getattr(generator, "gi_yieldfrom", None)) is not None:
+        generator = inner
+    return getattr(generator, "gi_code", None) is _AT_EOF
+
+
+_AT_EOF = StreamReader.at_eof.__code__
 
 
 def _response(answer: HttpAnswer) -> Response:

@@ -46,6 +46,7 @@ SWEEP_BATCH = 1000
 # spends on deadlines falling due one by one.
 MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
+FLUSH_LANES = 2
 
 
 class Batcher:
@@ -67,7 +68,12 @@ class Batcher:
     def forget(self, connection: Connection) -> None:
         self.waiting.pop(connection, None)
 
-    async def run(self, node: Node) -> None:
+    async def run(self, node: Node, lanes: int = 1) -> None:
+        """Flush until the node stops, with up to ``lanes`` round trips in flight at once:
+        while Redis runs one batch's scripts, the node reads and answers the next."""
+        await asyncio.gather(*(self._lane(node) for _ in range(lanes)))
+
+    async def _lane(self, node: Node) -> None:
         while node.running:
             await self._wake.wait()
             self._wake.clear()
@@ -119,6 +125,12 @@ class HeartbeatBatcher(Batcher):
         # Connections with heartbeats acknowledged during an outage, not yet stored.
         self.unstored: dict[Connection, None] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
+
+    def submit(self, connection: Connection) -> None:
+        # A connection whose heartbeats are in a flight already is submitted again
+        # when that flush answers (see flush): one flight per connection at a time.
+        if not connection.session.storing:  # type: ignore[union-attr]
+            super().submit(connection)
 
     def forget(self, connection: Connection) -> None:
         super().forget(connection)
@@ -229,8 +241,8 @@ class Node:
             self.log.warning("redis unavailable at start; scripts load on first use")
         self.running = True
         self._tasks = [
-            asyncio.create_task(self.heartbeats.run(self), name="heartbeats"),
-            asyncio.create_task(self.hellos.run(self), name="hellos"),
+            asyncio.create_task(self.heartbeats.run(self, FLUSH_LANES), name="heartbeats"),
+            asyncio.create_task(self.hellos.run(self, FLUSH_LANES), name="hellos"),
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
         ]

@@ -112,6 +112,8 @@ _HEARTBEAT_SIGNED = struct.Struct(">BB16sQQ")  # the 34 bytes covered by the mac
 _ACK_HEAD = struct.Struct(">BBQQH")
 _NOTICE = struct.Struct(">BB")
 
+_ACK_TYPE = int(FrameType.HEARTBEAT_ACK)
+
 HEARTBEAT_LENGTH = _HEARTBEAT_SIGNED.size + MAC_LENGTH  # 50
 WELCOME_LENGTH = _WELCOME.size  # 72
 ACK_HEAD_LENGTH = _ACK_HEAD.size  # 20
@@ -257,6 +259,11 @@ def encode_ack(
     The server sends one per heartbeat; :func:`encode` of a :class:`HeartbeatAck`
     comes here too, so there is one layout.
     """
+    if token is None and not (renewed or resent):  # most ACKs: no token
+        try:
+            return _ACK_HEAD.pack(_ACK_TYPE, ACK_WAS_WARN if was_warn else 0, seq, exp_ms, 0)
+        except struct.error as exc:
+            raise ProtocolError(f"cannot encode HeartbeatAck: {exc}") from None
     raw = token.encode("ascii") if token else b""
     if bool(raw) != (renewed or resent):
         raise ProtocolError("ack: a token goes with the renewed or resent flag")

@@ -323,8 +323,13 @@ class Session:
         return self._apply(answer)
 
     def _answered(self) -> list[tuple[int, int]]:
-        due, self.unanswered = self.unanswered[: self.storing], self.unanswered[self.storing :]
+        unanswered, n = self.unanswered, self.storing
         self.storing = 0
+        if n == len(unanswered):  # the common case: all of them
+            self.unanswered = []
+            return unanswered
+        due = unanswered[:n]
+        del unanswered[:n]
         return due
 
     def _apply(self, answer: HeartbeatAnswer) -> Close | None:
@@ -335,7 +340,9 @@ class Session:
                 return self._close(p.CloseCode.SESSION_EXPIRED, "session_vanished")
             return self._close(ENDED_CODES[answer.ended], f"session_{answer.ended}")
         self.warned = False
-        self.exp_ms, self.iat_s = answer.exp_ms, answer.iat_s
+        self.exp_ms = answer.exp_ms
+        if answer.iat_s:
+            self.iat_s = answer.iat_s
         return None
 
     def ended(self) -> Close | None:

@@ -705,7 +705,10 @@ _TAKEN = HeartbeatAnswer(HeartbeatOutcome.TAKEN)
 _OK = HeartbeatOutcome.OK
 
 
-def _heartbeat_answer(reply: list[Any]) -> HeartbeatAnswer:
+def _heartbeat_answer(reply: int | list[Any]) -> HeartbeatAnswer:
+    if type(reply) is int:  # stored; only the exp, and iat unchanged (heartbeat.lua)
+        return HeartbeatAnswer(_OK, False, False, reply)
+    assert isinstance(reply, list)
     if reply[0] == "ok":
         return HeartbeatAnswer(_OK, bool(reply[1]), bool(reply[2]), int(reply[3]), int(reply[4]))
     if reply[0] == "gone":

@@ -7,8 +7,10 @@
 -- then per group: its number of sessions, then their triples (tid, conn, replayed):
 -- replayed = '1' for a heartbeat the node received in time but could only store now
 -- (after an outage); it is not judged late.
--- Returns, per session in order: {'ok', was_warn, renewed, exp_ms, iat_s},
--- {'gone', tombstone or ''} or {'taken'} (another connection holds the session).
+-- Returns, per session in order: exp_ms alone when the heartbeat was stored and the
+-- session neither left WARN nor was renewed (the common case, cheapest to send and to
+-- parse); else {'ok', was_warn, renewed, exp_ms, iat_s}, {'gone', tombstone or ''} or
+-- {'taken'} (another connection holds the session).
 local warn_ms, renew_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local ttl_s, grace_ms, expire_ms = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = now_ms()
@@ -60,7 +62,11 @@ while a < #ARGV do
         redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat)
         -- Same deadline as tokend.clocks.deadline(ACTIVE, now, exp).
         redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
-        out[i] = {'ok', was_warn, renewed, exp, iat}
+        if was_warn == 0 and renewed == 0 then
+          out[i] = exp -- the common answer, in one integer: stored, nothing else changed
+        else
+          out[i] = {'ok', was_warn, renewed, exp, iat}
+        end
       end
     end
   end
