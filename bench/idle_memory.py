@@ -4,9 +4,11 @@ For each size (10k, and as many as the open-file limit allows) a fresh server ge
 small warm-up batch (so one-time allocations are not charged to the sessions), then
 its RSS is read, then the sessions are opened from several client processes and left
 idle; RSS is read again. tokend's sessions are full ones (HELLO, WELCOME, a session
-in Redis); the bare websockets server holds the same connections after the same
-HELLO/WELCOME-sized exchange. Redis memory per session is the ``used_memory`` delta
-(INFO memory), with a breakdown: session hashes, deadline sets, event streams.
+in Redis); the bare websockets server (the judged baseline) and the Sans-I/O echo
+(websockets' core on a plain asyncio.Protocol: the floor of tokend's design, reported)
+hold the same connections after the same HELLO/WELCOME-sized exchange. Redis memory
+per session is the ``used_memory`` delta (INFO memory), with a breakdown: session
+hashes, deadline sets, event streams.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from bench.common import (
 )
 from tokend.store import SHARDS, Keyspace
 
-RSS_TARGET = 1.15  # x bare per-session RSS
+RSS_TARGET = 0.6  # x bare (websockets.asyncio) per-session RSS
 REDIS_TARGET = 512  # bytes per session
 WARMUP_SESSIONS = 200
 SETTLE_S = 2.0
@@ -129,6 +131,8 @@ async def run(ctx: Context) -> list[Row]:
     for sessions in ctx.sizes.idle_sessions:
         with bare_server(ctx) as server:
             bare = await hold(ctx, "bare", server.url, "bare", server.rss, sessions)
+        with bare_server(ctx, "sansio") as server:
+            floor = await hold(ctx, "sansio", server.url, "bare", server.rss, sessions)
         tokend = await tokend_figures(ctx, sessions)
         mem_ratio = ratio(tokend["rss_per_session"], bare["rss_per_session"])
         parts = ", ".join(f"{k} {v:,.0f} B" for k, v in tokend["redis_breakdown"].items())
@@ -146,7 +150,18 @@ async def run(ctx: Context) -> list[Row]:
                 f"RSS tokend {tokend['rss_before'] / 2**20:.1f} -> "
                 f"{tokend['rss_after'] / 2**20:.1f} MiB, bare {bare['rss_before'] / 2**20:.1f} "
                 f"-> {bare['rss_after'] / 2**20:.1f} MiB",
-                {"tokend": tokend, "bare": bare},
+                {"tokend": tokend, "bare": bare, "sansio": floor},
+            ),
+            Row(
+                "idle memory",
+                f"server RSS/session vs the Sans-I/O echo, {sessions:,} sessions",
+                tokend["rss_per_session"],
+                "B",
+                "(reported)",
+                None,
+                "sansio",
+                floor["rss_per_session"],
+                ratio(tokend["rss_per_session"], floor["rss_per_session"]),
             ),
             Row(
                 "idle memory",

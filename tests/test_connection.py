@@ -48,6 +48,9 @@ class Transport:
     def can_write_eof(self) -> bool:
         return True
 
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
     def write_eof(self) -> None:
         self.written.append(b"<EOF>")
 

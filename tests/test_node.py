@@ -8,7 +8,7 @@ methods the batchers call, which record what they were given.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +191,12 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     batcher.submit(waiter)  # type: ignore[arg-type]
     original = store.heartbeats
 
-    async def beat_meanwhile(requests: list[HeartbeatRequest]) -> list[HeartbeatAnswer]:
+    async def beat_meanwhile(
+        requests: list[HeartbeatRequest], replayed: Sequence[bool] = ()
+    ) -> list[HeartbeatAnswer]:
         waiter.beat()  # the client's next heartbeat lands while Redis works on the first
         batcher.submit(waiter)  # type: ignore[arg-type]
-        return await original(requests)
+        return await original(requests, replayed)
 
     store.heartbeats = beat_meanwhile  # type: ignore[method-assign]
     await batcher.flush()

@@ -246,7 +246,7 @@ def test_store_unavailable_at_hello_is_1013(session: Session, tokens: TokenServi
 def test_a_valid_heartbeat_asks_the_store(session: Session, tokens: TokenService) -> None:
     w = welcome(session, tokens)
     assert session.receive(heartbeat(w, 1)) is Ask.HEARTBEAT
-    assert session.unanswered == [(1, EXP_MS)]
+    assert session.unanswered == ((1, EXP_MS),)
 
 
 def test_the_mac_is_checked_before_the_tid(session: Session, tokens: TokenService) -> None:
@@ -298,7 +298,7 @@ def test_a_stored_heartbeat_is_acknowledged(session: Session, tokens: TokenServi
     session.receive(heartbeat(w, 1))
     [ack] = store_one(session, stored())
     assert (ack.seq, ack.exp_ms, ack.token, ack.flags) == (1, EXP_MS, None, 0)
-    assert session.unanswered == []
+    assert session.unanswered == ()
 
 
 def test_a_renewal_hands_over_a_new_token(
@@ -369,7 +369,7 @@ def test_a_heartbeat_arriving_during_the_store_call_waits_for_the_next(
     session.take_heartbeats()
     session.receive(heartbeat(w, 2))
     [ack] = acks(session.stored(stored()))
-    assert ack.seq == 1 and session.unanswered == [(2, EXP_MS)]
+    assert ack.seq == 1 and session.unanswered == ((2, EXP_MS),)
     assert [a.seq for a in store_one(session, stored())] == [2]
 
 
@@ -436,7 +436,7 @@ def test_heartbeats_held_through_an_outage_are_acked_then_replayed(
     [ack] = [p.decode(a) for a in session.held_back() or []]
     assert isinstance(ack, p.HeartbeatAck)
     assert (ack.seq, ack.exp_ms, ack.was_warn, ack.token) == (1, EXP_MS, True, None)
-    assert session.held and session.unanswered == []
+    assert session.held and session.unanswered == ()
     new_exp = EXP_MS + 1000
     assert session.replayed(stored(new_exp)) is None
     assert not session.held and session.exp_ms == new_exp and not session.warned

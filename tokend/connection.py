@@ -19,6 +19,7 @@ import asyncio
 import http
 import json
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
@@ -120,7 +121,6 @@ class Connection(asyncio.Protocol):
         "ip",
         "marks",
         "paused",
-        "peer",
         "pings",
         "session",
         "stall",
@@ -140,7 +140,6 @@ class Connection(asyncio.Protocol):
         self.session: Session | None = None
         self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
         self.ip = "?"
-        self.peer = "?"
         # The hello timer until WELCOME, then the closing handshake's deadline.
         self.deadline: asyncio.TimerHandle | None = None
         self.closing = False  # the deadline is the closing handshake's
@@ -165,13 +164,20 @@ class Connection(asyncio.Protocol):
                 fields |= {"tid": str(session.claims.tid), "sub": session.claims.sub}
         return _log.bind(**fields)
 
+    @property
+    def peer(self) -> str:
+        """The client's address and port, for logs (not kept: see ``log``)."""
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        return f"{peer[0]}:{peer[1]}" if peer else "?"
+
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         if peer:
-            self.ip, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
+            # One string per client address, not per connection (the per-IP counts key).
+            self.ip = sys.intern(str(peer[0]))
         transport.set_write_buffer_limits(WRITE_HIGH, WRITE_LOW)
         self.gate.opened(self)
         # The handshake and then HELLO must each come within hello_timeout.

@@ -166,12 +166,10 @@ class HeartbeatBatcher(Batcher):
             replays = [c for c in unstored if c not in taken]
         # A connection whose earlier heartbeat is still unstored was not silent, whatever
         # Redis last recorded: its new heartbeat is not judged late either.
-        requests = [
-            c.heartbeat_request.replay() if c in unstored else c.heartbeat_request  # type: ignore[union-attr]
-            for c in batch
-        ] + [c.heartbeat_request.replay() for c in replays]  # type: ignore[union-attr]
+        requests = [c.heartbeat_request for c in batch] + [c.heartbeat_request for c in replays]
+        replayed = [c in unstored for c in batch] + [True] * len(replays) if unstored else ()
         try:
-            answers = await self.store.heartbeats(requests)
+            answers = await self.store.heartbeats(requests, replayed)  # type: ignore[arg-type]
         except StoreUnavailable as exc:
             if not self.held:
                 log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))

@@ -166,7 +166,8 @@ class Session:
         self.warned = False
         self.held = False  # a heartbeat was acknowledged that the store has not recorded
         self.frames: TokenBucket | None = None
-        self.unanswered: list[tuple[int, int]] = []
+        # A tuple: an idle session holds the shared empty one, not a list of its own.
+        self.unanswered: tuple[tuple[int, int], ...] = ()
         self.storing = 0
 
     @property
@@ -226,7 +227,7 @@ class Session:
         if hb.seq <= self.last_seq:
             return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
         self.last_seq = hb.seq
-        self.unanswered.append((hb.seq, hb.exp_ms))
+        self.unanswered += ((hb.seq, hb.exp_ms),)
         return Ask.HEARTBEAT
 
     # The store's answers
@@ -322,15 +323,11 @@ class Session:
             return None
         return self._apply(answer)
 
-    def _answered(self) -> list[tuple[int, int]]:
+    def _answered(self) -> tuple[tuple[int, int], ...]:
         unanswered, n = self.unanswered, self.storing
         self.storing = 0
-        if n == len(unanswered):  # the common case: all of them
-            self.unanswered = []
-            return unanswered
-        due = unanswered[:n]
-        del unanswered[:n]
-        return due
+        self.unanswered = unanswered[n:]
+        return unanswered[:n]
 
     def _apply(self, answer: HeartbeatAnswer) -> Close | None:
         if answer.outcome is HeartbeatOutcome.TAKEN:

@@ -27,9 +27,9 @@ import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -109,8 +109,13 @@ class Keyspace:
         return cls.shard_of(str(tid))
 
     def session_keys_of(self, shard: int, tid: str) -> list[str]:
+        hash_prefix, tomb_prefix = self.session_prefixes(shard)
+        return [hash_prefix + tid, tomb_prefix + tid]
+
+    def session_prefixes(self, shard: int) -> tuple[str, str]:
+        """What a shard's session hash and tombstone keys start with (the tid follows)."""
         tag = self._tag(shard)
-        return [f"{tag}:s:{tid}", f"{tag}:t:{tid}"]
+        return f"{tag}:s:", f"{tag}:t:"
 
     def _tag(self, shard: int) -> str:
         return f"{self.prefix}:{{{self.prefix}:{shard}}}"
@@ -142,26 +147,15 @@ class Keyspace:
         return f"{self.control_prefix}:{node}"
 
 
-@dataclass(frozen=True, slots=True)
-class HeartbeatRequest:
+class HeartbeatRequest(NamedTuple):
     """A connection's heartbeat for the batch; built once per connection, reused.
 
-    ``keys`` and ``args`` are its part of the shard's heartbeat.lua call, as sent.
+    Small on purpose: every idle session keeps one. Its keys are made at each flush.
     """
 
     tid: str
     conn: str
     shard: int
-    keys: tuple[str, str]  # session hash, tombstone
-    args: tuple[str, str, str]  # tid, conn, replayed ("1" or "0")
-
-    def replay(self) -> HeartbeatRequest:
-        """The same heartbeat, marked as replayed.
-
-        It was received in time but is stored late (after an outage): the script does
-        not judge it for silence.
-        """
-        return replace(self, args=(self.tid, self.conn, "1"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +352,7 @@ class Store:
             str(settings.stream_maxlen),
         ]
         self._shard_keys = [self.keys.shard_keys(n) for n in range(SHARDS)]
+        self._session_prefixes = [self.keys.session_prefixes(n) for n in range(SHARDS)]
         # A Cluster refuses a call whose keys span slots (CROSSSLOT).
         self._one_slot_per_call = isinstance(redis, RedisCluster)
         self._heartbeat_args = [
@@ -504,26 +499,30 @@ class Store:
         return [_hello_answer(reply) for reply in await self._eval_many(calls)]
 
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
-        hash_key, tomb_key = self.keys.session_keys(tid)
-        return HeartbeatRequest(
-            str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key), (str(tid), conn, "0")
-        )
+        tid_text = str(tid)
+        return HeartbeatRequest(tid_text, conn, Keyspace.shard_of(tid_text))
 
-    async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatAnswer]:
+    async def heartbeats(
+        self, batch: Sequence[HeartbeatRequest], replayed: Sequence[bool] = ()
+    ) -> list[HeartbeatAnswer]:
         """Record many heartbeats in one round trip.
 
-        One heartbeat.lua call for the whole batch on one Redis; on a Cluster, one per
-        shard (a call's keys must be of one slot there).
+        ``replayed[i]`` marks a heartbeat received in time but stored late (after an
+        outage): the script does not judge it for silence. One heartbeat.lua call for
+        the whole batch on one Redis; on a Cluster, one per shard (a call's keys must be
+        of one slot there).
         """
         # Per shard: its keys (shard keys, then its sessions'), the count and the
         # sessions' arguments, and the batch positions they answer.
         groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
-        for i, request in enumerate(batch):
-            group = groups.get(request.shard)
+        prefixes = self._session_prefixes
+        for i, (tid, conn, shard) in enumerate(batch):
+            group = groups.get(shard)
             if group is None:
-                group = groups[request.shard] = (self._shard_keys[request.shard][:], [0], [])
-            group[0].extend(request.keys)
-            group[1].extend(request.args)
+                group = groups[shard] = (self._shard_keys[shard][:], [0], [])
+            hash_prefix, tomb_prefix = prefixes[shard]
+            group[0].extend((hash_prefix + tid, tomb_prefix + tid))
+            group[1].extend((tid, conn, "1" if replayed and replayed[i] else "0"))
             group[2].append(i)
         for _, args, members in groups.values():
             args[0] = len(members)
