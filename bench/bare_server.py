@@ -9,7 +9,10 @@ per message than any websockets server; the heartbeat scenario runs its load
 generator against it to show how far above the measured rates the client itself can go.
 
 Both answer a 50-byte heartbeat with a 20-byte ACK-shaped frame and any other message
-(the HELLO) with a 72-byte WELCOME-shaped frame, both prepared once at start.
+(the HELLO) with a 72-byte WELCOME-shaped frame, both prepared once at start. With
+``--verify-keys DIR`` (the connect storm's baseline) the websockets server first checks
+the HELLO token's Ed25519 signature with the public key its ``kid`` names in DIR: the
+one piece of tokend's work at HELLO that no server can skip, and most of its cost.
 
 Run as ``python -m bench.bare_server --port PORT [--impl picows]``; prints
 ``listening`` when ready and stops on SIGTERM.
@@ -19,11 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import json
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import uvloop
+from cryptography.exceptions import InvalidSignature
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_create_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.frames import Frame, Opcode
@@ -31,6 +39,7 @@ from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
+from tokend.tokens import KeyRing
 
 ACK = p.encode(p.HeartbeatAck(seq=1, exp_ms=0))
 WELCOME = p.encode(p.Welcome(bytes(16), 0, 30_000, 90_000, 120_000, os.urandom(32)))
@@ -39,6 +48,28 @@ WELCOME = p.encode(p.Welcome(bytes(16), 0, 30_000, 90_000, 120_000, os.urandom(3
 async def answer(ws: ServerConnection) -> None:
     async for message in ws:
         await ws.send(ACK if len(message) == p.HEARTBEAT_LENGTH else WELCOME)
+
+
+def verifying(keys: KeyRing) -> Callable[[ServerConnection], Awaitable[None]]:
+    """``answer``, after checking each HELLO token's signature (closing 4501 if bad)."""
+
+    async def answer_verified(ws: ServerConnection) -> None:
+        async for message in ws:
+            if len(message) != p.HEARTBEAT_LENGTH:
+                signing_input, _, signature = bytes(message[4:]).rpartition(b".")
+                header = json.loads(
+                    base64.urlsafe_b64decode(signing_input.partition(b".")[0] + b"==")
+                )
+                key = keys.public_key(header["kid"])
+                try:
+                    assert key is not None
+                    key.verify(base64.urlsafe_b64decode(signature + b"=="), signing_input)
+                except (AssertionError, InvalidSignature):
+                    await ws.close(p.CloseCode.INVALID_TOKEN)
+                    return
+            await ws.send(ACK if len(message) == p.HEARTBEAT_LENGTH else WELCOME)
+
+    return answer_verified
 
 
 class PicowsAnswer(WSListener):  # type: ignore[misc]
@@ -104,7 +135,7 @@ async def run_picows(port: int, stop: asyncio.Event) -> None:
     server.close()
 
 
-async def run(port: int, impl: str) -> None:
+async def run(port: int, impl: str, verify_keys: Path | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -115,7 +146,7 @@ async def run(port: int, impl: str) -> None:
         await run_sansio(port, stop)
         return
     async with serve(
-        answer,
+        verifying(KeyRing.open(verify_keys)) if verify_keys else answer,
         "127.0.0.1",
         port,
         subprotocols=[Subprotocol(p.SUBPROTOCOL)],
@@ -134,8 +165,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--impl", choices=("websockets", "sansio", "picows"), default="websockets")
+    parser.add_argument("--verify-keys", type=Path, help="check HELLO signatures (websockets)")
     args = parser.parse_args()
-    uvloop.run(run(args.port, args.impl))
+    uvloop.run(run(args.port, args.impl, args.verify_keys))
 
 
 if __name__ == "__main__":

@@ -468,10 +468,13 @@ def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -
 
 
 @contextlib.contextmanager
-def bare_server(ctx: Context, impl: str = "websockets") -> Iterator[Child]:
-    """A server of :mod:`bench.bare_server`: websockets (the baseline) or picows."""
+def bare_server(ctx: Context, impl: str = "websockets", *, verify: bool = False) -> Iterator[Child]:
+    """A server of :mod:`bench.bare_server`: websockets (the baseline), sansio or picows;
+    with ``verify``, checking each HELLO's signature with the bench's keys."""
     port = free_port()
     argv = [sys.executable, "-m", "bench.bare_server", "--port", str(port), "--impl", impl]
+    if verify:
+        argv += ["--verify-keys", str(ctx.keys_dir)]
     log = ctx.scratch(f"bare-{impl}") / "bare.log"
     with child(f"bare-{impl}", argv, log, port=port, ready="listening", cpus=ctx.server_cpus) as c:
         yield c

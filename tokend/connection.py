@@ -386,7 +386,9 @@ class Connection(asyncio.Protocol):
             self.heartbeat_request = node.store.heartbeat_request(session.claims.tid, session.conn)
             node.attach(self)
             self.send([welcome])
-            self.log.info(
+            # debug: in a connect storm an info line per session costs a tenth of the
+            # work; SESSION_STARTED / SESSION_RESUMED on the event stream are the record.
+            self.log.debug(
                 "session resumed" if session.resumed else "session started", exp=session.exp_ms
             )
         self._write()

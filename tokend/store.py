@@ -68,6 +68,8 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 ScriptCall = tuple["Script", list[str], list[Any]]
 # A HELLO for hello.lua: tid, sub, prio, iat (s), exp (s), conn.
 HelloRequest = tuple[uuid.UUID, str, int, int, int, str]
+# One session's part of a batch script call: its shard, its keys, its arguments.
+SessionPart = tuple[int, Sequence[str], Sequence[Any]]
 
 
 class StoreUnavailable(Exception):
@@ -355,6 +357,7 @@ class Store:
         self._session_prefixes = [self.keys.session_prefixes(n) for n in range(SHARDS)]
         # A Cluster refuses a call whose keys span slots (CROSSSLOT).
         self._one_slot_per_call = isinstance(redis, RedisCluster)
+        self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms]
         self._heartbeat_args = [
             self.warn_ms,
             self.renew_ms,
@@ -472,31 +475,28 @@ class Store:
         return (await self.hellos([(tid, sub, prio, iat_s, exp_s, conn)]))[0]
 
     async def hellos(self, batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
-        """Start or resume many sessions in one round trip (one hello.lua call each).
+        """Start or resume many sessions in one round trip: one hello.lua call on one
+        Redis, one per shard on a Cluster (see :meth:`_per_shard`).
 
         In a connect storm a round trip per HELLO, with its pool checkout and deadline,
         costs more than the script itself; the node sends the HELLOs that arrive while
         one round trip is out together in the next.
         """
-        calls = [
-            (
-                HELLO,
-                self.keys.script_keys(tid),
-                [
-                    str(tid),
-                    sub,
-                    prio,
-                    iat_s,
-                    exp_s,
-                    conn,
-                    self.warn_ms,
-                    self.grace_ms,
-                    self.expire_ms,
-                ],
+        prefixes = self._session_prefixes
+        members = []
+        for tid, sub, prio, iat_s, exp_s, conn in batch:
+            tid_text = str(tid)
+            shard = Keyspace.shard_of(tid_text)
+            hash_prefix, tomb_prefix = prefixes[shard]
+            members.append(
+                (
+                    shard,
+                    (hash_prefix + tid_text, tomb_prefix + tid_text),
+                    (tid_text, sub, prio, iat_s, exp_s, conn),
+                )
             )
-            for tid, sub, prio, iat_s, exp_s, conn in batch
-        ]
-        return [_hello_answer(reply) for reply in await self._eval_many(calls)]
+        replies = await self._per_shard(HELLO, self._hello_args, members)
+        return [_hello_answer(reply) for reply in replies]
 
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         tid_text = str(tid)
@@ -512,39 +512,59 @@ class Store:
         the whole batch on one Redis; on a Cluster, one per shard (a call's keys must be
         of one slot there).
         """
-        # Per shard: its keys (shard keys, then its sessions'), the count and the
-        # sessions' arguments, and the batch positions they answer.
-        groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
         prefixes = self._session_prefixes
+        members = []
         for i, (tid, conn, shard) in enumerate(batch):
+            hash_prefix, tomb_prefix = prefixes[shard]
+            members.append(
+                (
+                    shard,
+                    (hash_prefix + tid, tomb_prefix + tid),
+                    (tid, conn, "1" if replayed and replayed[i] else "0"),
+                )
+            )
+        replies = await self._per_shard(HEARTBEAT, self._heartbeat_args, members)
+        return [_heartbeat_answer(reply) for reply in replies]
+
+    async def _per_shard(
+        self, script: Script, fixed: list[Any], members: Sequence[SessionPart]
+    ) -> list[Any]:
+        """Run a batch script (hello.lua, heartbeat.lua) for many sessions in one round trip.
+
+        ``members`` are (shard, the session's keys, its arguments). The script takes
+        them in groups, one per shard: the group's keys (the shard's deadline set and
+        stream, then its sessions' keys) and its arguments (the number of sessions, then
+        theirs), after the ``fixed`` arguments. On one Redis, one call holds every
+        group; on a Cluster, one call per group (a call's keys must be of one slot).
+        Returns the script's replies in the order of ``members``.
+        """
+        groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
+        for i, (shard, keys, args) in enumerate(members):
             group = groups.get(shard)
             if group is None:
                 group = groups[shard] = (self._shard_keys[shard][:], [0], [])
-            hash_prefix, tomb_prefix = prefixes[shard]
-            group[0].extend((hash_prefix + tid, tomb_prefix + tid))
-            group[1].extend((tid, conn, "1" if replayed and replayed[i] else "0"))
+            group[0].extend(keys)
+            group[1].extend(args)
             group[2].append(i)
-        for _, args, members in groups.values():
-            args[0] = len(members)
+        for _, args, positions in groups.values():
+            args[0] = len(positions)
         parts = list(groups.values())
-        # On a Cluster one call per shard (its slot); on one Redis, one call for them all.
-        if self._one_slot_per_call:
-            batches = [[part] for part in parts]
-        else:
-            batches = [parts] if parts else []
+        batches = (
+            [[part] for part in parts] if self._one_slot_per_call else [parts] if parts else []
+        )
         calls = [
             (
-                HEARTBEAT,
+                script,
                 [key for keys, _, _ in b for key in keys],
-                self._heartbeat_args + [arg for _, args, _ in b for arg in args],
+                fixed + [arg for _, args, _ in b for arg in args],
             )
             for b in batches
         ]
         replies = (reply for call in await self._eval_many(calls) for reply in call)
-        order = (i for _, _, members in groups.values() for i in members)
-        results: list[HeartbeatAnswer] = [_GONE] * len(batch)
+        order = (i for _, _, positions in groups.values() for i in positions)
+        results: list[Any] = [None] * len(members)
         for i, reply in zip(order, replies, strict=True):
-            results[i] = _heartbeat_answer(reply)
+            results[i] = reply
         return results
 
     async def end(
@@ -699,7 +719,6 @@ def _hello_answer(reply: list[Any]) -> HelloAnswer:
     return HelloAnswer(HelloOutcome(outcome))
 
 
-_GONE = HeartbeatAnswer(HeartbeatOutcome.GONE)
 _TAKEN = HeartbeatAnswer(HeartbeatOutcome.TAKEN)
 _OK = HeartbeatOutcome.OK
 

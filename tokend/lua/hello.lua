@@ -1,56 +1,75 @@
--- HELLO: start a session, or resume the live one with this tid (spec 0x01).
--- KEYS[3] session hash, KEYS[4] tombstone.
--- ARGV: tid, sub, prio, iat (s), exp (s), conn, warn_after (ms), grace (ms), expire_after (ms).
--- Returns {'started'|'resumed', exp_ms, iat_s}, {'tomb', reason}, {'expired'} or {'mismatch'}.
-local skey, tkey = KEYS[3], KEYS[4]
-local tid, sub, prio, iat, exp_s, conn = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-local warn_ms, grace_ms, expire_ms = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+-- HELLO for a batch of sessions (spec 0x01): start each, or resume the live one with its
+-- tid. KEYS and ARGV are grouped by shard as in heartbeat.lua: KEYS per group are the
+-- shard's deadline set and event stream, then (session hash, tombstone) per session;
+-- ARGV: warn_after (ms), grace (ms), expire_after (ms), then per group its number of
+-- sessions and their (tid, sub, prio, iat (s), exp (s), conn).
+-- Returns, per session in order: {'started'|'resumed', exp_ms, iat_s}, {'tomb', reason},
+-- {'expired'} or {'mismatch'}.
+local warn_ms, grace_ms, expire_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_ms()
 
-local tomb = redis.call('GET', tkey)
-if tomb then
-  return {'tomb', tomb}
-end
-
-local s = redis.call('HMGET', skey, 'sub', 'exp', 'iat', 'conn', 'st', 'hb')
-if s[1] then
-  if s[1] ~= sub then
-    return {'mismatch'}
+local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
+  local tomb = redis.call('GET', tkey)
+  if tomb then
+    return {'tomb', tomb}
   end
-  local exp = tonumber(s[2])
-  -- Due but not yet swept: expire it now rather than bring it back.
+
+  local s = redis.call('HMGET', skey, 'sub', 'exp', 'iat', 'conn', 'st', 'hb')
+  if s[1] then
+    if s[1] ~= sub then
+      return {'mismatch'}
+    end
+    local exp = tonumber(s[2])
+    -- Due but not yet swept: expire it now rather than bring it back.
+    if exp <= now then
+      finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'token_expired', 'expired',
+             4505)
+      return {'expired'}
+    end
+    if now - tonumber(s[6]) >= expire_ms then
+      finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'heartbeat_timeout',
+             'expired', 4505)
+      return {'tomb', 'expired'}
+    end
+    -- A resume counts as a heartbeat: the session is ACTIVE again.
+    redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
+    redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
+    -- The connection that held it is told it was taken over; not the one resuming, which
+    -- bears the same id when a node restarted under the same name numbers it alike.
+    if s[4] ~= conn then
+      control('close', tid, s[4], 4507)
+    end
+    emit('SESSION_RESUMED', tid, sub, now)
+    if s[5] == 'WARN' then
+      -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
+      emit('SESSION_RECOVERED', tid, sub, now)
+    end
+    return {'resumed', exp, tonumber(s[3])}
+  end
+
+  local exp = tonumber(exp_s) * 1000
   if exp <= now then
-    finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'token_expired', 'expired', 4505)
     return {'expired'}
   end
-  if now - tonumber(s[6]) >= expire_ms then
-    finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'heartbeat_timeout', 'expired',
-           4505)
-    return {'tomb', 'expired'}
-  end
-  -- A resume counts as a heartbeat: the session is ACTIVE again.
-  redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
+  redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
+             'prio', prio, 'conn', conn)
+  redis.call('PEXPIREAT', skey, exp + grace_ms)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
-  -- The connection that held it is told it was taken over; not the one resuming, which
-  -- bears the same id when a node restarted under the same name numbers it alike.
-  if s[4] ~= conn then
-    control('close', tid, s[4], 4507)
-  end
-  emit('SESSION_RESUMED', tid, sub, now)
-  if s[5] == 'WARN' then
-    -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
-    emit('SESSION_RECOVERED', tid, sub, now)
-  end
-  return {'resumed', exp, tonumber(s[3])}
+  emit('SESSION_STARTED', tid, sub, now)
+  return {'started', exp, tonumber(iat)}
 end
 
-local exp = tonumber(exp_s) * 1000
-if exp <= now then
-  return {'expired'}
+local out = {}
+local k, a = 0, 7 -- the last KEYS and ARGV read
+while a < #ARGV do
+  -- The prelude's emit() and finish() use the group's shard keys from here on.
+  DUE, STREAM = KEYS[k + 1], KEYS[k + 2]
+  local sessions = tonumber(ARGV[a + 1])
+  k, a = k + 2, a + 1
+  for _ = 1, sessions do
+    out[#out + 1] = hello(KEYS[k + 1], KEYS[k + 2], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+                          ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+    k, a = k + 2, a + 6
+  end
 end
-redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
-           'prio', prio, 'conn', conn)
-redis.call('PEXPIREAT', skey, exp + grace_ms)
-redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
-emit('SESSION_STARTED', tid, sub, now)
-return {'started', exp, tonumber(iat)}
+return out
