@@ -62,3 +62,24 @@ local function finish(skey, tkey, tid, sub, exp, conn, now, kind, reason, tomb, 
   end
 end
 
+-- The batch scripts (hello.lua, heartbeat.lua) take many sessions in one call, grouped
+-- by shard. KEYS, per group: the shard's deadline set and event stream, then (session
+-- hash, tombstone) per session of that shard. ARGV, after the script's `fixed` first
+-- arguments: per group, its number of sessions, then `width` arguments per session. On
+-- a Cluster a call has one group (one slot); on one Redis, a whole batch's groups.
+-- Calls fn(session hash, tombstone, the session's arguments...) for each session, with
+-- DUE and STREAM set to its shard's keys (emit and finish use them), and returns what
+-- fn returned, in order.
+local function for_each_session(fixed, width, fn)
+  local out, k, a = {}, 0, 4 + fixed -- the last KEYS and ARGV read
+  while a < #ARGV do
+    DUE, STREAM = KEYS[k + 1], KEYS[k + 2]
+    local sessions = tonumber(ARGV[a + 1])
+    k, a = k + 2, a + 1
+    for _ = 1, sessions do
+      out[#out + 1] = fn(KEYS[k + 1], KEYS[k + 2], unpack(ARGV, a + 1, a + width))
+      k, a = k + 2, a + width
+    end
+  end
+  return out
+end

@@ -1,8 +1,7 @@
 -- HELLO for a batch of sessions (spec 0x01): start each, or resume the live one with its
--- tid. KEYS and ARGV are grouped by shard as in heartbeat.lua: KEYS per group are the
--- shard's deadline set and event stream, then (session hash, tombstone) per session;
--- ARGV: warn_after (ms), grace (ms), expire_after (ms), then per group its number of
--- sessions and their (tid, sub, prio, iat (s), exp (s), conn).
+-- tid. KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
+-- arguments are warn_after (ms), grace (ms) and expire_after (ms); each session's are
+-- (tid, sub, prio, iat (s), exp (s), conn).
 -- Returns, per session in order: {'started'|'resumed', exp_ms, iat_s}, {'tomb', reason},
 -- {'expired'} or {'mismatch'}.
 local warn_ms, grace_ms, expire_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -59,17 +58,4 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
   return {'started', exp, tonumber(iat)}
 end
 
-local out = {}
-local k, a = 0, 7 -- the last KEYS and ARGV read
-while a < #ARGV do
-  -- The prelude's emit() and finish() use the group's shard keys from here on.
-  DUE, STREAM = KEYS[k + 1], KEYS[k + 2]
-  local sessions = tonumber(ARGV[a + 1])
-  k, a = k + 2, a + 1
-  for _ = 1, sessions do
-    out[#out + 1] = hello(KEYS[k + 1], KEYS[k + 2], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
-                          ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
-    k, a = k + 2, a + 6
-  end
-end
-return out
+return for_each_session(3, 6, hello)
