@@ -135,6 +135,16 @@ def test_mint_defaults(service: TokenService, ring: KeyRing) -> None:
     assert payload["jti"] == str(got.tid)
 
 
+@pytest.mark.parametrize("prio", [5, 0, 9])
+def test_tokens_are_the_bytes_pyjwt_makes(service: TokenService, ring: KeyRing, prio: int) -> None:
+    """KeyRing.sign builds the JWS itself (for speed): the same bytes as jwt.encode."""
+    token = service.mint("alice", prio=prio)
+    body = jwt.decode(token, options={"verify_signature": False})
+    assert token == sign(ring, body)
+    public = ring.public_key(ring.current_kid)
+    assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == "alice"
+
+
 def test_minted_tokens_have_fresh_ids(service: TokenService) -> None:
     assert service.verify(service.mint("a")).tid != service.verify(service.mint("a")).tid
 
