@@ -257,3 +257,32 @@ async def test_slow_loris_handshake_is_dropped(start_app):
             assert await reader.read() == b""  # closed without an answer
     finally:
         writer.close()
+
+
+async def test_a_client_that_never_answers_the_close_is_dropped(app: App):
+    """The closing handshake has a deadline (RFC 6455 7.1.1: the server closes the TCP
+    connection): a client that neither answers our close frame nor closes is dropped."""
+    reader, writer = await asyncio.open_connection(LOOPBACK, app.port)
+    try:
+        writer.write(
+            b"GET /v1/ws HTTP/1.1\r\nHost: tokend\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: tokend.v1\r\n\r\n"
+        )
+        writer.write(
+            Frame(Opcode.BINARY, p.encode(p.Hello("x.y.z"))).serialize(mask=True, extensions=[])
+        )
+        received = b""
+        async with asyncio.timeout(connection.CLOSE_TIMEOUT + 3):
+            while True:
+                try:
+                    chunk = await reader.read(4096)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                received += chunk  # the 101 response, then the close frame (4501)
+        close_frame = Frame(Opcode.CLOSE, b"").serialize(mask=False, extensions=[])[:1]
+        assert b" 101 " in received and close_frame in received.partition(b"\r\n\r\n")[2]
+    finally:
+        writer.close()
