@@ -17,6 +17,7 @@ import random
 import time
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.frames import Close, Frame, Opcode
@@ -24,7 +25,7 @@ from websockets.protocol import State
 
 from tokend import config
 from tokend import protocol as p
-from tokend.connection import HEARTBEAT_FRAME_LENGTH, Connection, TokendProtocol
+from tokend.connection import HEARTBEAT_FRAME_LENGTH, Connection, TokendProtocol, binary_frame
 from tokend.metrics import Metrics
 from tokend.session import Cadence, Session
 
@@ -210,3 +211,11 @@ def test_fragments_with_a_ping_between_are_one_message() -> None:
     for _ in range(200):
         connection = same(stream, [rng.randrange(len(stream)) for _ in range(rng.randrange(6))])
         assert [kind for kind, _ in connection.messages] == ["PING", "binary", "binary"]
+
+
+@pytest.mark.parametrize("size", [0, 1, 20, 125, 126, 127, 370, 65535, 65536, 70000])
+def test_binary_frames_are_framed_as_websockets_frames_them(size: int) -> None:
+    payload = os.urandom(size)
+    assert binary_frame(payload) == Frame(Opcode.BINARY, payload).serialize(
+        mask=False, extensions=[]
+    )
