@@ -673,6 +673,7 @@ export class Session {
         sent: new Map(), // seq -> performance.now() when sent, until ACKed
         due: 0, // when the next heartbeat is due (performance.now() time)
         timer: 0,
+        openTimer: 0, // ends a connection that gets no WELCOME within openTimeout
         signing: false,
         done: false,
         /**
@@ -683,9 +684,12 @@ export class Session {
         end: (result, closeReason) => {
           if (conn.done) return;
           conn.done = true;
-          clearTimeout(openTimer);
+          clearTimeout(conn.openTimer);
           clearTimeout(conn.timer);
-          ws.onopen = ws.onmessage = ws.onclose = ws.onerror = null;
+          ws.onopen = ws.onmessage = ws.onclose = null;
+          // Not null: ws (the WebSocket under Node 20) throws an error nobody listens to,
+          // as it does when closed before its handshake is done.
+          ws.onerror = () => {};
           if (closeReason !== undefined && ws.readyState <= WebSocket.OPEN) {
             const code = result.error instanceof ProtocolViolation ? CLIENT_VIOLATION_CODE : 1000;
             ws.close(code, closeReason);
@@ -696,7 +700,7 @@ export class Session {
         },
       };
       this._conn = conn;
-      const openTimer = setTimeout(
+      conn.openTimer = setTimeout(
         () => conn.end({ code: null, detail: 'no WELCOME in time' }, 'no WELCOME in time'),
         this.openTimeout,
       );
@@ -773,6 +777,7 @@ export class Session {
   }
 
   _welcome(conn, welcome) {
+    clearTimeout(conn.openTimer); // in time: from here on heartbeat ACKs judge the link
     conn.welcome = welcome;
     this.heartbeatInterval = welcome.heartbeatMs;
     this.state = 'ACTIVE';
