@@ -223,7 +223,13 @@ async def test_warn_recover_then_expire_when_heartbeats_stop(
     await page.eval("session.pauseHeartbeats()")
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4505, "session expired")
-    assert ended["error"] == {"name": "SessionExpired", "code": 4505, "meaning": "session expired"}
+    assert ended["error"] == {
+        "name": "SessionExpired",
+        "code": 4505,
+        "meaning": "session expired",
+        "reason": "session_expired",
+    }
+    assert ended["reason"] == "session_expired"
     expired = await events.wait_for("TOKEN_EXPIRED", tid)
     assert expired[0]["reason"] == "heartbeat_timeout"
     assert not changes(page, "reconnecting")
@@ -268,7 +274,12 @@ async def test_revocation_ends_the_session_without_reconnecting(
     await app.node.store.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4506, "token revoked")
-    assert ended["error"] == {"name": "Revoked", "code": 4506, "meaning": "token revoked"}
+    assert ended["error"] == {
+        "name": "Revoked",
+        "code": 4506,
+        "meaning": "token revoked",
+        "reason": "session_revoked",
+    }
     assert await page.eval("session.wait().then(() => 'ok', (e) => e instanceof tokend.Revoked)")
     assert not changes(page, "reconnecting")
     assert (await stats(page))["reconnects"] == 0
@@ -338,6 +349,7 @@ async def test_a_bad_token_is_refused_with_4501(
     assert outcome == "AuthError"
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4501, "invalid token")
+    assert ended["reason"] == ended["error"]["reason"] == "unknown_kid"
     assert not changes(page, "reconnecting") and not changes(page, "connected")
     # Not a JWT at all: refused before connecting.
     refused = await page.eval(
@@ -425,6 +437,8 @@ async def test_open_timeout_still_ends_a_connection_without_welcome(
         assert retry["code"] is None and retry["detail"].startswith("no WELCOME in time")
         await page.eval("session.close()")
     assert hellos >= 1
+    ended = await wait_change(page, "ended")
+    assert ended["detail"] == "closed before a session was made"
 
 
 # The same module under Node (sdk/js/README.md: Node 22's WebSocket, or ws on Node 20)

@@ -283,11 +283,15 @@ async def test_refused_tokens_end_without_retrying(
 ):
     foreign = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
     expired = tokens.mint("late", ttl_s=10, iat=int(time.time()) - 100)
-    for token, code in ((foreign, CloseCode.INVALID_TOKEN), (expired, CloseCode.TOKEN_EXPIRED)):
+    cases = ((foreign, CloseCode.INVALID_TOKEN, "unknown_kid"), (expired, 4502, "expired"))
+    for token, code, reason in cases:
         session = connect(url_of(app.port), token, backoff=FAST)
         with pytest.raises(AuthError) as refused:
             await session.start()
-        assert refused.value.code == code
+        assert (refused.value.code, refused.value.reason) == (code, reason)
+        assert str(refused.value).endswith(f": {reason}")
+        ended = [change async for change in session.changes()][-1]
+        assert (ended.kind, ended.code, ended.reason) == (Change.ENDED, code, reason)
         assert session.stats.reconnects == 0
 
 
@@ -429,40 +433,83 @@ async def test_a_silent_server_is_left_and_the_client_reconnects():
 # The command a newcomer runs
 
 
+class ConnectCommand:
+    """``tokend connect ARGS`` as a child process, its output read line by line."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.lines: list[str] = []
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def run(cls, *args: str) -> AsyncIterator[ConnectCommand]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tokend", "connect", *args, "--log-level", "warning",
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        try:
+            yield cls(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    async def until(self, word: str) -> str:
+        """The next line of kind ``word`` (connected, renewed, ..., ended)."""
+        assert self.process.stdout is not None
+        async with asyncio.timeout(10):
+            while True:
+                line = (await self.process.stdout.readline()).decode()
+                assert line, f"tokend connect exited early: {self.lines}"
+                self.lines.append(line)
+                if line.split()[1] == word:
+                    return line
+
+    async def exit_status(self) -> int:
+        return await asyncio.wait_for(self.process.wait(), 10)
+
+
 async def test_tokend_connect_prints_renewals_and_logs_out_on_ctrl_c(
     start_app: StartApp, keys_dir: Path, events: EventLog
 ):
     app = await start_app(token_ttl=3, renew_window=2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokend", "connect", "--sub", "newcomer", "--ttl", "3",
-        "--url", url_of(app.port), "--keys-dir", str(keys_dir), "--log-level", "warning",
-        stdout=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    assert process.stdout is not None
-    lines: list[str] = []
-
-    async def read_until(word: str) -> str:
-        async with asyncio.timeout(10):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                assert line, f"tokend connect exited early: {lines}"
-                lines.append(line)
-                if line.split()[1] == word:
-                    return line
-
-    try:
-        connected = await read_until("connected")
+    async with ConnectCommand.run(
+        "--sub", "newcomer", "--ttl", "3", "--url", url_of(app.port), "--keys-dir", str(keys_dir)
+    ) as command:
+        connected = await command.until("connected")
         assert "sub=newcomer" in connected and "heartbeat=0.2 s" in connected
-        await read_until("renewed")
-        await read_until("renewed")
-        process.send_signal(signal.SIGINT)
-        ended = await read_until("ended")
-        assert "code=1000" in ended and "logged out" in ended
-        assert await asyncio.wait_for(process.wait(), 10) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await command.until("renewed")
+        await command.until("renewed")
+        command.process.send_signal(signal.SIGINT)
+        ended = await command.until("ended")
+        assert "code=1000 reason=bye" in ended and "logged out" in ended
+        assert await command.exit_status() == 0
     tid = connected.split("tid=")[1].split()[0]
     await events.wait_for("SESSION_CLOSED", tid)
+
+
+async def test_tokend_connect_prints_why_a_token_is_refused(app: App, settings, tmp_path: Path):
+    foreign = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    async with ConnectCommand.run("--token", foreign, "--url", url_of(app.port)) as command:
+        ended = await command.until("ended")
+        assert "code=4501 reason=unknown_kid" in ended and "[AuthError]" in ended
+        assert await command.exit_status() == 1
+
+
+async def test_tokend_connect_stopped_before_any_session_says_none_was_made(
+    start_app: StartApp, own_redis: RedisProcess, tokens: TokenService
+):
+    """Ctrl-C while no session was ever made (nothing listening, or Redis down) must not
+    claim that a session stays on the server."""
+    app = await start_app(redis_url=own_redis.url)
+    own_redis.kill()
+    dead = url_of(free_port())
+    for url, retry in ((dead, "cannot connect"), (url_of(app.port), "reason=store_unavailable")):
+        async with ConnectCommand.run("--token", tokens.mint("nobody"), "--url", url) as command:
+            assert retry in await command.until("reconnecting")
+            command.process.send_signal(signal.SIGINT)
+            ended = await command.until("ended")
+            assert "closed before a session was made" in ended, command.lines
+            assert "stays until it expires" not in ended
+            assert await command.exit_status() == 0

@@ -140,38 +140,56 @@ async def test_message_too_big(app: App):
 async def test_no_hello_in_time(app: App):
     async with RawClient.connect(app.port) as client:
         # hello_timeout is 1 s in the test settings.
-        assert (await client.expect_close(timeout=3)).code == p.CloseCode.HELLO_TIMEOUT
+        closed = await client.expect_close(timeout=3)
+        assert (closed.code, closed.reason) == (p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
+
+
+async def refused_at_hello(port: int, token: str) -> tuple[int | None, str]:
+    """The close code and reason a HELLO with ``token`` gets."""
+    async with RawClient.connect(port) as client:
+        await client.send(p.encode(p.Hello(token)))
+        closed = await client.expect_close()
+    return closed.code, closed.reason
 
 
 @pytest.mark.parametrize(
     "token", ["garbage", "a.b.c", "eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0."], ids=str
 )
 async def test_invalid_token(app: App, token: str):
-    async with RawClient.connect(app.port) as client:
-        await client.send(p.encode(p.Hello(token)))
-        assert (await client.expect_close()).code == p.CloseCode.INVALID_TOKEN
+    assert await refused_at_hello(app.port, token) == (p.CloseCode.INVALID_TOKEN, "malformed")
 
 
 async def test_token_from_other_keys_is_invalid(app: App, tmp_path, settings):
     from tokend.tokens import KeyRing
 
-    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys"))
-    async with RawClient.connect(app.port) as client:
-        await client.send(p.encode(p.Hello(stranger.mint("mallory"))))
-        assert (await client.expect_close()).code == p.CloseCode.INVALID_TOKEN
+    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    assert await refused_at_hello(app.port, stranger) == (p.CloseCode.INVALID_TOKEN, "unknown_kid")
+
+
+async def test_refusals_name_their_reason(app: App, tokens: TokenService, make_settings):
+    """Each refusal's close reason is its stable word (docs/protocol.md §7), never a
+    library's class name."""
+    head, body, signature = tokens.mint("t").split(".")
+    flipped = signature[:10] + ("A" if signature[10] != "A" else "B") + signature[11:]
+    bad_signature = f"{head}.{body}.{flipped}"
+    foreign = TokenService(make_settings(audience="elsewhere"), tokens.keys).mint("t")
+    cases = {bad_signature: "bad_signature", foreign: "wrong_audience"}
+    for token, reason in cases.items():
+        assert await refused_at_hello(app.port, token) == (p.CloseCode.INVALID_TOKEN, reason)
 
 
 async def test_expired_token_at_hello(app: App, tokens: TokenService):
     import time
 
     old = tokens.mint("t", ttl_s=10, iat=int(time.time()) - 60)
-    async with RawClient.connect(app.port) as client:
-        await client.send(p.encode(p.Hello(old)))
-        assert (await client.expect_close()).code == p.CloseCode.TOKEN_EXPIRED
+    assert await refused_at_hello(app.port, old) == (p.CloseCode.TOKEN_EXPIRED, "expired")
 
 
-@pytest.mark.parametrize("fault", ["mac", "tid", "replay", "zero_seq"])
-async def test_bad_heartbeat_proof(app: App, tokens: TokenService, fault: str):
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("mac", "bad_mac"), ("tid", "wrong_tid"), ("replay", "old_seq"), ("zero_seq", "old_seq")],
+)
+async def test_bad_heartbeat_proof(app: App, tokens: TokenService, fault: str, reason: str):
     async with RawClient.connect(app.port) as client:
         welcome = await client.hello(tokens.mint("t"))
         if fault == "mac":
@@ -189,7 +207,8 @@ async def test_bad_heartbeat_proof(app: App, tokens: TokenService, fault: str):
             await client.send(frame)
         else:
             await client.send(client.heartbeat_bytes(seq=0))
-        assert (await client.expect_close()).code == p.CloseCode.BAD_HEARTBEAT
+        closed = await client.expect_close()
+        assert (closed.code, closed.reason) == (p.CloseCode.BAD_HEARTBEAT, reason)
 
 
 async def test_other_subprotocol_refused_with_400(app: App):

@@ -358,6 +358,6 @@ class Node:
                 close_code = CloseCode(code)
             except ValueError:
                 close_code = CloseCode.INTERNAL_ERROR
-            self._spawn(session.close(Close(close_code, close_code.describe())))
+            self._spawn(session.close(Close(close_code, close_code.reason)))
         elif op == "notice":
             self._spawn(session.notify_warn())

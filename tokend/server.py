@@ -43,7 +43,7 @@ from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
 
-GOING_AWAY = "server going away"
+GOING_AWAY = "going_away"
 # Least time between two batches of a drain's closes.
 DRAIN_TICK = 0.05
 
@@ -111,9 +111,9 @@ class TokendConnection(ServerConnection):
             if self.pings is None:
                 self.pings = TokenBucket(rate)
             if not self.pings.take() and self.closing is None and self.state is State.OPEN:
-                log.warning("closing", peer=self.peer, code=4029, reason="too many pings")
+                log.warning("closing", peer=self.peer, code=4029, reason="too_many_pings")
                 self.closing = self.loop.create_task(
-                    self.close(p.CloseCode.RATE_LIMITED, "too many pings")
+                    self.close(p.CloseCode.RATE_LIMITED, "too_many_pings")
                 )
         super().process_event(event)
 

@@ -132,20 +132,20 @@ class Session:
             self.log.info("connection dropped")
         except Exception:
             self.log.exception("session failed")
-            await self.link.close(p.CloseCode.INTERNAL_ERROR, "internal error")
+            await self.link.close(p.CloseCode.INTERNAL_ERROR, "internal_error")
         finally:
             self.node.detach(self)
 
     @staticmethod
     def _decode(data: bytes | str) -> p.Frame:
         if isinstance(data, str):
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "text message")
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "text_message")
         try:
             frame = p.decode(data)
-        except p.ProtocolError as exc:
-            raise Close(p.CloseCode.PROTOCOL_ERROR, str(exc)) from None
+        except p.ProtocolError:
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "malformed_frame") from None
         if not isinstance(frame, p.CLIENT_FRAMES):
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "server frame from client")
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
         return frame
 
     async def _hello(self) -> None:
@@ -153,9 +153,9 @@ class Session:
             async with asyncio.timeout(self.node.settings.hello_timeout):
                 frame = self._decode(await self.link.recv())
         except TimeoutError:
-            raise Close(p.CloseCode.HELLO_TIMEOUT, "no HELLO in time") from None
+            raise Close(p.CloseCode.HELLO_TIMEOUT, "hello_timeout") from None
         if not isinstance(frame, p.Hello):
-            raise Close(p.CloseCode.PROTOCOL_ERROR, "first frame must be HELLO")
+            raise Close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
         try:
             claims = self.node.tokens.verify(frame.token)
         except TokenError as exc:
@@ -164,22 +164,22 @@ class Session:
         self.claims = claims
         cap = self.node.settings.max_sessions_per_sub
         if cap and self.node.other_sessions_of(claims.sub, claims.tid) >= cap:
-            raise Close(p.CloseCode.RATE_LIMITED, "too many sessions for this sub")
+            raise Close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
         try:
             result = await self.node.store.hello(
                 claims.tid, claims.sub, claims.prio, claims.iat, claims.exp, self.conn
             )
         except StoreUnavailable as exc:
-            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable") from exc
+            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store_unavailable") from exc
         if result.outcome == "tomb":
             raise Close(
                 TOMBSTONE_CODES.get(result.tomb, p.CloseCode.TOKEN_REVOKED),
-                f"session {result.tomb}",
+                f"session_{result.tomb}",
             )
         if result.outcome == "expired":
-            raise Close(p.CloseCode.TOKEN_EXPIRED, "token expired")
+            raise Close(p.CloseCode.TOKEN_EXPIRED, "expired")
         if result.outcome == "mismatch":
-            raise Close(p.CloseCode.INVALID_TOKEN, "sub does not match the session")
+            raise Close(p.CloseCode.INVALID_TOKEN, "sub_mismatch")
         self.heartbeat_request = self.node.store.heartbeat_request(claims.tid, self.conn)
         self.tid_bytes = claims.tid.bytes
         self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
@@ -213,23 +213,23 @@ class Session:
             received = time.perf_counter()  # the heartbeat's decode stage starts
             frame = self._decode(data)
             if frames is not None and not frames.take():
-                raise Close(p.CloseCode.RATE_LIMITED, "too many frames")
+                raise Close(p.CloseCode.RATE_LIMITED, "too_many_frames")
             if isinstance(frame, p.Heartbeat):
                 await self._heartbeat(frame, received)
             elif isinstance(frame, p.Bye):
                 await self._bye()
             else:
-                raise Close(p.CloseCode.PROTOCOL_ERROR, "HELLO after WELCOME")
+                raise Close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
 
     async def _heartbeat(self, hb: p.Heartbeat, received: float) -> None:
         decoded = time.perf_counter()
         # Spec 0x03: mac first (constant time), then tid, then seq.
         if not hb.mac_is_valid(self.key):
-            raise Close(p.CloseCode.BAD_HEARTBEAT, "bad mac")
+            raise Close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
         if hb.tid != self.tid_bytes:
-            raise Close(p.CloseCode.BAD_HEARTBEAT, "wrong tid")
+            raise Close(p.CloseCode.BAD_HEARTBEAT, "wrong_tid")
         if hb.seq <= self.last_seq:
-            raise Close(p.CloseCode.BAD_HEARTBEAT, "replayed or old seq")
+            raise Close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
         self.last_seq = hb.seq
         verified = time.perf_counter()
         assert self.claims is not None
@@ -287,11 +287,11 @@ class Session:
         Raises :class:`Close` when the store says the session is no longer ours.
         """
         if result.outcome == "taken":
-            raise Close(p.CloseCode.TAKEN_OVER, "session taken over")
+            raise Close(p.CloseCode.TAKEN_OVER, "taken_over")
         if result.outcome == "gone":
             raise Close(
                 TOMBSTONE_CODES.get(result.tomb, p.CloseCode.SESSION_EXPIRED),
-                f"session {result.tomb or 'ended'}",
+                f"session_{result.tomb or 'ended'}",
             )
         if result.was_warn:
             self.log.info("session recovered")
@@ -305,7 +305,7 @@ class Session:
                 self.claims.tid, conn=self.conn, event="SESSION_CLOSED", tomb="closed", code=None
             )
         except StoreUnavailable as exc:
-            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable, BYE not recorded") from exc
+            raise Close(p.CloseCode.TRY_AGAIN_LATER, "bye_not_recorded") from exc
         raise Close(p.CloseCode.NORMAL, "bye")
 
     async def notify_warn(self) -> None:

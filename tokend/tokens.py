@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jwt
 from cryptography.exceptions import InvalidSignature
@@ -36,13 +36,37 @@ REFRESH_INTERVAL = 1.0  # seconds between looks at the keys directory for rotate
 PRIO_RANGE = range(10)
 
 
-class TokenError(Exception):
-    """A token that must be refused; ``expired`` selects 4502 over 4501."""
+# Why a token is refused: the reason of its close (4502 for "expired", else 4501), the
+# same for every client and release; each is explained in docs/protocol.md §7.
+Refusal = Literal[
+    "malformed",
+    "bad_algorithm",
+    "unknown_kid",
+    "bad_signature",
+    "missing_claim",
+    "wrong_issuer",
+    "wrong_audience",
+    "bad_time",
+    "expired",
+    "not_yet_valid",
+    "bad_jti",
+    "bad_sub",
+    "bad_prio",
+]
+REFUSALS: tuple[Refusal, ...] = get_args(Refusal)
 
-    def __init__(self, reason: str, *, expired: bool = False) -> None:
+
+class TokenError(Exception):
+    """A token that must be refused, and why (:data:`Refusal`)."""
+
+    def __init__(self, reason: Refusal) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.expired = expired
+
+    @property
+    def expired(self) -> bool:
+        """Close with 4502 (token expired) rather than 4501 (invalid token)."""
+        return self.reason == "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +265,7 @@ class TokenService:
             self.keys.refresh()
             key = self.keys.public_key(kid)
         if key is None:
-            raise TokenError("unknown kid")
+            raise TokenError("unknown_kid")
         return key
 
     def verify(self, token: str) -> Claims:
@@ -254,37 +278,37 @@ class TokenService:
         """
         segments = token.split(".")
         if len(segments) != 3 or not all(map(_B64URL.fullmatch, segments)):
-            raise TokenError("malformed token")
+            raise TokenError("malformed")
         header = _json_segment(segments[0])
         alg, kid = header.get("alg"), header.get("kid")
         # Only Ed25519 keys exist here: an allowed algorithm of another family
         # could never verify, so it is refused rather than tried.
         if alg not in self.algorithms or alg != "EdDSA":
-            raise TokenError("algorithm not allowed")
+            raise TokenError("bad_algorithm")
         if not isinstance(kid, str) or not KID_PATTERN.match(kid):
-            raise TokenError("missing or malformed kid")
+            raise TokenError("unknown_kid")
         key = self._key_for(kid)
         try:
             key.verify(_b64decode(segments[2]), f"{segments[0]}.{segments[1]}".encode("ascii"))
         except (InvalidSignature, binascii.Error):
-            raise TokenError("InvalidSignatureError") from None
+            raise TokenError("bad_signature") from None
         payload = _json_segment(segments[1])
         for claim in REQUIRED_CLAIMS:
             if claim not in payload:
-                raise TokenError(f"MissingRequiredClaimError: {claim}")
+                raise TokenError("missing_claim")
         if payload["iss"] != self.issuer:
-            raise TokenError("InvalidIssuerError")
+            raise TokenError("wrong_issuer")
         if payload["aud"] != self.audience or not isinstance(payload["aud"], str):
-            raise TokenError("InvalidAudienceError")
+            raise TokenError("wrong_audience")
         now = time.time()
         for claim in ("exp", "iat", "nbf"):
             value = payload.get(claim)
             if claim in payload and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise TokenError(f"{claim} must be a number")
+                raise TokenError("bad_time")
         if payload["exp"] <= now - self.leeway:
-            raise TokenError("token expired", expired=True)
+            raise TokenError("expired")
         if payload["iat"] > now + self.leeway or payload.get("nbf", 0) > now + self.leeway:
-            raise TokenError("ImmatureSignatureError")
+            raise TokenError("not_yet_valid")
         return _claims(payload)
 
 
@@ -299,9 +323,9 @@ def _json_segment(segment: str) -> dict[str, Any]:
     try:
         value = json.loads(_b64decode(segment))
     except (ValueError, binascii.Error):
-        raise TokenError("malformed token") from None
+        raise TokenError("malformed") from None
     if not isinstance(value, dict):
-        raise TokenError("malformed token")
+        raise TokenError("malformed")
     return value
 
 
@@ -312,14 +336,14 @@ def _claims(payload: dict[str, Any]) -> Claims:
     except ValueError:
         tid = None
     if tid is None or str(tid) != jti:
-        raise TokenError("jti is not a canonical UUID")
+        raise TokenError("bad_jti")
     if not isinstance(sub, str) or not sub or len(sub) > 256:
-        raise TokenError("sub must be a string of 1..256 characters")
+        raise TokenError("bad_sub")
     if isinstance(prio, bool) or not isinstance(prio, int) or prio not in PRIO_RANGE:
-        raise TokenError("prio must be an integer 0..9")
+        raise TokenError("bad_prio")
     iat, exp = payload["iat"], payload["exp"]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (iat, exp)):
-        raise TokenError("iat and exp must be integers")
+        raise TokenError("bad_time")
     if not 0 < exp < 1 << 42:
-        raise TokenError("exp out of range")
+        raise TokenError("bad_time")
     return Claims(tid, sub, iat, exp, prio)
