@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
+import redis as redis_lib
 
-from tests.support import EventLog, RawClient, stream_events
+from tests.support import (
+    CALM_CLOCKS,
+    EventLog,
+    RawClient,
+    RedisProcess,
+    TokendProcess,
+    node_env,
+    stream_events,
+)
 from tokend import protocol as p
 from tokend.clocks import serving_rank
 from tokend.server import App
@@ -449,3 +459,18 @@ async def test_sweeper_wakes_for_the_earliest_deadline(
             hb = int(await redis.hget(session_key, "hb"))
             (warned,) = await events.wait_for("SESSION_WARN", tid, timeout=5)
             assert warned["at"] - (hb + 1500) < 250
+
+
+def test_listening_line_names_the_redis_without_its_password(
+    own_redis: RedisProcess, make_settings
+):
+    redis_lib.Redis(port=own_redis.port).config_set("requirepass", "s3cret")
+    url = f"redis://:s3cret@127.0.0.1:{own_redis.port}/0"
+    node = TokendProcess(node_env(make_settings(redis_url=url, **CALM_CLOCKS)))
+    node.start()
+    try:
+        (listening,) = node.logged("listening")
+        assert listening["redis"] == f"redis://:***@127.0.0.1:{own_redis.port}/0"
+    finally:
+        node.stop()
+    assert "s3cret" not in json.dumps(node.log_lines)

@@ -35,6 +35,7 @@ from tokend import protocol as p
 from tokend.admin import AdminServer
 from tokend.config import Settings
 from tokend.embedded import EmbeddedRedis
+from tokend.logs import redact_url
 from tokend.metrics import Metrics
 from tokend.node import Node
 from tokend.session import Session, TokenBucket
@@ -270,7 +271,7 @@ class App:
             host=settings.host,
             port=self.port,
             node=self.node.name,
-            redis="embedded" if self.embedded else "external",
+            redis=redact_url(url),
             max_connections=self.max_open_connections,
         )
 
