@@ -253,6 +253,10 @@ def test_non_positive_duration_is_named(name: str, value: str) -> None:
         ({"max_message_size": (1 << 20) + 1}, "max_message_size"),
         ({"redis_pool_size": 3}, "redis_pool_size"),
         ({"stream_maxlen": 0}, "stream_maxlen"),
+        ({"jwks_max_age": 900}, "jwks_max_age"),
+        ({"key_publish_delay": 10, "jwks_max_age": 10}, "jwks_max_age"),
+        ({"jwks_max_age": -1}, "jwks_max_age"),
+        ({"key_publish_delay": 0}, "key_publish_delay"),
     ],
 )
 def test_invalid_setting_is_named(overrides: dict[str, Any], name: str) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import sys
+import time
 import uuid
 
+import jwt
 import pytest
 import redis as redis_lib
 
@@ -15,6 +19,8 @@ from tests.support import (
     RawClient,
     RedisProcess,
     TokendProcess,
+    http_get,
+    http_request,
     node_env,
     stream_events,
 )
@@ -337,7 +343,6 @@ async def test_shutdown_closes_1001_and_session_resumes(
 
 
 async def test_http_routes(app: App):
-    from tests.support import http_get
 
     assert await http_get(app.port, "/healthz") == (200, {"status": "ok", "node": "node-a"})
     assert await http_get(app.port, "/readyz") == (200, {"status": "ready"})
@@ -386,34 +391,41 @@ async def test_late_heartbeat_and_resume_expire_even_before_a_sweep(
         assert not events.of("SESSION_RESUMED", tid)
 
 
+async def rotate_keys(settings) -> str:
+    """``tokend keys rotate`` in a process of its own; the new kid."""
+    rotated = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokend", "keys", "rotate",
+        env={"PATH": "/usr/bin:/bin", "TOKEND_KEYS_DIR": settings.keys_dir},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(rotated.communicate(), 30)
+    assert rotated.returncode == 0, err
+    return out.decode().strip()
+
+
+async def until_due(app: App, kid: str) -> None:
+    """Wait until ``kid`` signs on ``app`` (key_publish_delay after it was made)."""
+    await asyncio.sleep(max(0.0, app.node.tokens.schedule.signs_from(kid) - time.time()))
+
+
 async def test_renewals_cross_a_key_rotation(start_app, tokens: TokenService, settings):
-    import json
-    import subprocess
-    import sys
-
-    import jwt
-
-    from tests.support import http_get
-
     # Clocks long enough to span a `tokend keys rotate` subprocess.
-    app = await start_app(token_ttl=30, renew_window=29, warn_after=10, expire_after=20)
+    app = await start_app(
+        token_ttl=30,
+        renew_window=29,
+        warn_after=10,
+        expire_after=20,
+        key_publish_delay=2,
+        jwks_max_age=1,
+    )
     async with RawClient.connect(app.port) as client:
         await client.hello(tokens.mint("rosa", ttl_s=5))
         before = await client.heartbeat()
         assert before.renewed and before.token is not None
         old_kid = jwt.get_unverified_header(before.token)["kid"]
-        rotated = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "tokend", "keys", "rotate"],
-            env={"PATH": "/usr/bin:/bin", "TOKEND_KEYS_DIR": settings.keys_dir},
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
-        new_kid = rotated.stdout.strip()
+        new_kid = await rotate_keys(settings)
         assert new_kid > old_kid
-        await asyncio.sleep(1.1)  # the server looks at its keys directory once a second
+        await until_due(app, new_kid)
         after = await client.heartbeat()
         assert after.renewed and after.token is not None
         assert jwt.get_unverified_header(after.token)["kid"] == new_kid
@@ -421,10 +433,70 @@ async def test_renewals_cross_a_key_rotation(start_app, tokens: TokenService, se
     # The token signed with the old key still opens the session.
     async with RawClient.connect(app.port) as client:
         assert (await client.hello(before.token)).resumed
-    status, jwks = await http_get(app.port, "/.well-known/jwks.json")
-    assert status == 200
-    assert {k["kid"] for k in jwks["keys"]} >= {old_kid, new_kid}
-    assert json.dumps(jwks).count("Ed25519") == len(jwks["keys"])
+
+
+class JwksVerifier:
+    """A third party that knows only a node's JWKS URL: it keeps the JWKS for as long
+    as its Cache-Control allows, and never refetches early for an unknown kid (the
+    strictest such verifier; pyjwt's PyJWKClient, for one, would)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.keys: dict[str, jwt.PyJWK] = {}
+        self.fresh_until = 0.0
+
+    async def fetch(self) -> dict[str, jwt.PyJWK]:
+        reply = await http_request(self.port, "GET", "/.well-known/jwks.json")
+        assert reply.status == 200
+        directive = reply.headers["cache-control"]
+        max_age = int(re.fullmatch(r"public, max-age=(\d+)", directive)[1])  # type: ignore[index]
+        self.fresh_until = time.monotonic() + max_age
+        self.keys = {jwk["kid"]: jwt.PyJWK(jwk) for jwk in reply.json()["keys"]}
+        return self.keys
+
+    async def verify(self, token: str) -> str:
+        """The token's sub; raises (jwt.PyJWTError, KeyError) if it does not verify."""
+        if time.monotonic() >= self.fresh_until:
+            await self.fetch()
+        key = self.keys[jwt.get_unverified_header(token)["kid"]]
+        claims = jwt.decode(token, key, algorithms=["EdDSA"], audience="tokend", issuer="tokend")
+        return str(claims["sub"])
+
+
+async def test_a_verifier_that_knows_only_the_jwks_url_accepts_every_token_across_a_rotation(
+    start_app, settings
+):
+    """``tokend keys rotate`` on two nodes, one busy (a session renewing), one idle: the
+    new key is in both JWKS at once, signs only once every cached JWKS has expired, and
+    the old key stays published until every token it signed has expired."""
+    clocks = {"key_publish_delay": 3, "jwks_max_age": 1, "token_ttl": 4, "leeway": 0}
+    busy = await start_app(**clocks)
+    idle = await start_app(node_name="node-b", **clocks)
+    verifiers = [JwksVerifier(busy.port), JwksVerifier(idle.port)]
+    old_kid = busy.node.tokens.signing_kid
+    for verifier in verifiers:
+        assert list(await verifier.fetch()) == [old_kid]  # cached before the rotation
+    async with RawClient.connect(busy.port) as client:
+        await client.hello(busy.node.tokens.mint("busy"))
+        new_kid = await rotate_keys(settings)
+        for verifier in verifiers:  # published on every node at once
+            assert list(await verifier.fetch()) == [new_kid, old_kid]
+        retired_at = busy.node.tokens.schedule.retires_at(old_kid, [old_kid, new_kid])
+        signers: set[str] = set()
+        while time.time() < retired_at:
+            # Renewed on the busy node, minted (as `tokend issue` would) on the idle one.
+            ack = await client.heartbeat()
+            minted = [ack.token] if ack.token else []
+            minted.append(idle.node.tokens.mint("idle"))
+            for token in minted:
+                signers.add(jwt.get_unverified_header(token)["kid"])
+                for verifier in verifiers:
+                    assert await verifier.verify(token) in ("busy", "idle")
+            await asyncio.sleep(0.2)
+    assert signers == {old_kid, new_kid}
+    # Every token of the old key has expired: it is no longer published, anywhere.
+    for verifier in verifiers:
+        assert list(await verifier.fetch()) == [new_kid]
 
 
 async def test_overloaded_batcher_serves_high_prio_first_and_warn_last(start_app):

@@ -222,13 +222,23 @@ def cmd_sessions(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
-    from tokend.tokens import KeyRing
+    import time
 
-    ring = KeyRing.open(settings.resolved_keys_dir)
+    from tokend.tokens import KeyRing, TokenService
+
+    tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
     if args.action == "rotate":
-        print(ring.rotate())
+        kid = tokens.keys.rotate()
+        print(kid)
+        signs_from = time.gmtime(tokens.schedule.signs_from(kid))
+        print(
+            f"tokend keys: {kid} is published now and signs from "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', signs_from)} (key_publish_delay "
+            f"{settings.key_publish_delay:g} s)",
+            file=sys.stderr,
+        )
     else:
-        print(json.dumps(ring.jwks(), indent=2))
+        print(json.dumps(tokens.jwks(), indent=2))
     return 0
 
 
@@ -353,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser(
         "keys",
         help="show or rotate signing keys",
-        description="'show' prints the JWKS; 'rotate' makes a new signing key current "
-        "(older keys keep verifying).",
+        description="'show' prints the JWKS as served; 'rotate' adds a key, published "
+        "at once, that signs after key_publish_delay (older keys keep verifying until "
+        "their tokens have expired).",
     )
     keys.add_argument("action", choices=("show", "rotate"))
     keys.set_defaults(func=cmd_keys)

@@ -58,6 +58,11 @@ class Settings:
     leeway: float = 5.0
     # Comma-separated JWS algorithms accepted when verifying.
     algorithms: str = "EdDSA"
+    # A key added by `tokend keys rotate` is published in the JWKS at once and signs
+    # only this long after it was made, when every JWKS cached before it has expired.
+    key_publish_delay: float = 900.0
+    # Cache-Control max-age of /.well-known/jwks.json; less than key_publish_delay.
+    jwks_max_age: float = 300.0
     max_message_size: int = 16384
     # Exact Origin values allowed at the handshake, comma-separated; empty: no check. A
     # handshake without Origin (a non-browser client) is always allowed; a wrong one gets 403.
@@ -139,6 +144,7 @@ _DURATIONS = (
     "redis_timeout",
     "sweep_interval",
     "send_timeout",
+    "key_publish_delay",
 )
 _CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
 FIELDS = {f.name: f for f in fields(Settings)}
@@ -186,6 +192,9 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("leeway: must not be negative")
     if not settings.algorithm_list:
         raise ConfigError("algorithms: name at least one JWS algorithm")
+    if not 0 <= settings.jwks_max_age < settings.key_publish_delay:
+        # A verifier's cached JWKS must expire before a key missing from it signs.
+        raise ConfigError("jwks_max_age: must be at least 0 and less than key_publish_delay")
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
     for name in (

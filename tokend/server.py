@@ -177,13 +177,13 @@ def select_subprotocol(
     raise NegotiationError(f"unsupported subprotocol; this server speaks {p.SUBPROTOCOL}")
 
 
-def json_response(status: http.HTTPStatus, body: Any) -> Response:
+def json_response(status: http.HTTPStatus, body: Any, cache_control: str = "no-store") -> Response:
     data = json.dumps(body).encode()
     headers = Headers(
         [
             ("Content-Type", "application/json"),
             ("Content-Length", str(len(data))),
-            ("Cache-Control", "no-store"),
+            ("Cache-Control", cache_control),
         ]
     )
     return Response(status.value, status.phrase, headers, data)
@@ -366,7 +366,8 @@ class App:
         if path == "/readyz":
             return json_response(*await health.readiness(self.node, self.draining))
         if path == "/.well-known/jwks.json":
-            return json_response(http.HTTPStatus.OK, self.node.tokens.keys.jwks())
+            tokens = self.node.tokens
+            return json_response(http.HTTPStatus.OK, tokens.jwks(), tokens.jwks_cache_control)
         return json_response(http.HTTPStatus.NOT_FOUND, {"error": "not_found", "path": path})
 
 

@@ -1,22 +1,27 @@
 """Signing keys, token minting and verification (spec "Tokens").
 
 Keys are Ed25519, one PEM file per key in the keys directory, named by its
-``kid``. Kids sort by creation time, so the greatest one is the newest: it alone
-signs, every key in the directory verifies (rotation).
+``kid``. Kids sort by creation time, so the greatest one is the newest. A rotated
+key is published at once and signs after a delay; a key that stopped signing is
+published until its tokens have expired (:class:`KeySchedule`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import bisect
+import calendar
 import fcntl
+import functools
 import json
+import math
 import os
 import re
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,13 +131,16 @@ def _b64url(raw: bytes) -> str:
 
 
 class KeyRing:
-    """The keys of one keys directory: the newest signs, all of them verify."""
+    """The keys of one keys directory, as the directory holds them now.
+
+    Which key signs and which are published is :class:`KeySchedule`'s to say.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._private: dict[str, Ed25519PrivateKey] = {}
         self._public: dict[str, Ed25519PublicKey] = {}
-        self._mtime = 0  # the directory's mtime at the last reload
+        self.kids: list[str] = []  # every kid, oldest first
         self._checked = 0.0  # monotonic time of the last look at the directory
 
     @classmethod
@@ -147,54 +155,57 @@ class KeyRing:
         return ring
 
     def rotate(self) -> str:
-        """Make a new key the signing key; older keys keep verifying."""
+        """Add a new key, the newest; it signs once :class:`KeySchedule` says so."""
         with _locked(self.directory):
             return self._add_new_key()
 
     def _add_new_key(self) -> str:
         # Greater than every kid known or on disk (we hold the lock), so it sorts last.
-        on_disk = (p.stem for p in self.directory.glob("*.pem") if KID_PATTERN.match(p.stem))
-        kid = _new_kid(max([*self._private, *on_disk], default=""))
+        kid = _new_kid(max([*self._private, *self._kids_on_disk()], default=""))
         key = Ed25519PrivateKey.generate()
         _write_private_key(self.directory / f"{kid}.pem", key)
-        self._private[kid] = key
-        self._public[kid] = key.public_key()
+        self._add(kid, key)
         return kid
 
-    def refresh(self) -> None:
-        """Reload if the directory changed (another process rotated); at most once a second."""
+    def _add(self, kid: str, key: Ed25519PrivateKey) -> None:
+        self._private[kid] = key
+        self._public[kid] = key.public_key()
+        self.kids = sorted(self._private)
+
+    def _kids_on_disk(self) -> set[str]:
+        return {p.stem for p in self.directory.glob("*.pem") if KID_PATTERN.match(p.stem)}
+
+    def refresh(self, interval: float = REFRESH_INTERVAL) -> None:
+        """Follow the directory (keys rotated in or deleted by another process), looking
+        at it at most once per ``interval`` seconds."""
         now = time.monotonic()
-        if now - self._checked < REFRESH_INTERVAL:
+        if now - self._checked < interval:
             return
         self._checked = now
-        if self.directory.stat().st_mtime_ns != self._mtime:
+        if self._kids_on_disk() != self._private.keys():
             self.reload()
 
     def reload(self) -> None:
-        """Re-read the directory (picks up keys rotated by another process)."""
-        # Taken before reading, so a key added meanwhile changes it again.
-        self._mtime = self.directory.stat().st_mtime_ns
-        for path in sorted(self.directory.glob("*.pem")):
-            kid = path.stem
-            if kid in self._private or not KID_PATTERN.match(kid):
-                continue
+        """Re-read the directory: load the keys added, forget the keys deleted."""
+        on_disk = self._kids_on_disk()
+        for kid in self._private.keys() - on_disk:
+            del self._private[kid], self._public[kid]
+        self.kids = sorted(self._private)
+        for kid in sorted(on_disk - self._private.keys()):
+            path = self.directory / f"{kid}.pem"
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
             if not isinstance(key, Ed25519PrivateKey):
                 raise ValueError(f"{path}: not an Ed25519 private key")
-            self._private[kid] = key
-            self._public[kid] = key.public_key()
-
-    @property
-    def current_kid(self) -> str:
-        return max(self._private)
+            self._add(kid, key)
 
     def public_key(self, kid: str) -> Ed25519PublicKey | None:
         return self._public.get(kid)
 
-    def jwks(self) -> dict[str, Any]:
-        """The public keys as a JWKS (RFC 7517; OKP keys per RFC 8037)."""
+    def jwks(self, kids: Iterable[str]) -> dict[str, Any]:
+        """The public keys of ``kids`` as a JWKS (RFC 7517; OKP keys per RFC 8037),
+        newest first."""
         keys = []
-        for kid in sorted(self._public, reverse=True):
+        for kid in sorted(kids, reverse=True):
             raw = self._public[kid].public_bytes(
                 serialization.Encoding.Raw, serialization.PublicFormat.Raw
             )
@@ -210,10 +221,56 @@ class KeyRing:
             )
         return {"keys": keys}
 
-    def sign(self, claims: dict[str, Any]) -> str:
-        self.refresh()  # a key rotated in by `tokend keys rotate` signs from now on
-        kid = self.current_kid
+    def sign(self, claims: dict[str, Any], kid: str) -> str:
         return jwt.encode(claims, self._private[kid], algorithm="EdDSA", headers={"kid": kid})
+
+
+@functools.cache
+def _created(kid: str) -> float:
+    """The end of the second a kid names (UTC ``YYYYmmddTHHMMSSZ``): its key was
+    created no later."""
+    fields = (kid[0:4], kid[4:6], kid[6:8], kid[9:11], kid[11:13], kid[13:15])
+    return calendar.timegm(tuple(map(int, fields))) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchedule:
+    """When each key signs and while it is published, from the kids alone (the second
+    each names) and two settings, so that every node sharing the directory agrees.
+
+    A new key is published at once, and signs once ``publish_delay`` has passed, by
+    when every JWKS cached before it (for at most ``jwks_max_age`` < the delay) has
+    expired. Before that the key before it goes on signing (the oldest, while none is
+    due). A key that stopped signing stays published ``retire_after`` (token_ttl +
+    leeway), until every token it signed has expired, and then neither is published
+    nor verifies.
+    """
+
+    publish_delay: float
+    retire_after: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> KeySchedule:
+        return cls(settings.key_publish_delay, settings.token_ttl + settings.leeway)
+
+    def signs_from(self, kid: str) -> float:
+        return _created(kid) + self.publish_delay
+
+    def signing(self, kids: Sequence[str], now: float) -> str:
+        """The kid that signs at ``now`` (``kids`` oldest first, not empty)."""
+        due = [kid for kid in kids if self.signs_from(kid) <= now]
+        return due[-1] if due else kids[0]
+
+    def retires_at(self, kid: str, kids: Sequence[str]) -> float:
+        """When ``kid`` (one of ``kids``, oldest first) stops being published."""
+        newer = bisect.bisect_right(kids, kid)
+        if newer == len(kids):
+            return math.inf
+        return self.signs_from(kids[newer]) + self.retire_after
+
+    def published(self, kids: Sequence[str], now: float) -> list[str]:
+        """The kids published (and verifying) at ``now``: all but the retired."""
+        return [kid for kid in kids if now < self.retires_at(kid, kids)]
 
 
 class TokenService:
@@ -221,6 +278,9 @@ class TokenService:
 
     def __init__(self, settings: Settings, keys: KeyRing) -> None:
         self.keys = keys
+        self.schedule = KeySchedule.of(settings)
+        # Shorter than the publish delay (config.validate): see KeySchedule.
+        self.jwks_cache_control = f"public, max-age={int(settings.jwks_max_age)}"
         self.issuer = settings.issuer
         self.audience = settings.audience
         self.leeway = settings.leeway
@@ -256,15 +316,25 @@ class TokenService:
         }
         if claims.prio != DEFAULT_PRIO:
             body["prio"] = claims.prio
-        return self.keys.sign(body)
+        self.keys.refresh()  # a key rotated in by `tokend keys rotate` comes due in time
+        return self.keys.sign(body, self.signing_kid)
+
+    @property
+    def signing_kid(self) -> str:
+        return self.schedule.signing(self.keys.kids, time.time())
+
+    def published_kids(self) -> list[str]:
+        return self.schedule.published(self.keys.kids, time.time())
+
+    def jwks(self) -> dict[str, Any]:
+        """The published keys, as the keys directory holds them at this moment."""
+        self.keys.refresh(0)  # a listing of a few names: nothing to save by waiting
+        return self.keys.jwks(self.published_kids())
 
     def _key_for(self, kid: str) -> Ed25519PublicKey:
+        self.keys.refresh()  # keys rotated in or deleted by another process, within a second
         key = self.keys.public_key(kid)
-        if key is None:
-            # Perhaps a key rotated in by another process since we last looked.
-            self.keys.refresh()
-            key = self.keys.public_key(kid)
-        if key is None:
+        if key is None or time.time() >= self.schedule.retires_at(kid, self.keys.kids):
             raise TokenError("unknown_kid")
         return key
 
