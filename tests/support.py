@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -406,6 +407,11 @@ class Closed(Exception):
         super().__init__(f"closed {code} {reason}")
         self.code = code
         self.reason = reason
+
+
+def tid_of(welcome: p.Welcome) -> str:
+    """The tid a WELCOME names, as the canonical UUID string events carry."""
+    return str(uuid.UUID(bytes=welcome.tid))
 
 
 class RawClient:

@@ -23,15 +23,12 @@ from tests.support import (
     http_request,
     node_env,
     stream_events,
+    tid_of,
 )
 from tokend import protocol as p
 from tokend.clocks import serving_rank
 from tokend.server import App
 from tokend.tokens import TokenService
-
-
-def tid_of(welcome: p.Welcome) -> str:
-    return str(uuid.UUID(bytes=welcome.tid))
 
 
 async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: TokenService, events: EventLog):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -181,7 +182,7 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
         return 2
 
     async def revoke(store: Store) -> int:
-        result = await store.revoke(tid)
+        result = await store.revoke(tid, by=f"cli:{socket.gethostname()}")
         print(
             {1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result]
         )

@@ -32,10 +32,10 @@ if s[1] then
   redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   control('close', tid, s[4], 4507)
-  emit('SESSION_RESUMED', tid, sub, now)
+  emit('SESSION_RESUMED', tid, sub, now, conn)
   if s[5] == 'WARN' then
     -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
-    emit('SESSION_RECOVERED', tid, sub, now)
+    emit('SESSION_RECOVERED', tid, sub, now, conn)
   end
   return {'resumed', exp, tonumber(s[3])}
 end
@@ -48,5 +48,5 @@ redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat
            'prio', prio, 'conn', conn)
 redis.call('PEXPIREAT', skey, exp + grace_ms)
 redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
-emit('SESSION_STARTED', tid, sub, now)
+emit('SESSION_STARTED', tid, sub, now, conn)
 return {'started', exp, tonumber(iat)}
