@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -312,10 +313,13 @@ def _unsigned_token() -> str:
 
 
 # A client whose event loop is blocked (it runs in a thread, with its own loop,
-# so that blocking it does not block the in-process server).
+# so that blocking it does not block the in-process server) until the server has
+# done what the test waits for.
 
 
-def _run_blocking_client(url: str, token: str, block_s: float) -> tuple[list[Lifecycle], Session]:
+def _run_blocking_client(
+    url: str, token: str, release: threading.Event
+) -> tuple[list[Lifecycle], Session]:
     async def main() -> tuple[list[Lifecycle], Session]:
         session = Session(url, token, backoff=FAST)
         recorder = Recorder(session)
@@ -323,9 +327,10 @@ def _run_blocking_client(url: str, token: str, block_s: float) -> tuple[list[Lif
         await recorder.until(Change.CONNECTED)
         acks = session.stats.acks
         await eventually(lambda: session.stats.acks > acks)  # right after a heartbeat
-        time.sleep(block_s)  # noqa: ASYNC251 - the point: a loop that cannot keep the cadence
+        # The point: a loop that cannot keep the cadence, until the test lets it go on.
+        assert release.wait(30)
         with contextlib.suppress(TimeoutError):
-            change = await recorder.until(Change.RECOVERED, Change.ENDED, timeout=3)
+            change = await recorder.until(Change.RECOVERED, Change.ENDED, timeout=10)
             if change.kind is Change.RECOVERED:
                 acks = session.stats.acks
                 await eventually(lambda: session.stats.acks > acks + 2)
@@ -336,15 +341,34 @@ def _run_blocking_client(url: str, token: str, block_s: float) -> tuple[list[Lif
     return asyncio.run(main())
 
 
-async def test_blocked_loop_warns_then_recovers(app: App, tokens: TokenService, events: EventLog):
-    # warn_after 0.6 < 0.85 s blocked < expire_after 1.2
-    seen, session = await asyncio.to_thread(
-        _run_blocking_client, url_of(app.port), tokens.mint("sleepy"), 0.85
+async def blocked_until(
+    app: App, token: str, events: EventLog, kind: str
+) -> tuple[list[Lifecycle], Session]:
+    """Run a client whose loop blocks after an ACK until the server emits ``kind``."""
+    release = threading.Event()
+    client = asyncio.create_task(
+        asyncio.to_thread(_run_blocking_client, url_of(app.port), token, release)
     )
+    try:
+        tid = str(uuid.UUID(jwt.decode(token, options={"verify_signature": False})["jti"]))
+        await events.wait_for(kind, tid, timeout=10)
+    finally:
+        release.set()
+    return await client
+
+
+async def test_blocked_loop_warns_then_recovers(
+    start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    # Blocked until the server warns (after warn_after, 0.6 s): its next heartbeat, as
+    # soon as the loop runs again, comes long before expire_after (5 s here).
+    app = await start_app(expire_after=5)
+    seen, session = await blocked_until(app, tokens.mint("sleepy"), events, "SESSION_WARN")
     kinds = [change.kind for change in seen]
     assert Change.WARNED in kinds and Change.RECOVERED in kinds, kinds
     assert kinds[-1] is Change.ENDED and session.error is None  # logged out by us
-    assert session.stats.max_lag >= 0.6
+    # Blocked from an ACK until warn_after had passed: late by warn_after less a cadence.
+    assert session.stats.max_lag >= app.settings.warn_after - app.settings.heartbeat_interval
     await events.wait_for("SESSION_RECOVERED", str(session.tid))
     assert not events.of("TOKEN_EXPIRED", str(session.tid))
 
@@ -352,14 +376,12 @@ async def test_blocked_loop_warns_then_recovers(app: App, tokens: TokenService, 
 async def test_blocked_past_expiry_ends_with_session_expired(
     app: App, tokens: TokenService, events: EventLog
 ):
-    seen, session = await asyncio.to_thread(
-        _run_blocking_client, url_of(app.port), tokens.mint("asleep"), 1.6
-    )
+    seen, session = await blocked_until(app, tokens.mint("asleep"), events, "TOKEN_EXPIRED")
     assert seen[-1].kind is Change.ENDED
     assert seen[-1].code == CloseCode.SESSION_EXPIRED
     assert isinstance(session.error, SessionExpired)
     assert session.stats.reconnects == 0
-    expired = await events.wait_for("TOKEN_EXPIRED", str(session.tid))
+    expired = events.of("TOKEN_EXPIRED", str(session.tid))
     assert expired[0]["reason"] == "heartbeat_timeout"
 
 
