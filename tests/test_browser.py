@@ -39,6 +39,9 @@ SDK_TYPES = ROOT / "sdk" / "js" / "tokend.d.ts"
 FAST_BACKOFF = {"base": 50, "cap": 500}
 # A short openTimeout, ms, so that a session can be held for several of them quickly.
 OPEN_TIMEOUT = 1000
+# Heartbeats every half second, and WARN far off: a busy machine cannot make the held
+# session anything but steady.
+STEADY_CLOCKS = {"heartbeat_interval": 0.5, "warn_after": 20, "expire_after": 30}
 
 
 @pytest.fixture
@@ -400,9 +403,10 @@ async def one_connection_then_logout(events: EventLog, tid: str) -> None:
 
 
 async def test_a_session_outlives_open_timeout_without_reconnecting(
-    page: BrowserPage, app: App, tokens: TokenService, events: EventLog
+    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
 ):
     """openTimeout bounds the wait for WELCOME, not the connection's life."""
+    app = await start_app(**STEADY_CLOCKS)
     options = {"openTimeout": OPEN_TIMEOUT, "backoff": FAST_BACKOFF}
     assert await open_session(page, app.port, tokens.mint("steady"), **options) == "started"
     tid = await page.eval("session.tid")
@@ -463,8 +467,9 @@ async def run_in_node(
 
 
 async def test_under_node_a_session_outlives_open_timeout_without_reconnecting(
-    node_dir: Path, app: App, tokens: TokenService, events: EventLog
+    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog
 ):
+    app = await start_app(**STEADY_CLOCKS)
     token = tokens.mint("node")
     tid = str(tokens.verify(token).tid)
     options = {"openTimeout": OPEN_TIMEOUT, "backoff": FAST_BACKOFF}
