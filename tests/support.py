@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ from tokend import config
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.embedded import find_server_binary
-from tokend.store import Client, subscription
+from tokend.store import Client, Keyspace, subscription
 
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
@@ -406,6 +408,11 @@ class Closed(Exception):
         super().__init__(f"closed {code} {reason}")
         self.code = code
         self.reason = reason
+
+
+def tid_of(welcome: p.Welcome) -> str:
+    """The tid a WELCOME names, as the canonical UUID string events carry."""
+    return str(uuid.UUID(bytes=welcome.tid))
 
 
 class RawClient:
@@ -788,9 +795,46 @@ async def http_request(
 
 async def stream_events(client: Client, prefix: str) -> list[dict[str, Any]]:
     """Every event in the durable stream shards, oldest first."""
-    from tokend.store import Keyspace
-
     out = []
     for stream in Keyspace(prefix).streams():
         out += [json.loads(fields["event"]) for _, fields in await client.xrange(stream)]
     return sorted(out, key=lambda e: e["at"])
+
+
+async def sweeps_begun(admin_port: int) -> int:
+    """How many sweeps a node has begun, from its metrics: one claim.lua round trip each."""
+    metrics = (await http_request(admin_port, "GET", "/metrics")).body.decode()
+    found = re.search(r'^tokend_redis_call_seconds_count\{script="claim"\} (\S+)$', metrics, re.M)
+    return int(float(found[1])) if found else 0
+
+
+async def after_a_full_sweep(*admin_ports: int, timeout: float = 10.0) -> None:
+    """Return once each node has made a whole sweep begun after this call.
+
+    A node sweeps one claim and its transitions at a time, so by then whatever any
+    sweep had claimed earlier has been judged, and each event it made is in the
+    streams. With :func:`left_to_judge` empty too, no script can emit for those
+    sessions again: the fence to count their events at, instead of a pause "long enough
+    for a duplicate to show".
+    """
+    # b + 1: the sweep under way (claimed, judging) has finished; b + 2: a later one too.
+    begun = {port: await sweeps_begun(port) for port in admin_ports}
+
+    async def swept() -> bool:
+        return all([await sweeps_begun(port) >= b + 2 for port, b in begun.items()])
+
+    await eventually(swept, timeout)
+
+
+async def left_to_judge(client: Client, prefix: str, tids: Sequence[str]) -> list[str]:
+    """Of ``tids``, those with a session hash or a deadline entry still in Redis: the
+    only things a sweep, and so a duplicate event, could come from."""
+    keys = Keyspace(prefix)
+    left = []
+    for tid in tids:
+        shard = keys.shard_of(tid)
+        session_key = keys.session_keys_of(shard, tid)[0]
+        due = keys.shard_keys(shard)[0]
+        if await client.exists(session_key) or await client.zscore(due, tid) is not None:
+            left.append(tid)
+    return left

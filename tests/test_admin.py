@@ -174,8 +174,13 @@ async def test_mint_show_list_revoke(admin_app: App, tokens: TokenService) -> No
 
 
 async def test_list_pages_through_every_session_and_filters_by_state(
-    admin_app: App, events: EventLog
+    start_app: StartApp, events: EventLog
 ) -> None:
+    # Clocks wide enough that heartbeats keep four sessions far from WARN however busy
+    # the machine, while the fifth, silent, gets there.
+    admin_app = await start_app(
+        admin_token=ADMIN_TOKEN, heartbeat_interval=0.5, warn_after=3, expire_after=30
+    )
     minted = [await mint(admin_app, f"user-{n}") for n in range(5)]
     async with raw_clients(admin_app.port, 5) as clients:
         for client, m in zip(clients, minted, strict=True):
@@ -190,16 +195,16 @@ async def test_list_pages_through_every_session_and_filters_by_state(
                 break
             cursor = reply["cursor"]
         assert sorted(seen) == sorted(m["tid"] for m in minted)
-        # Keep all but the first heartbeating: the first alone goes to WARN.
+        # Keep all but the first heartbeating, together: the first alone goes to WARN.
         warned = minted[0]["tid"]
-        waiter = asyncio.create_task(events.wait_for("SESSION_WARN", warned, timeout=5))
+        waiter = asyncio.create_task(events.wait_for("SESSION_WARN", warned, timeout=10))
         while not waiter.done():
-            for client in clients[1:]:
-                await client.heartbeat()
-            await asyncio.sleep(0.2)
+            await asyncio.gather(*(client.heartbeat() for client in clients[1:]))
+            await asyncio.sleep(0.5)
         await waiter
         reply = (await api(admin_app, "GET", "/v1/sessions?state=WARN")).json()
         assert [s["tid"] for s in reply["sessions"]] == [warned] and reply["cursor"] is None
+        assert events.of("SESSION_WARN") == events.of("SESSION_WARN", warned)
 
 
 # --- the dashboard's feeds --------------------------------------------------------------------

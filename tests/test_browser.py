@@ -7,8 +7,11 @@ and checks what the page saw against the server's events.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
+import shutil
 import subprocess
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from websockets.asyncio.server import ServerConnection
 
-from tests.support import EventLog, RawClient
+from tests.support import LOOPBACK, EventLog, RawClient
 from tests.test_client import _welcome_for, fake_server, url_of
 from tokend import protocol as p
 from tokend.server import App
@@ -34,6 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SDK_TYPES = ROOT / "sdk" / "js" / "tokend.d.ts"
 # Backoff of the page's sessions, ms: reconnects are quick but still jittered.
 FAST_BACKOFF = {"base": 50, "cap": 500}
+# A short openTimeout, ms, so that a session can be held for several of them quickly.
+OPEN_TIMEOUT = 1000
+# Heartbeats every half second, and WARN far off: a busy machine cannot make the held
+# session anything but steady.
+STEADY_CLOCKS = {"heartbeat_interval": 0.5, "warn_after": 20, "expire_after": 30}
 
 
 @pytest.fixture
@@ -218,7 +226,13 @@ async def test_warn_recover_then_expire_when_heartbeats_stop(
     await page.eval("session.pauseHeartbeats()")
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4505, "session expired")
-    assert ended["error"] == {"name": "SessionExpired", "code": 4505, "meaning": "session expired"}
+    assert ended["error"] == {
+        "name": "SessionExpired",
+        "code": 4505,
+        "meaning": "session expired",
+        "reason": "session_expired",
+    }
+    assert ended["reason"] == "session_expired"
     expired = await events.wait_for("TOKEN_EXPIRED", tid)
     assert expired[0]["reason"] == "heartbeat_timeout"
     assert not changes(page, "reconnecting")
@@ -263,7 +277,12 @@ async def test_revocation_ends_the_session_without_reconnecting(
     await app.node.store.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4506, "token revoked")
-    assert ended["error"] == {"name": "Revoked", "code": 4506, "meaning": "token revoked"}
+    assert ended["error"] == {
+        "name": "Revoked",
+        "code": 4506,
+        "meaning": "token revoked",
+        "reason": "session_revoked",
+    }
     assert await page.eval("session.wait().then(() => 'ok', (e) => e instanceof tokend.Revoked)")
     assert not changes(page, "reconnecting")
     assert (await stats(page))["reconnects"] == 0
@@ -333,6 +352,7 @@ async def test_a_bad_token_is_refused_with_4501(
     assert outcome == "AuthError"
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4501, "invalid token")
+    assert ended["reason"] == ended["error"]["reason"] == "unknown_kid"
     assert not changes(page, "reconnecting") and not changes(page, "connected")
     # Not a JWT at all: refused before connecting.
     refused = await page.eval(
@@ -373,3 +393,112 @@ async def test_a_tab_back_in_view_sends_an_overdue_heartbeat_at_once_and_no_burs
     assert sent == {"notDue": 0, "overdue": 1, "extra": 0, "state": "visible"}
     assert (await stats(page))["maxLag"] >= 400  # it went half a second late, at least
     assert not changes(page, "reconnecting") and not changes(page, "ended")
+
+
+async def one_connection_then_logout(events: EventLog, tid: str) -> None:
+    """The server saw the session start once and log out: no resume in between."""
+    await events.wait_for("SESSION_CLOSED", tid)
+    kinds = [e["type"] for e in events.events if e["tid"] == tid]
+    assert kinds == ["SESSION_STARTED", "SESSION_CLOSED"]
+
+
+async def test_a_session_outlives_open_timeout_without_reconnecting(
+    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    """openTimeout bounds the wait for WELCOME, not the connection's life."""
+    app = await start_app(**STEADY_CLOCKS)
+    options = {"openTimeout": OPEN_TIMEOUT, "backoff": FAST_BACKOFF}
+    assert await open_session(page, app.port, tokens.mint("steady"), **options) == "started"
+    tid = await page.eval("session.tid")
+    held = await page.eval(
+        f"new Promise((ok) => setTimeout(() => ok(session.stats), {3 * OPEN_TIMEOUT}))"
+    )
+    assert held["reconnects"] == 0 and held["acks"] >= 3, held
+    assert [c["kind"] for c in page.reports] == ["connected"]
+    await page.eval("session.close()")
+    assert (await wait_change(page, "ended"))["code"] == 1000
+    await one_connection_then_logout(events, tid)
+
+
+async def test_open_timeout_still_ends_a_connection_without_welcome(
+    page: BrowserPage, tokens: TokenService
+):
+    hellos = 0
+
+    async def silent(ws: ServerConnection) -> None:
+        nonlocal hellos
+        await ws.recv()
+        hellos += 1
+        await ws.wait_closed()
+
+    async with fake_server(silent) as url:
+        options = {"openTimeout": OPEN_TIMEOUT, "backoff": {"base": 50, "cap": 50}}
+        await page.eval(
+            f"openSession({json.dumps(url)}, {json.dumps(tokens.mint('x'))}, "
+            f"{json.dumps(options)}); 0"
+        )
+        retry = await wait_change(page, "reconnecting", timeout=OPEN_TIMEOUT / 1000 + 5)
+        assert retry["code"] is None and retry["detail"].startswith("no WELCOME in time")
+        await page.eval("session.close()")
+    assert hellos >= 1
+    ended = await wait_change(page, "ended")
+    assert ended["detail"] == "closed before a session was made"
+
+
+# The same module under Node (sdk/js/README.md: Node 22's WebSocket, or ws on Node 20)
+
+
+async def run_in_node(
+    node_dir: Path, url: str, token: str, hold_ms: int, **options: Any
+) -> list[dict[str, Any]]:
+    """tests/browser/node_session.mjs: hold a session for ``hold_ms``; its JSON lines."""
+    config = json.dumps({"url": url, "token": token, "options": options, "holdMs": hold_ms})
+    process = await asyncio.create_subprocess_exec(
+        shutil.which("node") or "node",
+        str(ROOT / "tests" / "browser" / "node_session.mjs"),
+        config,
+        env={**os.environ, "NODE_DIR": str(node_dir)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), hold_ms / 1000 + 30)
+    assert process.returncode == 0, err.decode()
+    return [json.loads(line) for line in out.splitlines()]
+
+
+async def test_under_node_a_session_outlives_open_timeout_without_reconnecting(
+    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    app = await start_app(**STEADY_CLOCKS)
+    token = tokens.mint("node")
+    tid = str(tokens.verify(token).tid)
+    options = {"openTimeout": OPEN_TIMEOUT, "backoff": FAST_BACKOFF}
+    lines = await run_in_node(node_dir, url_of(app.port), token, 3 * OPEN_TIMEOUT, **options)
+    kinds = [line["change"]["kind"] for line in lines if "change" in line]
+    held = next(line["held"] for line in lines if "held" in line)
+    assert kinds == ["connected", "ended"], lines
+    assert held["connected"] and held["stats"]["reconnects"] == 0, held
+    assert held["stats"]["acks"] >= 3
+    assert lines[-1] == {"done": {"error": None}}
+    await one_connection_then_logout(events, tid)
+
+
+async def test_under_node_open_timeout_ends_a_handshake_that_never_finishes(
+    node_dir: Path, tokens: TokenService
+):
+    """ws closed while still connecting raises an error event: it must not kill Node."""
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers the opening handshake
+        writer.close()
+
+    server = await asyncio.start_server(mute, LOOPBACK, 0)
+    async with server:
+        url = url_of(server.sockets[0].getsockname()[1])
+        options = {"openTimeout": OPEN_TIMEOUT, "backoff": {"base": 50, "cap": 50}}
+        lines = await run_in_node(node_dir, url, tokens.mint("x"), 2 * OPEN_TIMEOUT, **options)
+    retries = [
+        line["change"] for line in lines if line.get("change", {}).get("kind") == "reconnecting"
+    ]
+    assert retries and retries[0]["detail"].startswith("no WELCOME in time"), lines
+    assert lines[-1] == {"done": {"error": None}}

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import redis as redis_lib
 from tests.support import RawClient, TokendProcess, http_get
 from tokend import config
 from tokend import protocol as p
+from tokend.cli import COMMAND_SETTINGS
 from tokend.store import Keyspace
 from tokend.tokens import KeyRing, TokenService
 
@@ -72,6 +74,34 @@ def test_help_explains_each_command():
     assert result.returncode == 0
     for command in ("serve", "issue", "events", "revoke", "keys"):
         assert command in result.stdout
+
+
+def setting_flags(help_text: str) -> set[str]:
+    """The flags of the help's "settings" section, but --config."""
+    section = help_text.split("\nsettings:\n", 1)[1]
+    return set(re.findall(r"^  (--[a-z-]+) [A-Z]+", section, re.M)) - {"--config"}
+
+
+@pytest.mark.parametrize("command", list(COMMAND_SETTINGS))
+def test_each_command_shows_the_settings_it_reads_each_with_its_meaning(command: str):
+    shown = tokend(command, "--help", env={"COLUMNS": "1000"})
+    assert shown.returncode == 0
+    flags = setting_flags(shown.stdout)
+    assert flags == {"--" + name.replace("_", "-") for name in COMMAND_SETTINGS[command]}
+    for name in COMMAND_SETTINGS[command]:
+        assert config.meaning(name) in shown.stdout
+    if command != "serve":  # nothing of the server's own: its clocks, listener, limits
+        assert not flags & {"--warn-after", "--max-frame-rate", "--admin-port", "--workers"}
+    if command in ("issue", "keys"):  # the keys directory alone
+        assert "--redis-url" not in flags
+
+
+def test_a_missing_argument_is_one_line():
+    refused = tokend("revoke", env={})
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        "tokend revoke: the following arguments are required: tid (see tokend revoke --help)\n"
+    )
 
 
 async def test_serve_embedded_default_then_revoke_and_events(home: dict[str, str], tmp_path: Path):

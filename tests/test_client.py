@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -283,11 +284,15 @@ async def test_refused_tokens_end_without_retrying(
 ):
     foreign = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
     expired = tokens.mint("late", ttl_s=10, iat=int(time.time()) - 100)
-    for token, code in ((foreign, CloseCode.INVALID_TOKEN), (expired, CloseCode.TOKEN_EXPIRED)):
+    cases = ((foreign, CloseCode.INVALID_TOKEN, "unknown_kid"), (expired, 4502, "expired"))
+    for token, code, reason in cases:
         session = connect(url_of(app.port), token, backoff=FAST)
         with pytest.raises(AuthError) as refused:
             await session.start()
-        assert refused.value.code == code
+        assert (refused.value.code, refused.value.reason) == (code, reason)
+        assert str(refused.value).endswith(f": {reason}")
+        ended = [change async for change in session.changes()][-1]
+        assert (ended.kind, ended.code, ended.reason) == (Change.ENDED, code, reason)
         assert session.stats.reconnects == 0
 
 
@@ -308,10 +313,13 @@ def _unsigned_token() -> str:
 
 
 # A client whose event loop is blocked (it runs in a thread, with its own loop,
-# so that blocking it does not block the in-process server).
+# so that blocking it does not block the in-process server) until the server has
+# done what the test waits for.
 
 
-def _run_blocking_client(url: str, token: str, block_s: float) -> tuple[list[Lifecycle], Session]:
+def _run_blocking_client(
+    url: str, token: str, release: threading.Event
+) -> tuple[list[Lifecycle], Session]:
     async def main() -> tuple[list[Lifecycle], Session]:
         session = Session(url, token, backoff=FAST)
         recorder = Recorder(session)
@@ -319,9 +327,10 @@ def _run_blocking_client(url: str, token: str, block_s: float) -> tuple[list[Lif
         await recorder.until(Change.CONNECTED)
         acks = session.stats.acks
         await eventually(lambda: session.stats.acks > acks)  # right after a heartbeat
-        time.sleep(block_s)  # noqa: ASYNC251 - the point: a loop that cannot keep the cadence
+        # The point: a loop that cannot keep the cadence, until the test lets it go on.
+        assert release.wait(30)
         with contextlib.suppress(TimeoutError):
-            change = await recorder.until(Change.RECOVERED, Change.ENDED, timeout=3)
+            change = await recorder.until(Change.RECOVERED, Change.ENDED, timeout=10)
             if change.kind is Change.RECOVERED:
                 acks = session.stats.acks
                 await eventually(lambda: session.stats.acks > acks + 2)
@@ -332,15 +341,34 @@ def _run_blocking_client(url: str, token: str, block_s: float) -> tuple[list[Lif
     return asyncio.run(main())
 
 
-async def test_blocked_loop_warns_then_recovers(app: App, tokens: TokenService, events: EventLog):
-    # warn_after 0.6 < 0.85 s blocked < expire_after 1.2
-    seen, session = await asyncio.to_thread(
-        _run_blocking_client, url_of(app.port), tokens.mint("sleepy"), 0.85
+async def blocked_until(
+    app: App, token: str, events: EventLog, kind: str
+) -> tuple[list[Lifecycle], Session]:
+    """Run a client whose loop blocks after an ACK until the server emits ``kind``."""
+    release = threading.Event()
+    client = asyncio.create_task(
+        asyncio.to_thread(_run_blocking_client, url_of(app.port), token, release)
     )
+    try:
+        tid = str(uuid.UUID(jwt.decode(token, options={"verify_signature": False})["jti"]))
+        await events.wait_for(kind, tid, timeout=10)
+    finally:
+        release.set()
+    return await client
+
+
+async def test_blocked_loop_warns_then_recovers(
+    start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    # Blocked until the server warns (after warn_after, 0.6 s): its next heartbeat, as
+    # soon as the loop runs again, comes long before expire_after (5 s here).
+    app = await start_app(expire_after=5)
+    seen, session = await blocked_until(app, tokens.mint("sleepy"), events, "SESSION_WARN")
     kinds = [change.kind for change in seen]
     assert Change.WARNED in kinds and Change.RECOVERED in kinds, kinds
     assert kinds[-1] is Change.ENDED and session.error is None  # logged out by us
-    assert session.stats.max_lag >= 0.6
+    # Blocked from an ACK until warn_after had passed: late by warn_after less a cadence.
+    assert session.stats.max_lag >= app.settings.warn_after - app.settings.heartbeat_interval
     await events.wait_for("SESSION_RECOVERED", str(session.tid))
     assert not events.of("TOKEN_EXPIRED", str(session.tid))
 
@@ -348,14 +376,12 @@ async def test_blocked_loop_warns_then_recovers(app: App, tokens: TokenService, 
 async def test_blocked_past_expiry_ends_with_session_expired(
     app: App, tokens: TokenService, events: EventLog
 ):
-    seen, session = await asyncio.to_thread(
-        _run_blocking_client, url_of(app.port), tokens.mint("asleep"), 1.6
-    )
+    seen, session = await blocked_until(app, tokens.mint("asleep"), events, "TOKEN_EXPIRED")
     assert seen[-1].kind is Change.ENDED
     assert seen[-1].code == CloseCode.SESSION_EXPIRED
     assert isinstance(session.error, SessionExpired)
     assert session.stats.reconnects == 0
-    expired = await events.wait_for("TOKEN_EXPIRED", str(session.tid))
+    expired = events.of("TOKEN_EXPIRED", str(session.tid))
     assert expired[0]["reason"] == "heartbeat_timeout"
 
 
@@ -429,40 +455,83 @@ async def test_a_silent_server_is_left_and_the_client_reconnects():
 # The command a newcomer runs
 
 
+class ConnectCommand:
+    """``tokend connect ARGS`` as a child process, its output read line by line."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.lines: list[str] = []
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def run(cls, *args: str) -> AsyncIterator[ConnectCommand]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tokend", "connect", *args, "--log-level", "warning",
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        try:
+            yield cls(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    async def until(self, word: str) -> str:
+        """The next line of kind ``word`` (connected, renewed, ..., ended)."""
+        assert self.process.stdout is not None
+        async with asyncio.timeout(10):
+            while True:
+                line = (await self.process.stdout.readline()).decode()
+                assert line, f"tokend connect exited early: {self.lines}"
+                self.lines.append(line)
+                if line.split()[1] == word:
+                    return line
+
+    async def exit_status(self) -> int:
+        return await asyncio.wait_for(self.process.wait(), 10)
+
+
 async def test_tokend_connect_prints_renewals_and_logs_out_on_ctrl_c(
     start_app: StartApp, keys_dir: Path, events: EventLog
 ):
     app = await start_app(token_ttl=3, renew_window=2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokend", "connect", "--sub", "newcomer", "--ttl", "3",
-        "--url", url_of(app.port), "--keys-dir", str(keys_dir), "--log-level", "warning",
-        stdout=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    assert process.stdout is not None
-    lines: list[str] = []
-
-    async def read_until(word: str) -> str:
-        async with asyncio.timeout(10):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                assert line, f"tokend connect exited early: {lines}"
-                lines.append(line)
-                if line.split()[1] == word:
-                    return line
-
-    try:
-        connected = await read_until("connected")
+    async with ConnectCommand.run(
+        "--sub", "newcomer", "--ttl", "3", "--url", url_of(app.port), "--keys-dir", str(keys_dir)
+    ) as command:
+        connected = await command.until("connected")
         assert "sub=newcomer" in connected and "heartbeat=0.2 s" in connected
-        await read_until("renewed")
-        await read_until("renewed")
-        process.send_signal(signal.SIGINT)
-        ended = await read_until("ended")
-        assert "code=1000" in ended and "logged out" in ended
-        assert await asyncio.wait_for(process.wait(), 10) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await command.until("renewed")
+        await command.until("renewed")
+        command.process.send_signal(signal.SIGINT)
+        ended = await command.until("ended")
+        assert "code=1000 reason=bye" in ended and "logged out" in ended
+        assert await command.exit_status() == 0
     tid = connected.split("tid=")[1].split()[0]
     await events.wait_for("SESSION_CLOSED", tid)
+
+
+async def test_tokend_connect_prints_why_a_token_is_refused(app: App, settings, tmp_path: Path):
+    foreign = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    async with ConnectCommand.run("--token", foreign, "--url", url_of(app.port)) as command:
+        ended = await command.until("ended")
+        assert "code=4501 reason=unknown_kid" in ended and "[AuthError]" in ended
+        assert await command.exit_status() == 1
+
+
+async def test_tokend_connect_stopped_before_any_session_says_none_was_made(
+    start_app: StartApp, own_redis: RedisProcess, tokens: TokenService
+):
+    """Ctrl-C while no session was ever made (nothing listening, or Redis down) must not
+    claim that a session stays on the server."""
+    app = await start_app(redis_url=own_redis.url)
+    own_redis.kill()
+    dead = url_of(free_port())
+    for url, retry in ((dead, "cannot connect"), (url_of(app.port), "reason=store_unavailable")):
+        async with ConnectCommand.run("--token", tokens.mint("nobody"), "--url", url) as command:
+            assert retry in await command.until("reconnecting")
+            command.process.send_signal(signal.SIGINT)
+            ended = await command.until("ended")
+            assert "closed before a session was made" in ended, command.lines
+            assert "stays until it expires" not in ended
+            assert await command.exit_status() == 0

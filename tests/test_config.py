@@ -18,6 +18,7 @@ from tokend.config import ConfigError, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "config" / "tokend.toml"
+README = ROOT / "README.md"
 
 
 def write_toml(path: Path, text: str) -> Path:
@@ -253,6 +254,10 @@ def test_non_positive_duration_is_named(name: str, value: str) -> None:
         ({"max_message_size": (1 << 20) + 1}, "max_message_size"),
         ({"redis_pool_size": 3}, "redis_pool_size"),
         ({"stream_maxlen": 0}, "stream_maxlen"),
+        ({"jwks_max_age": 900}, "jwks_max_age"),
+        ({"key_publish_delay": 10, "jwks_max_age": 10}, "jwks_max_age"),
+        ({"jwks_max_age": -1}, "jwks_max_age"),
+        ({"key_publish_delay": 0}, "key_publish_delay"),
     ],
 )
 def test_invalid_setting_is_named(overrides: dict[str, Any], name: str) -> None:
@@ -344,26 +349,46 @@ def test_default_file_loads_as_the_defaults() -> None:
     assert config.load({"config": str(DEFAULT_FILE)}, environ={}) == Settings()
 
 
-def test_default_file_documents_every_field() -> None:
-    """Each key is preceded by a comment naming its env variable; keys appear in field order."""
-    lines = DEFAULT_FILE.read_text().splitlines()
-    seen: list[str] = []
+def comments_of_the_default_file() -> dict[str, list[str]]:
+    """Each key of config/tokend.toml with the comment lines right above it, in order."""
+    found: dict[str, list[str]] = {}
     comment: list[str] = []
-    for line in lines:
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            comment.append(stripped)
-            continue
-        if not stripped:
+    for line in DEFAULT_FILE.read_text().split("\n\n", 1)[1].splitlines():
+        if line.startswith("#"):
+            comment.append(line)
+        elif line:
+            match = re.match(r"([a-z_]+) = ", line)
+            assert match, f"not a flat key = value line: {line!r}"
+            found[match[1]] = comment
+        else:
             comment = []  # a key's comment sits right above it
-            continue
-        match = re.match(r"([a-z_]+)\s*=", stripped)
-        assert match, f"not a flat key = value line: {line!r}"
-        name = match.group(1)
-        text = " ".join(comment)
-        assert config.env_name(name) in text, f"{name}: comment lacks {config.env_name(name)}"
-        if Settings.__dataclass_fields__[name].default == "":
-            assert "Empty" in text or "empty" in text, f"{name}: say what empty means"
-        seen.append(name)
-        comment = []
-    assert seen == [field.name for field in fields(Settings)]
+    return found
+
+
+def test_each_setting_has_one_meaning_in_the_help_the_readme_and_the_toml_file() -> None:
+    """config.meaning() is the one text: --help, the README's table and the file's comments."""
+    names = list(config.FIELDS)
+    expected = {}
+    for name in names:
+        shown = config.FIELDS[name].metadata["shown"]
+        empty = f" Empty: {shown}." if shown else ""
+        expected[name] = [f"# {config.meaning(name)}", f"# Env: {config.env_name(name)}.{empty}"]
+    assert comments_of_the_default_file() == expected
+
+    rows = re.findall(r"^\| `TOKEND_(\w+)` \| (.+?) \| (.+) \|$", README.read_text(), re.M)
+    assert rows[0][0] == "CONFIG"  # not a setting: where the settings are read from
+    documented = [(name.lower(), default.strip("`"), text) for name, default, text in rows[1:]]
+    assert documented == [(n, config.shown_default(n), config.meaning(n)) for n in names]
+
+    help_text = subprocess.run(
+        [sys.executable, "-m", "tokend", "serve", "--help"],
+        env={**os.environ, "COLUMNS": "1000"},  # one line per option
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        text = f"{config.meaning(name)} (default: {config.shown_default(name)})"
+        # The text follows the flag on its line, or alone on the next when the flag is long.
+        assert re.search(rf"^  {flag} [A-Z]+\s+{re.escape(text)}$", help_text, re.M), name

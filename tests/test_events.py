@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
+import socket
+import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from redis import asyncio as aioredis
+from websockets.exceptions import ConnectionClosed
 
-from tests.support import LOOPBACK, RedisProcess
+from tests.support import LOOPBACK, Closed, EventLog, RawClient, RedisProcess, node_env, tid_of
 from tokend import events
 from tokend import protocol as p
 from tokend.client import Backoff, connect
@@ -20,6 +27,7 @@ from tokend.store import Keyspace
 from tokend.tokens import TokenService
 
 Event = dict[str, Any]
+StartApp = Callable[..., Awaitable[App]]
 
 
 async def one_session(app: App, tokens: TokenService, sub: str) -> str:
@@ -171,3 +179,105 @@ async def test_durable_waits_out_a_redis_outage(
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
         await client.aclose()
+
+
+# What the scripts emit, against docs/events.md
+
+EVENTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "events.md"
+
+
+def documented_event_fields() -> list[tuple[str, frozenset[str]]]:
+    """(type, fields) of each row of the table in docs/events.md, "Event types ..."."""
+    section = EVENTS_DOC.read_text().split("## Event types and their fields", 1)[1]
+    rows = re.findall(r"^\| `([A-Z_]+)` \|[^|]*\| ((?:`\w+` ?)+) \|$", section, re.M)
+    return [(kind, frozenset(re.findall(r"`(\w+)`", fields))) for kind, fields in rows]
+
+
+async def test_every_event_type_has_the_fields_documented(
+    start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    """Drive every kind of event, each variant of it, through real sessions; each event
+    has exactly the fields of a row of its type, and every row is met."""
+    # expire_after well past warn_after: room to recover and resume after each WARN.
+    app = await start_app(expire_after=3)
+    assert app.node is not None
+    tids: list[str] = []
+    async with RawClient.connect(app.port) as client:
+        token = tokens.mint("walker", ttl_s=2)  # inside renew_window: renewed at once
+        tids.append(tid := tid_of(await client.hello(token)))
+        assert (await client.heartbeat()).renewed  # TOKEN_RENEWED
+        await events.wait_for("SESSION_WARN", tid)  # silent past warn_after
+        await client.heartbeat()  # SESSION_RECOVERED
+        await events.wait_for("SESSION_WARN", tid, count=2)
+    async with RawClient.connect(app.port) as client:
+        assert (await client.hello(token)).resumed  # RESUMED, then RECOVERED
+        await client.send(p.encode(p.Bye()))  # SESSION_CLOSED
+        assert (await client.expect_close()).code == p.CloseCode.NORMAL
+    async with RawClient.connect(app.port) as client:
+        tids.append(silent := tid_of(await client.hello(tokens.mint("silent"))))
+        short = tokens.mint("short", ttl_s=2)  # its exp comes before expire_after
+        async with RawClient.connect(app.port) as other:
+            tids.append(brief := tid_of(await other.hello(short)))
+            (expired,) = await events.wait_for("TOKEN_EXPIRED", brief, timeout=5)
+            assert expired["reason"] == "token_expired"
+        (expired,) = await events.wait_for("TOKEN_EXPIRED", silent, timeout=5)
+        assert expired["reason"] == "heartbeat_timeout"
+    async with RawClient.connect(app.port) as client:
+        tids.append(live := tid_of(await client.hello(tokens.mint("revoked"))))
+        assert await app.node.store.revoke(uuid.UUID(live), by="cli:test") == 1
+    tids.append(barred := str(uuid.uuid4()))
+    assert await app.node.store.revoke(uuid.UUID(barred), by="admin:test") == 2
+    await events.wait_for("TOKEN_REVOKED", barred)
+
+    rows = documented_event_fields()
+    emitted = [event for event in events.events if event["tid"] in tids]
+    for event in emitted:
+        assert (event["type"], frozenset(event)) in rows, event
+    met = {(event["type"], frozenset(event)) for event in emitted}
+    assert set(rows) == met
+    assert {kind for kind, _ in rows} == {
+        "SESSION_STARTED",
+        "SESSION_RESUMED",
+        "TOKEN_RENEWED",
+        "SESSION_WARN",
+        "SESSION_RECOVERED",
+        "SESSION_CLOSED",
+        "TOKEN_EXPIRED",
+        "TOKEN_REVOKED",
+    }
+    (closed,) = [e for e in emitted if e["type"] == "SESSION_CLOSED"]
+    assert closed["reason"] == "bye"
+
+
+async def test_node_is_the_node_holding_the_session_and_by_who_revoked(
+    start_app: StartApp, tokens: TokenService, events: EventLog, settings: Settings
+):
+    """A sweep by another node, and a revocation from the command line, name the node
+    that held the session, not the one that ran the script."""
+    holder = await start_app(node_name="holder")
+    sweeper = await start_app(node_name="sweeper")
+    async with RawClient.connect(holder.port) as client:
+        tid = tid_of(await client.hello(tokens.mint("left")))
+    await holder.stop()  # closes with 1001: the session stays for the sweeper alone
+    warned, expired = (
+        await events.wait_for("SESSION_WARN", tid),
+        await events.wait_for("TOKEN_EXPIRED", tid),
+    )
+    assert warned[0]["node"] == expired[0]["node"] == "holder"
+    async with RawClient.connect(sweeper.port) as client:
+        tid = tid_of(await client.hello(tokens.mint("revoked")))
+        revoke = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tokend", "revoke", tid,
+            env={**os.environ, **node_env(settings), "TOKEND_NODE_NAME": "operator"},
+            stdout=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        # Heartbeating, so that only the revocation can end it.
+        with contextlib.suppress(Closed, ConnectionClosed):
+            async with asyncio.timeout(30):
+                while True:
+                    await client.heartbeat()
+                    await asyncio.sleep(settings.heartbeat_interval)
+        assert client.ws.close_code == p.CloseCode.TOKEN_REVOKED
+        assert await asyncio.wait_for(revoke.wait(), 30) == 0
+    (revoked,) = await events.wait_for("TOKEN_REVOKED", tid)
+    assert (revoked["node"], revoked["by"]) == ("sweeper", f"cli:{socket.gethostname()}")

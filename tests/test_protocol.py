@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import hmac
+import re
 import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokend import connection, node, server, session
 from tokend import protocol as p
 from tokend.protocol import (
     Bye,
@@ -26,6 +30,7 @@ from tokend.protocol import (
     encode,
     make_heartbeat,
 )
+from tokend.tokens import REFUSALS
 
 TID = bytes(range(0x10, 0x20))
 KEY = bytes(range(0xA0, 0xC0))
@@ -535,3 +540,66 @@ def test_every_close_code_has_a_description(code: CloseCode) -> None:
 def test_close_descriptions_are_distinct() -> None:
     texts = [c.describe() for c in CloseCode]
     assert len(set(texts)) == len(texts)
+
+
+# Close reasons: docs/protocol.md §7 "Close reasons" against the code that sends them
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+# What a close ordered by a control message (tokend/lua: hello, transition, end) says.
+CONTROL_CODES = (CloseCode.SESSION_EXPIRED, CloseCode.TOKEN_REVOKED, CloseCode.TAKEN_OVER)
+
+
+def documented_close_reasons() -> dict[str, int]:
+    section = DOCS.read_text().split("### Close reasons", 1)[1].split("\n## ", 1)[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", section, re.M)}
+
+
+def reasons_sent_by(module: object) -> dict[str, int | None]:
+    """The reasons of every ``Close(code, reason)`` and ``.close(code, reason)`` in a
+    module's source, with their code where it is written out (else None)."""
+    found: dict[str, int | None] = {}
+    tree = ast.parse(Path(module.__file__).read_text())  # type: ignore[attr-defined]
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or len(call.args) != 2:
+            continue
+        name = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+        if name not in ("Close", "close", "_close"):
+            continue
+        code_node, reason_node = call.args
+        code = None
+        if isinstance(code_node, ast.Attribute) and code_node.attr in CloseCode.__members__:
+            code = int(CloseCode[code_node.attr])
+        if isinstance(reason_node, ast.Constant):
+            found[reason_node.value] = code
+        elif isinstance(reason_node, ast.Name) and hasattr(module, reason_node.id):
+            found[getattr(module, reason_node.id)] = code
+        elif isinstance(reason_node, ast.JoinedStr):  # f"session_{tombstone}"
+            prefix = reason_node.values[0]
+            assert isinstance(prefix, ast.Constant), ast.unparse(reason_node)
+            for tomb, tomb_code in session.ENDED_CODES.items():
+                found[prefix.value + tomb] = tomb_code and int(tomb_code)
+        else:  # passed on: a TokenError's reason (below), or a Close's own
+            # (close_code.reason: a control message's close, CONTROL_CODES below)
+            assert ast.unparse(reason_node) in (
+                "exc.reason",
+                "close.reason",
+                "reason",
+                "close_code.reason",
+            )
+    return found
+
+
+def test_every_close_reason_sent_is_documented_and_every_documented_one_is_sent() -> None:
+    documented = documented_close_reasons()
+    sent = {
+        **reasons_sent_by(session),
+        **reasons_sent_by(connection),
+        **reasons_sent_by(node),
+        **reasons_sent_by(server),
+    }
+    sent |= {refusal: 4502 if refusal == "expired" else 4501 for refusal in REFUSALS}
+    sent |= {code.reason: int(code) for code in CONTROL_CODES}
+    assert sorted(sent) == sorted(documented)
+    for reason, code in sent.items():
+        assert code is None or documented[reason] == code, reason
+    assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", reason) for reason in documented)

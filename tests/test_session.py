@@ -122,16 +122,18 @@ def store_one(session: Session, answer: HeartbeatAnswer) -> list[p.HeartbeatAck]
 
 @pytest.mark.parametrize("frame", [p.Heartbeat(bytes(16), 1, 0, bytes(16)), p.Bye()])
 def test_only_hello_opens_a_connection(session: Session, frame: p.Frame) -> None:
-    closed(session.receive(frame), p.CloseCode.PROTOCOL_ERROR, "hello_first")
+    closed(session.receive(frame), p.CloseCode.PROTOCOL_ERROR, "hello_expected")
 
 
 def test_a_server_frame_from_the_client_is_a_protocol_error(session: Session) -> None:
-    closed(session.receive(p.Notice()), p.CloseCode.PROTOCOL_ERROR, "server_frame")
+    closed(session.receive(p.Notice()), p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
 
 
 def test_malformed_and_text_messages_close_4503(session: Session) -> None:
-    closed(session.malformed("text_message"), p.CloseCode.PROTOCOL_ERROR, "text_message")
+    closed(session.text_message(), p.CloseCode.PROTOCOL_ERROR, "text_message")
     assert session.phase is Phase.CLOSED
+    other = Session(session.host, CADENCE, "node-a/2", time.monotonic)
+    closed(other.malformed(), p.CloseCode.PROTOCOL_ERROR, "malformed_frame")
 
 
 def test_a_valid_hello_asks_the_store_and_remembers_the_claims(
@@ -163,7 +165,7 @@ def test_a_full_sub_is_rate_limited(session: Session, host: Host, tokens: TokenS
     closed(
         session.receive(p.Hello(tokens.mint("alice"))),
         p.CloseCode.RATE_LIMITED,
-        "sub_session_limit",
+        "too_many_sessions",
     )
 
 
@@ -172,7 +174,7 @@ def test_a_frame_while_the_store_starts_the_session_is_a_protocol_error(
 ) -> None:
     session.receive(p.Hello(tokens.mint("alice")))
     closed(
-        session.receive(p.Hello(tokens.mint("alice"))), p.CloseCode.PROTOCOL_ERROR, "hello_first"
+        session.receive(p.Hello(tokens.mint("alice"))), p.CloseCode.PROTOCOL_ERROR, "hello_expected"
     )
 
 
@@ -273,7 +275,9 @@ def test_a_replayed_or_older_seq_is_refused(
 def test_hello_after_welcome_is_a_protocol_error(session: Session, tokens: TokenService) -> None:
     welcome(session, tokens)
     closed(
-        session.receive(p.Hello(tokens.mint("alice"))), p.CloseCode.PROTOCOL_ERROR, "hello_again"
+        session.receive(p.Hello(tokens.mint("alice"))),
+        p.CloseCode.PROTOCOL_ERROR,
+        "unexpected_frame",
     )
 
 
@@ -287,7 +291,7 @@ def test_the_frame_rate_is_limited_and_refills(
     clock.now += 1.0  # five more frames' worth
     for seq in range(burst + 1, burst + 6):
         assert session.receive(heartbeat(w, seq)) is Ask.HEARTBEAT
-    closed(session.receive(heartbeat(w, burst + 6)), p.CloseCode.RATE_LIMITED, "frame_rate")
+    closed(session.receive(heartbeat(w, burst + 6)), p.CloseCode.RATE_LIMITED, "too_many_frames")
 
 
 # The store's answers to heartbeats
@@ -392,7 +396,7 @@ def test_a_heartbeat_arriving_during_the_store_call_waits_for_the_next(
             p.CloseCode.TOKEN_REVOKED,
             "session_closed",
         ),
-        (HeartbeatAnswer(HeartbeatOutcome.GONE), p.CloseCode.SESSION_EXPIRED, "session_vanished"),
+        (HeartbeatAnswer(HeartbeatOutcome.GONE), p.CloseCode.SESSION_EXPIRED, "session_ended"),
     ],
 )
 def test_the_store_ends_the_session(
@@ -464,7 +468,7 @@ def test_bye_asks_the_store_then_closes_1000(session: Session, tokens: TokenServ
 def test_bye_not_recorded_is_1013(session: Session, tokens: TokenService) -> None:
     welcome(session, tokens)
     session.receive(p.Bye())
-    closed(session.store_unavailable(), p.CloseCode.TRY_AGAIN_LATER, "store_unavailable")
+    closed(session.store_unavailable(), p.CloseCode.TRY_AGAIN_LATER, "bye_not_recorded")
 
 
 @pytest.mark.parametrize(
@@ -496,5 +500,5 @@ def test_nothing_comes_out_after_the_close(session: Session, tokens: TokenServic
     assert session.held_back() is None
     assert session.warn() is None
     assert session.told_to_close(4505) is None
-    assert session.malformed("x") is None
+    assert session.malformed() is None
     assert session.close(p.CloseCode.GOING_AWAY, "again") is None

@@ -170,7 +170,7 @@ async def test_a_resume_never_takes_over_the_connection_resuming(
     tid, other = await started(store, "node-a/1"), await started(store, "node-a/2")
     now = int(time.time())
     assert (await store.hello(tid, "alice", 5, now, now + 60, "node-a/1")).outcome == "resumed"
-    await store.revoke(other)  # a message published after any the resume would have sent
+    await store.revoke(other, by="test")  # published after any the resume would have sent
     await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
     assert control["node-a"].events == [
         {"op": "close", "tid": str(other), "conn": "node-a/2", "code": 4506}
@@ -189,9 +189,9 @@ async def test_a_control_message_goes_to_the_connections_node_alone(
     store: Store, control: dict[str, EventLog]
 ) -> None:
     on_b, on_a = await started(store, "node-b/1"), await started(store, "node-a/1")
-    await store.revoke(on_b)
+    await store.revoke(on_b, by="test")
     await control["node-b"].wait_until(lambda: len(control["node-b"].events) == 1)
-    await store.revoke(on_a)
+    await store.revoke(on_a, by="test")
     await control["node-a"].wait_until(lambda: len(control["node-a"].events) == 1)
     assert control["node-b"].events == [
         {"op": "close", "tid": str(on_b), "conn": "node-b/1", "code": 4506}
@@ -218,7 +218,7 @@ async def test_a_sweep_hands_its_own_connections_back_instead_of_publishing(
     # Swept again at once: nothing more is due, nothing is made twice.
     assert await sweep(store, tids) == {}
     # Then node-a's first message is the next one published for it: no notice came before.
-    await store.revoke(tids[0])
+    await store.revoke(tids[0], by="test")
     await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
     assert [m["op"] for m in control["node-a"].events] == ["close"]
 

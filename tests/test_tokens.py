@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
 import multiprocessing
 import stat
 import time
@@ -24,7 +25,15 @@ from hypothesis import strategies as st
 
 from tokend import config
 from tokend.config import Settings
-from tokend.tokens import KID_PATTERN, Claims, KeyRing, TokenError, TokenService
+from tokend.tokens import (
+    KID_PATTERN,
+    Claims,
+    KeyRing,
+    KeySchedule,
+    TokenError,
+    TokenService,
+    _write_private_key,
+)
 
 # --- helpers ----------------------------------------------------------------------------------
 
@@ -62,8 +71,8 @@ def claims(**changes: Any) -> dict[str, Any]:
 
 
 def sign(ring: KeyRing, body: dict[str, Any], **headers: Any) -> str:
-    """Sign arbitrary claims/headers with the ring's current private key."""
-    kid = ring.current_kid
+    """Sign arbitrary claims/headers with the ring's newest private key."""
+    kid = ring.kids[-1]
     key = ring._private[kid]
     return jwt.encode(body, key, algorithm="EdDSA", headers={"kid": kid, **headers})
 
@@ -73,9 +82,9 @@ def raw_token(header: dict[str, Any], body: dict[str, Any], signature: bytes = b
 
 
 def sign_raw(ring: KeyRing, header: dict[str, Any], body: dict[str, Any]) -> str:
-    """A token with a genuine signature by the current key over any header (PyJWT-free)."""
+    """A token with a genuine signature by the newest key over any header (PyJWT-free)."""
     signing_input = f"{b64url_json(header)}.{b64url_json(body)}"
-    signature = ring._private[ring.current_kid].sign(signing_input.encode())
+    signature = ring._private[ring.kids[-1]].sign(signing_input.encode())
     return f"{signing_input}.{b64url(signature)}"
 
 
@@ -98,12 +107,12 @@ def service(settings: Settings, ring: KeyRing) -> TokenService:
     return TokenService(settings, ring)
 
 
-def refused(service: TokenService, token: str) -> TokenError:
+def refused(service: TokenService, token: str, reason: str) -> None:
+    """``token`` is refused as invalid (4501) for ``reason`` (docs/protocol.md §7)."""
     with pytest.raises(TokenError) as info:
         service.verify(token)
     assert info.value.expired is False
-    assert info.value.reason
-    return info.value
+    assert info.value.reason == reason
 
 
 # --- minting ----------------------------------------------------------------------------------
@@ -128,7 +137,7 @@ def test_mint_defaults(service: TokenService, ring: KeyRing) -> None:
     assert got.tid.version == 4
     header = jwt.get_unverified_header(token)
     assert header["alg"] == "EdDSA"
-    assert header["kid"] == ring.current_kid
+    assert header["kid"] == ring.kids[-1]
     payload = jwt.decode(token, options={"verify_signature": False})
     assert set(payload) == {"iss", "aud", "sub", "jti", "iat", "exp"}  # prio 5 is implied
     assert payload["iss"] == payload["aud"] == "tokend"
@@ -141,7 +150,7 @@ def test_tokens_are_the_bytes_pyjwt_makes(service: TokenService, ring: KeyRing, 
     token = service.mint("alice", prio=prio)
     body = jwt.decode(token, options={"verify_signature": False})
     assert token == sign(ring, body)
-    public = ring.public_key(ring.current_kid)
+    public = ring.public_key(ring.kids[-1])
     assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == "alice"
 
 
@@ -169,7 +178,7 @@ def test_issuer_and_audience_come_from_settings(tmp_path: Path, ring: KeyRing) -
     assert (payload["iss"], payload["aud"]) == ("auth", "api")
     assert other.verify(token).sub == "alice"
     # The same key, but another issuer and audience: refused by the default service.
-    refused(TokenService(make_settings(tmp_path), ring), token)
+    refused(TokenService(make_settings(tmp_path), ring), token, "wrong_issuer")
 
 
 # --- key ring ---------------------------------------------------------------------------------
@@ -179,8 +188,8 @@ def test_open_on_empty_dir_creates_exactly_one_key(settings: Settings) -> None:
     directory = settings.resolved_keys_dir
     assert not directory.exists()
     ring = KeyRing.open(directory)
-    assert kids_on_disk(directory) == [ring.current_kid]
-    assert KID_PATTERN.match(ring.current_kid)
+    assert kids_on_disk(directory) == [ring.kids[-1]]
+    assert KID_PATTERN.match(ring.kids[-1])
 
 
 def test_key_files_are_private(settings: Settings) -> None:
@@ -202,34 +211,92 @@ def test_second_open_reuses_the_key(settings: Settings) -> None:
     directory = settings.resolved_keys_dir
     first = KeyRing.open(directory)
     second = KeyRing.open(directory)
-    assert second.current_kid == first.current_kid
-    assert kids_on_disk(directory) == [first.current_kid]
+    assert second.kids[-1] == first.kids[-1]
+    assert kids_on_disk(directory) == [first.kids[-1]]
     token = TokenService(settings, first).mint("alice")
     assert TokenService(settings, second).verify(token).sub == "alice"
 
 
-def test_rotate_makes_a_new_current_key(
+def test_a_rotated_key_verifies_at_once_and_signs_after_the_publish_delay(
     settings: Settings, ring: KeyRing, service: TokenService
 ) -> None:
-    old_kid = ring.current_kid
-    old_token = service.mint("alice")
+    old_kid = ring.kids[-1]
     new_kid = ring.rotate()
-    assert new_kid != old_kid
-    assert ring.current_kid == new_kid
-    assert kids_on_disk(settings.resolved_keys_dir) == sorted([old_kid, new_kid])
-    new_token = service.mint("alice")
-    assert jwt.get_unverified_header(new_token)["kid"] == new_kid
-    assert jwt.get_unverified_header(old_token)["kid"] == old_kid
-    assert service.verify(old_token).sub == "alice"
-    assert service.verify(new_token).sub == "alice"
+    assert new_kid > old_kid
+    assert kids_on_disk(settings.resolved_keys_dir) == ring.kids == [old_kid, new_kid]
+    # Published at once: a token of the new key verifies, and the JWKS lists it.
+    assert service.verify(sign(ring, claims())).sub == "alice"
+    assert service.published_kids() == [old_kid, new_kid]
+    # It signs only after key_publish_delay (900 s by default): the old key goes on.
+    token = service.mint("alice")
+    assert jwt.get_unverified_header(token)["kid"] == old_kid == service.signing_kid
+    due = service.schedule.signs_from(new_kid)
+    assert time.time() + 899 < due <= time.time() + 901
+    assert service.schedule.signing(ring.kids, due - 0.001) == old_kid
+    assert service.schedule.signing(ring.kids, due) == new_kid
 
 
-def test_rotations_in_quick_succession_each_become_current(ring: KeyRing) -> None:
+# Kids of keys made at known times: the schedule decides from the kids alone.
+T0 = "20260101T000000Z-00000000"  # made in the second from 1767225600
+T1 = "20260101T001000Z-00000000"  # 600 s later
+T2 = "20260101T001001Z-00000000"  # 601 s later
+
+
+def test_key_schedule_signs_with_the_newest_key_due_and_retires_after_its_tokens() -> None:
+    start = 1767225600.0
+    schedule = KeySchedule(publish_delay=100, retire_after=50)
+    kids = [T0, T1, T2]
+    assert schedule.signs_from(T0) == start + 1 + 100  # the end of its second, plus the delay
+    timeline = {
+        start: (T0, [T0, T1, T2]),  # none due yet: the oldest signs
+        start + 101: (T0, [T0, T1, T2]),
+        start + 600 + 100.999: (T0, [T0, T1, T2]),
+        start + 600 + 101: (T1, [T0, T1, T2]),  # T1 due: T0 stops signing
+        start + 601 + 101: (T2, [T0, T1, T2]),  # T2 due one second later: T1 never signed long
+        start + 600 + 101 + 49.999: (T2, [T0, T1, T2]),
+        start + 600 + 101 + 50: (T2, [T1, T2]),  # T0's tokens have all expired
+        start + 601 + 101 + 50: (T2, [T2]),
+    }
+    for now, (signing, published) in timeline.items():
+        assert (schedule.signing(kids, now), schedule.published(kids, now)) == (
+            signing,
+            published,
+        ), now
+    assert schedule.retires_at(T2, kids) == math.inf
+
+
+def test_a_retired_key_neither_verifies_nor_is_published(settings: Settings) -> None:
+    """A key superseded longer than token_ttl + leeway ago (900 + 5 s by default)."""
+    directory = settings.resolved_keys_dir
+    directory.mkdir(parents=True)
+    retired, successor = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    _write_private_key(directory / f"{T0}.pem", retired)
+    _write_private_key(directory / f"{T1}.pem", successor)
+    service = TokenService(settings, KeyRing.open(directory))
+    assert service.published_kids() == [T1] == [k["kid"] for k in service.jwks()["keys"]]
+    old = jwt.encode(claims(), retired, algorithm="EdDSA", headers={"kid": T0})
+    refused(service, old, "unknown_kid")
+    new = jwt.encode(claims(), successor, algorithm="EdDSA", headers={"kid": T1})
+    assert service.verify(new).sub == "alice"
+
+
+def test_a_key_deleted_from_the_directory_is_dropped(settings: Settings, ring: KeyRing) -> None:
+    service = TokenService(settings, ring)
+    old_kid, new_kid = ring.kids[-1], ring.rotate()
+    token = sign(ring, claims())
+    assert service.verify(token).sub == "alice"
+    (settings.resolved_keys_dir / f"{new_kid}.pem").unlink()
+    ring._checked = 0  # verification looks at the directory once a second at most
+    refused(service, token, "unknown_kid")
+    assert [k["kid"] for k in service.jwks()["keys"]] == [old_kid]
+
+
+def test_rotations_in_quick_succession_each_become_the_newest(ring: KeyRing) -> None:
     # Kids carry a one-second timestamp; rotating twice in a second must still move forward.
-    kids = [ring.current_kid]
+    kids = [ring.kids[-1]]
     for _ in range(20):
         kids.append(ring.rotate())
-        assert ring.current_kid == kids[-1]
+        assert ring.kids[-1] == kids[-1]
     assert kids == sorted(kids)
     assert len(set(kids)) == len(kids)
     assert all(KID_PATTERN.match(kid) for kid in kids)
@@ -242,16 +309,16 @@ def test_rotate_goes_after_keys_another_ring_wrote(settings: Settings) -> None:
     a_kid = a.rotate()  # a has not reloaded, yet its new key must sort after b's
     assert a_kid > b_kid
     fresh = KeyRing.open(settings.resolved_keys_dir)
-    assert fresh.current_kid == a_kid
+    assert fresh.kids[-1] == a_kid
     assert len(kids_on_disk(settings.resolved_keys_dir)) == 3
 
 
 def test_jwks_lists_every_key(ring: KeyRing, service: TokenService) -> None:
-    old_kid = ring.current_kid
+    old_kid = ring.kids[-1]
     old_token = service.mint("alice")
     new_kid = ring.rotate()
-    new_token = service.mint("alice")
-    jwks = ring.jwks()
+    new_token = sign(ring, claims())
+    jwks = service.jwks()
     assert set(jwks) == {"keys"}
     by_kid = {k["kid"]: k for k in jwks["keys"]}
     assert set(by_kid) == {old_kid, new_kid}
@@ -280,7 +347,7 @@ def test_verify_picks_up_a_key_rotated_by_another_ring(settings: Settings) -> No
     service = TokenService(settings, mine)
     theirs = KeyRing.open(settings.resolved_keys_dir)
     new_kid = theirs.rotate()
-    token = TokenService(settings, theirs).mint("carol")
+    token = sign(theirs, claims(sub="carol"))
     assert mine.public_key(new_kid) is None
     mine._checked = 0  # the directory is looked at once a second at most
     assert service.verify(token).sub == "carol"
@@ -292,9 +359,9 @@ def test_reload_on_unknown_kid_is_rate_limited(settings: Settings) -> None:
     service = TokenService(settings, mine)
     theirs = KeyRing.open(settings.resolved_keys_dir)
     theirs.rotate()
-    token = TokenService(settings, theirs).mint("carol")
+    token = sign(theirs, claims(sub="carol"))
     mine._checked = time.monotonic()  # just looked: no second look yet
-    assert refused(service, token).reason == "unknown kid"
+    refused(service, token, "unknown_kid")
     mine._checked = 0
     assert service.verify(token).sub == "carol"
 
@@ -302,7 +369,7 @@ def test_reload_on_unknown_kid_is_rate_limited(settings: Settings) -> None:
 def test_unknown_kid_in_a_fresh_service(settings: Settings, ring: KeyRing) -> None:
     # A fresh service reloads once on an unknown kid, then refuses it.
     token = sign(ring, claims(), kid="20000101T000000Z-deadbeef")
-    assert refused(TokenService(settings, ring), token).reason == "unknown kid"
+    refused(TokenService(settings, ring), token, "unknown_kid")
 
 
 def _open_and_sign(keys_dir: str, barrier: Any, results: Any) -> None:
@@ -310,7 +377,7 @@ def _open_and_sign(keys_dir: str, barrier: Any, results: Any) -> None:
     barrier.wait(timeout=20)
     ring = KeyRing.open(Path(keys_dir))
     sub = f"p{multiprocessing.current_process().pid}"
-    results.put((ring.current_kid, sign(ring, claims(sub=sub))))
+    results.put((ring.kids[-1], sign(ring, claims(sub=sub))))
 
 
 def test_concurrent_open_from_several_processes(settings: Settings) -> None:
@@ -342,9 +409,11 @@ def test_concurrent_open_from_several_processes(settings: Settings) -> None:
 
 @pytest.mark.parametrize("alg", ["none", "None", "NONE", "nOnE"])
 def test_alg_none_is_refused(service: TokenService, ring: KeyRing, alg: str) -> None:
-    header = {"alg": alg, "typ": "JWT", "kid": ring.current_kid}
-    refused(service, raw_token(header, claims()))
-    refused(service, raw_token({"alg": alg}, claims()))
+    header = {"alg": alg, "typ": "JWT", "kid": ring.kids[-1]}
+    # An unsecured JWS has an empty signature segment: not even a JWS of ours.
+    refused(service, raw_token(header, claims()), "malformed")
+    refused(service, raw_token({"alg": alg}, claims()), "malformed")
+    refused(service, raw_token(header, claims(), b"x" * 64), "bad_algorithm")
 
 
 def _hs256(header: dict[str, Any], body: dict[str, Any], secret: bytes) -> str:
@@ -356,7 +425,7 @@ def _hs256(header: dict[str, Any], body: dict[str, Any], secret: bytes) -> str:
 def test_hs256_with_the_public_key_as_secret_is_refused(
     service: TokenService, ring: KeyRing
 ) -> None:
-    kid = ring.current_kid
+    kid = ring.kids[-1]
     public = ring.public_key(kid)
     assert public is not None
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -364,22 +433,20 @@ def test_hs256_with_the_public_key_as_secret_is_refused(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     header = {"alg": "HS256", "typ": "JWT", "kid": kid}
-    for secret in (raw, pem, ring.jwks()["keys"][0]["x"].encode()):
-        refused(service, _hs256(header, claims(), secret))
+    for secret in (raw, pem, service.jwks()["keys"][0]["x"].encode()):
+        refused(service, _hs256(header, claims(), secret), "bad_algorithm")
 
 
 @pytest.mark.parametrize("alg", ["RS256", "ES256", "PS256", "HS512", "Ed25519", "eddsa", ""])
 def test_algorithms_outside_the_allow_list_are_refused(
     service: TokenService, ring: KeyRing, alg: str
 ) -> None:
-    header = {"alg": alg, "typ": "JWT", "kid": ring.current_kid}
-    assert refused(service, raw_token(header, claims(), b"x" * 64)).reason == (
-        "algorithm not allowed"
-    )
+    header = {"alg": alg, "typ": "JWT", "kid": ring.kids[-1]}
+    refused(service, raw_token(header, claims(), b"x" * 64), "bad_algorithm")
 
 
 def test_missing_alg_is_refused(service: TokenService, ring: KeyRing) -> None:
-    refused(service, raw_token({"kid": ring.current_kid}, claims(), b"x" * 64))
+    refused(service, raw_token({"kid": ring.kids[-1]}, claims(), b"x" * 64), "bad_algorithm")
 
 
 @pytest.mark.parametrize(
@@ -400,72 +467,76 @@ def test_missing_alg_is_refused(service: TokenService, ring: KeyRing) -> None:
 )
 def test_malformed_kid_is_refused(service: TokenService, ring: KeyRing, kid: Any) -> None:
     body = claims()
-    good = sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": ring.current_kid}, body)
+    good = sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": ring.kids[-1]}, body)
     assert service.verify(good).sub == "alice"  # the hand-made token is fine but for its kid
-    refused(service, sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": kid}, body))
+    refused(
+        service, sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": kid}, body), "unknown_kid"
+    )
 
 
 def test_missing_kid_is_refused(service: TokenService, ring: KeyRing) -> None:
-    key = ring._private[ring.current_kid]
+    key = ring._private[ring.kids[-1]]
     token = jwt.encode(claims(), key, algorithm="EdDSA")
     assert "kid" not in jwt.get_unverified_header(token)
-    refused(service, token)
+    refused(service, token, "unknown_kid")
 
 
 def test_kid_of_a_valid_key_with_another_keys_signature_is_refused(
     service: TokenService, ring: KeyRing
 ) -> None:
     stranger = Ed25519PrivateKey.generate()
-    token = jwt.encode(claims(), stranger, algorithm="EdDSA", headers={"kid": ring.current_kid})
-    refused(service, token)
+    token = jwt.encode(claims(), stranger, algorithm="EdDSA", headers={"kid": ring.kids[-1]})
+    refused(service, token, "bad_signature")
 
 
 def test_tampered_payload_or_signature_is_refused(service: TokenService, ring: KeyRing) -> None:
     token = sign(ring, claims(sub="alice"))
     head, body, sig = token.split(".")
     forged_body = b64url_json({**json.loads(unb64url(body)), "sub": "mallory"})
-    refused(service, f"{head}.{forged_body}.{sig}")
+    refused(service, f"{head}.{forged_body}.{sig}", "bad_signature")
     flipped = sig[:10] + ("A" if sig[10] != "A" else "B") + sig[11:]
-    refused(service, f"{head}.{body}.{flipped}")
-    refused(service, f"{head}.{body}.")
+    refused(service, f"{head}.{body}.{flipped}", "bad_signature")
+    refused(service, f"{head}.{body}.", "malformed")
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "reason"),
     [
-        {"iss": "someone-else"},
-        {"iss": ""},
-        {"aud": "other"},
-        {"aud": ""},
-        {"aud": ["tokend"]},
-        {"aud": ["tokend", "other"]},
-        {"jti": "not-a-uuid"},
-        {"jti": str(uuid.UUID(int=0x12345678_9ABC_4DEF_8123_456789ABCDEF)).upper()},
-        {"jti": uuid.UUID(int=0x12345678_9ABC_4DEF_8123_456789ABCDEF).hex},
-        {"jti": "{" + str(uuid.UUID(int=1)) + "}"},
-        {"jti": "urn:uuid:" + str(uuid.UUID(int=1))},
-        {"jti": 12345},
-        {"prio": 10},
-        {"prio": -1},
-        {"prio": "5"},
-        {"prio": 5.0},
-        {"prio": 5.5},
-        {"prio": True},
-        {"prio": False},
-        {"prio": [5]},
-        {"sub": ""},
-        {"sub": "x" * 257},
-        {"sub": 42},
-        {"exp": int(time.time()) + 900.5},
-        {"exp": "soon"},
-        {"exp": 1 << 42},
-        {"iat": "now"},
-        {"iat": float(int(time.time()))},
+        ({"iss": "someone-else"}, "wrong_issuer"),
+        ({"iss": ""}, "wrong_issuer"),
+        ({"aud": "other"}, "wrong_audience"),
+        ({"aud": ""}, "wrong_audience"),
+        ({"aud": ["tokend"]}, "wrong_audience"),
+        ({"aud": ["tokend", "other"]}, "wrong_audience"),
+        ({"jti": "not-a-uuid"}, "bad_jti"),
+        ({"jti": str(uuid.UUID(int=0x12345678_9ABC_4DEF_8123_456789ABCDEF)).upper()}, "bad_jti"),
+        ({"jti": uuid.UUID(int=0x12345678_9ABC_4DEF_8123_456789ABCDEF).hex}, "bad_jti"),
+        ({"jti": "{" + str(uuid.UUID(int=1)) + "}"}, "bad_jti"),
+        ({"jti": "urn:uuid:" + str(uuid.UUID(int=1))}, "bad_jti"),
+        ({"jti": 12345}, "bad_jti"),
+        ({"prio": 10}, "bad_prio"),
+        ({"prio": -1}, "bad_prio"),
+        ({"prio": "5"}, "bad_prio"),
+        ({"prio": 5.0}, "bad_prio"),
+        ({"prio": 5.5}, "bad_prio"),
+        ({"prio": True}, "bad_prio"),
+        ({"prio": False}, "bad_prio"),
+        ({"prio": [5]}, "bad_prio"),
+        ({"sub": ""}, "bad_sub"),
+        ({"sub": "x" * 257}, "bad_sub"),
+        ({"sub": 42}, "bad_sub"),
+        ({"exp": int(time.time()) + 900.5}, "bad_time"),
+        ({"exp": "soon"}, "bad_time"),
+        ({"exp": 1 << 42}, "bad_time"),
+        ({"iat": "now"}, "bad_time"),
+        ({"iat": float(int(time.time()))}, "bad_time"),
     ],
     ids=repr,
 )
-def test_bad_claims_are_refused(service: TokenService, ring: KeyRing, changes: Any) -> None:
-    refused(service, sign(ring, claims(**changes)))
+def test_bad_claims_are_refused(
+    service: TokenService, ring: KeyRing, changes: dict[str, Any], reason: str
+) -> None:
+    refused(service, sign(ring, claims(**changes)), reason)
 
 
 @pytest.mark.parametrize("name", ["iss", "aud", "sub", "jti", "iat", "exp"])
@@ -474,7 +545,7 @@ def test_each_required_claim_missing_is_refused(
 ) -> None:
     body = claims()
     del body[name]
-    refused(service, sign(ring, body))
+    refused(service, sign(ring, body), "missing_claim")
 
 
 @pytest.mark.parametrize("prio", [0, 9])
@@ -487,12 +558,12 @@ def test_sub_of_256_characters_is_accepted(service: TokenService, ring: KeyRing)
 
 
 def test_signed_malformed_payload_is_refused(service: TokenService, ring: KeyRing) -> None:
-    kid = ring.current_kid
+    kid = ring.kids[-1]
     head = b64url_json({"alg": "EdDSA", "typ": "JWT", "kid": kid})
     for payload in (b"{not json", b"[1, 2]", b'"string"', b"\xff\xfe"):
         signing_input = f"{head}.{b64url(payload)}".encode()
         signature = ring._private[kid].sign(signing_input)
-        refused(service, f"{signing_input.decode()}.{b64url(signature)}")
+        refused(service, f"{signing_input.decode()}.{b64url(signature)}", "malformed")
 
 
 @pytest.mark.parametrize(
@@ -513,7 +584,7 @@ def test_signed_malformed_payload_is_refused(service: TokenService, ring: KeyRin
     ids=repr,
 )
 def test_garbage_is_refused(service: TokenService, token: str) -> None:
-    refused(service, token)
+    refused(service, token, "malformed")
 
 
 # --- time claims and leeway -------------------------------------------------------------------
@@ -542,7 +613,7 @@ def test_zero_leeway_refuses_just_expired(tmp_path: Path, ring: KeyRing) -> None
 
 def test_iat_in_the_future_beyond_leeway_is_refused(service: TokenService, ring: KeyRing) -> None:
     now = int(time.time())
-    refused(service, sign(ring, claims(iat=now + 60, exp=now + 960)))
+    refused(service, sign(ring, claims(iat=now + 60, exp=now + 960)), "not_yet_valid")
 
 
 def test_iat_in_the_future_within_leeway_is_accepted(service: TokenService, ring: KeyRing) -> None:
@@ -560,9 +631,9 @@ def test_expired_token_with_another_fault_is_not_reported_as_merely_expired(
         claims(iat=now - 910, exp=now - 10),
         stranger,
         algorithm="EdDSA",
-        headers={"kid": ring.current_kid},
+        headers={"kid": ring.kids[-1]},
     )
-    refused(service, token)
+    refused(service, token, "bad_signature")
 
 
 @hsettings(max_examples=300, deadline=None)

@@ -380,7 +380,7 @@ class AdminServer:
     async def _revoke(self, request: Request, params: dict[str, str]) -> Response:
         """DELETE /v1/sessions/{tid}: the revocation of ``tokend revoke`` (close 4506)."""
         tid = _tid(params["tid"])
-        outcome = await self.node.store.revoke(tid)
+        outcome = await self.node.store.revoke(tid, by=f"admin:{self.node.name}")
         result = {1: "revoked", 2: "barred", 0: "already_ended"}[outcome]
         return Response.json(http.HTTPStatus.OK, {"tid": str(tid), "result": result})
 

@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokend import config
 from tokend.config import ConfigError, Settings
@@ -20,35 +21,47 @@ if TYPE_CHECKING:
 # Sessions read per round of `tokend sessions list`.
 LIST_PAGE = 500
 
-_SETTING_HELP = {
-    "host": "address to listen on",
-    "port": "TCP port (0 picks a free one)",
-    "redis_url": "Redis URL; empty starts an embedded redis-server under the data dir",
-    "key_prefix": "prefix of every Redis key and channel",
-    "keys_dir": "signing keys directory (default <data dir>/keys)",
-    "data_dir": "data directory (default ~/.local/share/tokend)",
-    "node_name": "this node's name in events and logs (default <host>-<pid>)",
-    "workers": "processes sharing the port under one supervisor (default 1); "
-    "each is a node named <node_name>-w<i>",
+# The settings each command reads (every one can also come from TOKEND_* or the
+# config file); its --help shows these alone. serve reads them all.
+_KEYS = ("keys_dir", "data_dir", "key_publish_delay", "token_ttl", "leeway")
+_MINT = (*_KEYS, "issuer", "audience")
+_REDIS = ("redis_url", "data_dir", "key_prefix", "redis_timeout")
+_LOGS = ("log_format", "log_level")
+COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "serve": tuple(config.FIELDS),
+    "issue": (*_MINT, *_LOGS),
+    "events": (*_REDIS, "node_name", *_LOGS),
+    "connect": ("host", "port", *_MINT, *_LOGS),
+    "revoke": (*_REDIS, "token_ttl", "stream_maxlen", "leeway", *_LOGS),
+    "sessions": (*_REDIS, *_LOGS),
+    "keys": (*_KEYS, *_LOGS),
 }
 
 
-def _add_settings(parser: argparse.ArgumentParser) -> None:
+class _Parser(argparse.ArgumentParser):
+    """Answers a wrong command line with one line, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group(
-        "settings", "each overrides TOKEND_<NAME> and the config file; durations in seconds"
+        "settings",
+        "each overrides TOKEND_<NAME> and the config file; durations in seconds",
     )
     group.add_argument("--config", help="TOML config file (TOKEND_CONFIG)")
-    for name, field in config.FIELDS.items():
+    for name in dict.fromkeys(COMMAND_SETTINGS[command]):
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            metavar=str(field.type).upper(),
-            help=_SETTING_HELP.get(name, f"default {field.default!r}"),
+            metavar=str(config.FIELDS[name].type).upper(),
+            help=f"{config.meaning(name)} (default: {config.shown_default(name)})",
         )
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {name: getattr(args, name) for name in config.FIELDS}
+    overrides = {name: getattr(args, name, None) for name in config.FIELDS}
     overrides["config"] = args.config
     return config.load(overrides)
 
@@ -181,7 +194,7 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
         return 2
 
     async def revoke(store: Store) -> int:
-        result = await store.revoke(tid)
+        result = await store.revoke(tid, by=f"cli:{socket.gethostname()}")
         print(
             {1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result]
         )
@@ -222,18 +235,28 @@ def cmd_sessions(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
-    from tokend.tokens import KeyRing
+    import time
 
-    ring = KeyRing.open(settings.resolved_keys_dir)
+    from tokend.tokens import KeyRing, TokenService
+
+    tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
     if args.action == "rotate":
-        print(ring.rotate())
+        kid = tokens.keys.rotate()
+        print(kid)
+        signs_from = time.gmtime(tokens.schedule.signs_from(kid))
+        print(
+            f"tokend keys: {kid} is published now and signs from "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', signs_from)} (key_publish_delay "
+            f"{settings.key_publish_delay:g} s)",
+            file=sys.stderr,
+        )
     else:
-        print(json.dumps(ring.jwks(), indent=2))
+        print(json.dumps(tokens.jwks(), indent=2))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tokend",
         description="WebSocket session server for short-lived signed tokens.",
     )
@@ -353,14 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser(
         "keys",
         help="show or rotate signing keys",
-        description="'show' prints the JWKS; 'rotate' makes a new signing key current "
-        "(older keys keep verifying).",
+        description="'show' prints the JWKS as served; 'rotate' adds a key, published "
+        "at once, that signs after key_publish_delay (older keys keep verifying until "
+        "their tokens have expired).",
     )
     keys.add_argument("action", choices=("show", "rotate"))
     keys.set_defaults(func=cmd_keys)
 
-    for sub in (serve, issue, events, connect, revoke, sessions, keys):
-        _add_settings(sub)
+    for command, sub in commands.choices.items():
+        _add_settings(sub, command)
     return parser
 
 

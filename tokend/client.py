@@ -64,7 +64,9 @@ class TokendError(Exception):
     """Why a session ended for good.
 
     ``code`` is the close code that decided it, or None when no close frame did
-    (a malformed frame, a refused handshake, reconnect attempts used up).
+    (a malformed frame, a refused handshake, reconnect attempts used up). ``reason``
+    is then the close frame's reason (tokend's are stable words, docs/protocol.md §7,
+    e.g. "bad_signature"), or else what went wrong, in words.
     """
 
     def __init__(self, code: int | None, reason: str = "") -> None:
@@ -193,7 +195,8 @@ class Lifecycle:
 
     ``exp`` is the expiry (epoch ms) of the token the client holds at that point;
     ``code`` the close code behind a RECONNECTING or ENDED change (None: no close
-    frame); ``delay`` the wait before the next attempt of a RECONNECTING change;
+    frame) and ``reason`` its close reason (tokend's are stable words, docs/protocol.md
+    §7); ``delay`` the wait before the next attempt of a RECONNECTING change;
     ``token`` the new token of a RENEWED change (left out of the repr).
     """
 
@@ -204,6 +207,7 @@ class Lifecycle:
     delay: float | None = None
     error: TokendError | None = None
     token: str | None = field(default=None, repr=False)
+    reason: str = ""
 
     @property
     def meaning(self) -> str:
@@ -225,11 +229,13 @@ class SessionStats:
 
 @dataclass(frozen=True, slots=True)
 class _End:
-    """How one connection ended: its close code, words for it, and the error if terminal."""
+    """How one connection ended: its close code, words for it, the error if terminal,
+    and the close frame's reason."""
 
     code: int | None
     detail: str
     error: TokendError | None = None
+    reason: str = ""
 
 
 class _Violation(Exception):
@@ -358,7 +364,7 @@ class Session:
             await asyncio.wait([runner])  # it is finishing already
             return
         self._closing = True
-        detail = "closed while not connected; the session stays until it expires"
+        detail = self._unconnected_close()
         ws = self._ws
         if ws is not None and self._live:
             detail = "no close from the server after BYE; the session may stay until it expires"
@@ -372,6 +378,12 @@ class Session:
             with contextlib.suppress(asyncio.CancelledError):
                 await runner
         self._finish(None, detail)
+
+    def _unconnected_close(self) -> str:
+        """What a close with no connection to send BYE on leaves behind."""
+        if not self._welcomed_once:
+            return "closed before a session was made"
+        return "closed while not connected; the session stays until it expires"
 
     async def changes(self) -> AsyncIterator[Lifecycle]:
         """Every change so far (the latest ``history`` of them), then each new one.
@@ -416,17 +428,20 @@ class Session:
         delay: float | None = None,
         error: TokendError | None = None,
         token: str | None = None,
+        reason: str = "",
     ) -> None:
-        change = Lifecycle(kind, self.exp, code, detail, delay, error, token)
+        change = Lifecycle(kind, self.exp, code, detail, delay, error, token, reason)
         self._history.append(change)
         for queue in self._listeners:
             queue.put_nowait(change)
 
-    def _finish(self, code: int | None, detail: str, error: TokendError | None = None) -> None:
+    def _finish(
+        self, code: int | None, detail: str, error: TokendError | None = None, reason: str = ""
+    ) -> None:
         if self.ended:
             return
         self.error = error
-        self._emit(Change.ENDED, code=code, detail=detail, error=error)
+        self._emit(Change.ENDED, code=code, detail=detail, error=error, reason=reason)
         self._ended.set()
         self._settled.set()
 
@@ -439,17 +454,17 @@ class Session:
             while True:
                 end = await self._connection()
                 if self._closing:
-                    self._finish(end.code, _closing_detail(end))
+                    self._finish(end.code, _closing_detail(end), reason=end.reason)
                     return
                 if end.error is not None:
-                    self._finish(end.code, end.detail, end.error)
+                    self._finish(end.code, end.detail, end.error, end.reason)
                     return
                 if self._healthy:
                     failures = 0
                 limit = self.backoff.max_attempts
                 if limit is not None and failures >= limit:
                     reason = f"gave up after {failures} reconnect attempts; last: {end.detail}"
-                    self._finish(end.code, reason, RetriesExhausted(end.code, reason))
+                    self._finish(end.code, reason, RetriesExhausted(end.code, reason), end.reason)
                     return
                 delay = self.backoff.delay(failures)
                 failures += 1
@@ -459,6 +474,7 @@ class Session:
                     code=end.code,
                     detail=f"{end.detail}; attempt {failures} in {delay:.2f} s",
                     delay=delay,
+                    reason=end.reason,
                 )
                 await asyncio.sleep(delay)
         except Exception as exc:  # a bug here must end the session visibly, not hang it
@@ -547,10 +563,8 @@ class Session:
                 return _End(exc.sent.code, detail, ProtocolViolation(exc.sent.code, detail))
             return _End(None, self._drop_reason or "connection lost")
         code, reason = exc.rcvd.code, exc.rcvd.reason
-        meaning = describe(code)
-        detail = f"{meaning} ({reason})" if reason and reason != meaning else meaning
         family = classify(code)
-        return _End(code, detail, None if family is None else family(code, reason))
+        return _End(code, describe(code), None if family is None else family(code, reason), reason)
 
     # Frames
 

@@ -13,7 +13,7 @@ import os
 import socket
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,76 +27,125 @@ def _default_data_dir() -> str:
     return os.path.join(base, "tokend")
 
 
+def _setting(default: Any, meaning: str, *, shown: str = "") -> Any:
+    """A setting's default and its one-line meaning, the one text of ``tokend serve
+    --help``, the README's settings table and config/tokend.toml (held equal by
+    tests/test_config.py); ``shown`` writes a default that an empty value stands for."""
+    return field(default=default, metadata={"meaning": meaning, "shown": shown})
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8765
-    # Empty: start a private redis-server under data_dir (the embedded default).
-    redis_url: str = ""
-    key_prefix: str = "tokend"
-    # Empty: <data_dir>/keys.
-    keys_dir: str = ""
-    data_dir: str = ""
-    # Empty: <hostname>-<pid>. Shown in events and logs.
-    node_name: str = ""
-    heartbeat_interval: float = 30.0
-    warn_after: float = 90.0
-    expire_after: float = 120.0
-    token_ttl: float = 900.0
-    renew_window: float = 300.0
-    hello_timeout: float = 5.0
-    redis_timeout: float = 2.5
-    # Connections this node may open to Redis; callers wait (up to redis_timeout) beyond it.
-    redis_pool_size: int = 64
-    # Most heartbeats stored in one Redis round trip. When more wait, higher token prio
-    # goes first and sessions in WARN last (load shedding in priority order).
-    heartbeat_batch: int = 2000
-    # How often every node sweeps the deadline set for due WARN/EXPIRED transitions.
-    sweep_interval: float = 0.1
-    issuer: str = "tokend"
-    audience: str = "tokend"
-    leeway: float = 5.0
-    # Comma-separated JWS algorithms accepted when verifying.
-    algorithms: str = "EdDSA"
-    max_message_size: int = 16384
-    # Exact Origin values allowed at the handshake, comma-separated; empty: no check. A
-    # handshake without Origin (a non-browser client) is always allowed; a wrong one gets 403.
-    allowed_origins: str = ""
-    # Open WebSocket connections per client IP; beyond it the handshake gets 429. 0: no cap.
-    max_connections_per_ip: int = 0
-    # Live sessions of one sub on this node; beyond it HELLO is closed with 4029. 0: no cap.
-    max_sessions_per_sub: int = 0
-    # Frames per second one connection may send after WELCOME, with bursts up to ten
-    # times that; beyond it the connection is closed with 4029. 0: no limit.
-    max_frame_rate: float = 5.0
-    # Connections past the WebSocket handshake still waiting for WELCOME (HELLO not yet
-    # sent, or being verified and stored); beyond it a new handshake gets HTTP 503 with
-    # Retry-After, so a reconnect storm cannot starve the sessions already open. 0: no cap.
-    max_pending_hellos: int = 1024
-    # How long a connection's writes may stay stalled (the client reads nothing while its
-    # buffers are full) before the connection is dropped. Bounds the memory a slow reader
-    # holds on the server.
-    send_timeout: float = 10.0
-    # Listen backlog: pending TCP connections; too small a value turns a reconnect storm
-    # into one-second SYN retransmits. The kernel caps it at net.core.somaxconn.
-    backlog: int = 4096
-    # Approximate cap of each events stream shard (XADD MAXLEN ~).
-    stream_maxlen: int = 100000
-    # Processes serving the port together (SO_REUSEPORT), under one supervisor;
-    # each is a node named <node_name>-w<i>. More than 1 needs a fixed port.
-    workers: int = 1
-    log_format: str = "json"
-    log_level: str = "info"
-    # Bearer token of the admin API (/v1/* on the admin listener); empty: admin API and
-    # dashboard disabled (404). Never logged.
-    admin_token: str = ""
-    # Admin listener (metrics, health, admin API, dashboard); admin_port -1 turns it off.
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 8766
-    # Largest request body the admin listener reads; larger gets 413.
-    admin_max_body: int = 16384
-    # On SIGTERM, open connections are closed with 1001 in batches spread over this long.
-    drain_period: float = 10.0
+    host: str = _setting("127.0.0.1", "address to listen on")
+    port: int = _setting(8765, "TCP port; 0 picks a free one (logged in the listening line)")
+    redis_url: str = _setting(
+        "",
+        "redis://, rediss:// or unix:// URL; redis+cluster://host:port[,host:port] for a "
+        "Redis Cluster, redis+sentinel://host:port[,host:port]/service[/db] through Sentinel "
+        "(rediss+... for TLS; docs/scaling.md); empty: an embedded redis-server under data_dir",
+    )
+    key_prefix: str = _setting(
+        "tokend", "prefix of every Redis key and channel; no braces, colons or spaces"
+    )
+    keys_dir: str = _setting(
+        "", "Ed25519 signing keys, one PEM file per kid (mode 0600)", shown="<data_dir>/keys"
+    )
+    data_dir: str = _setting(
+        "",
+        "the embedded redis-server's socket, AOF and log, and the default keys_dir",
+        shown="$XDG_DATA_HOME/tokend, else ~/.local/share/tokend",
+    )
+    node_name: str = _setting("", "this node's name in events and logs", shown="<hostname>-<pid>")
+    heartbeat_interval: float = _setting(
+        30.0, "heartbeat cadence announced to clients; less than warn_after"
+    )
+    warn_after: float = _setting(90.0, "silence before WARN; less than expire_after")
+    expire_after: float = _setting(120.0, "silence before EXPIRED (close 4505)")
+    token_ttl: float = _setting(900.0, "lifetime of a renewed token, whole seconds")
+    renew_window: float = _setting(
+        300.0, "a heartbeat renews the token when exp - now <= this; less than token_ttl"
+    )
+    hello_timeout: float = _setting(
+        5.0, "time for the WebSocket handshake, and then for HELLO (close 4008)"
+    )
+    redis_timeout: float = _setting(
+        2.5, "deadline of every Redis call (then 1013 or a later replay, never a hang)"
+    )
+    redis_pool_size: int = _setting(
+        64, "Redis connections per node, at least 4; callers wait beyond it, up to the deadline"
+    )
+    heartbeat_batch: int = _setting(
+        2000,
+        "most heartbeats per Redis round trip; when more wait, higher prio first and WARN "
+        "sessions last",
+    )
+    sweep_interval: float = _setting(
+        0.1, "how often each node sweeps for due WARN/EXPIRED transitions"
+    )
+    issuer: str = _setting("tokend", "iss claim issued and required")
+    audience: str = _setting("tokend", "aud claim issued and required")
+    leeway: float = _setting(5.0, "clock skew tolerated when checking exp, iat and nbf")
+    algorithms: str = _setting("EdDSA", "comma-separated JWS algorithms accepted")
+    key_publish_delay: float = _setting(
+        900.0,
+        "a key added by tokend keys rotate is published at once and signs only this long "
+        "after it was made",
+    )
+    jwks_max_age: float = _setting(
+        300.0, "Cache-Control max-age of the JWKS; less than key_publish_delay"
+    )
+    max_message_size: int = _setting(
+        16384, "largest WebSocket message, bytes, 1024..1048576 (larger: close 1009)"
+    )
+    allowed_origins: str = _setting(
+        "",
+        "exact Origin values allowed, comma-separated (a wrong one gets 403; none, from a "
+        "non-browser client, is always allowed); empty: no check",
+    )
+    max_connections_per_ip: int = _setting(
+        0, "open connections per client IP; beyond it the handshake gets 429; 0: no cap"
+    )
+    max_sessions_per_sub: int = _setting(
+        0,
+        "live sessions of one sub on this node (a resume does not count twice); beyond it "
+        "close 4029; 0: no cap",
+    )
+    max_frame_rate: float = _setting(
+        5.0,
+        "frames per second per connection after WELCOME, bursts up to 10x; beyond it close "
+        "4029; 0: no limit",
+    )
+    max_pending_hellos: int = _setting(
+        1024,
+        "connections past the handshake still waiting for WELCOME; beyond it a new handshake "
+        "gets 503 with Retry-After; 0: no cap",
+    )
+    send_timeout: float = _setting(
+        10.0,
+        "a connection whose writes stay stalled this long (the client reads nothing) is dropped",
+    )
+    backlog: int = _setting(4096, "listen backlog (capped by net.core.somaxconn)")
+    stream_maxlen: int = _setting(100000, "approximate cap of each of the 16 event stream shards")
+    workers: int = _setting(
+        1,
+        "processes serving the port under one supervisor, each a node <node_name>-w<i>; more "
+        "than 1 needs a fixed port",
+    )
+    log_format: str = _setting("json", "json or console")
+    log_level: str = _setting("info", "debug, info, warning or error")
+    admin_token: str = _setting(
+        "", "bearer token of the admin API (never logged); empty: admin API and dashboard off"
+    )
+    admin_host: str = _setting(
+        "127.0.0.1", "address of the admin listener (metrics, health, admin API, dashboard)"
+    )
+    admin_port: int = _setting(
+        8766, "port of the admin listener; 0 picks a free one; -1 turns it off"
+    )
+    admin_max_body: int = _setting(16384, "largest admin request body, bytes (larger: 413)")
+    drain_period: float = _setting(
+        10.0, "on SIGTERM, open connections are closed with 1001 spread over this long"
+    )
 
     # Derived values, in the units the code uses.
 
@@ -139,6 +188,7 @@ _DURATIONS = (
     "redis_timeout",
     "sweep_interval",
     "send_timeout",
+    "key_publish_delay",
 )
 _CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
 FIELDS = {f.name: f for f in fields(Settings)}
@@ -146,6 +196,20 @@ FIELDS = {f.name: f for f in fields(Settings)}
 
 def env_name(field: str) -> str:
     return "TOKEND_" + field.upper()
+
+
+def meaning(name: str) -> str:
+    """The setting's one-line meaning (see :func:`_setting`)."""
+    return str(FIELDS[name].metadata["meaning"])
+
+
+def shown_default(name: str) -> str:
+    """The setting's default as the help and the README write it."""
+    default = FIELDS[name].default
+    shown = FIELDS[name].metadata["shown"]
+    if shown or default == "":
+        return shown or "empty"
+    return f"{default:g}" if isinstance(default, float) else str(default)
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -186,6 +250,9 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("leeway: must not be negative")
     if not settings.algorithm_list:
         raise ConfigError("algorithms: name at least one JWS algorithm")
+    if not 0 <= settings.jwks_max_age < settings.key_publish_delay:
+        # A verifier's cached JWKS must expire before a key missing from it signs.
+        raise ConfigError("jwks_max_age: must be at least 0 and less than key_publish_delay")
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
     for name in (

@@ -47,7 +47,9 @@ def format_change(change: Lifecycle, session: Session) -> str:
         case Change.RENEWED | Change.RESUMED:
             text = f"{expiry}; {change.detail}"
         case Change.RECONNECTING | Change.ENDED:
-            text = change.detail if change.code is None else f"code={change.code} {change.detail}"
+            text = change.detail
+            if change.code is not None:
+                text = f"code={change.code} reason={change.reason or '-'} {text}"
             if change.error is not None:
                 text += f" [{type(change.error).__name__}]"
         case _:

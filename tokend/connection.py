@@ -236,7 +236,7 @@ class Connection(asyncio.Protocol):
         the framing (1002), a message over ``max_message_size`` (1009)."""
         sent = self.ws.close_sent
         assert sent is not None
-        if session.close(p.CloseCode.PROTOCOL_ERROR, sent.reason) is not None:
+        if session.abandon():
             self.log.warning("closing", code=sent.code, reason=sent.reason)
             self.gate.node.metrics.closed(sent.code)
 
@@ -253,7 +253,7 @@ class Connection(asyncio.Protocol):
         self.deadline = self.stall = None
         session = self.session
         if session is not None:
-            if session.close(p.CloseCode.GOING_AWAY, "dropped") is not None:
+            if session.abandon():
                 self.log.info("connection dropped")
             self.gate.node.detach(self)
         self.gate.closed(self)
@@ -317,12 +317,12 @@ class Connection(asyncio.Protocol):
                 self._message(message)
         elif opcode is Opcode.TEXT:
             assert self.session is not None
-            self._outcome(self.session.malformed("text_message"))
+            self._outcome(self.session.text_message())
         elif opcode is Opcode.PING:
             self._ping()
         elif opcode is Opcode.CLOSE:
             session = self.session
-            if session is not None and session.close(p.CloseCode.NORMAL, "client") is not None:
+            if session is not None and session.abandon():
                 rcvd = self.ws.close_rcvd
                 self.log.info("connection closed by client", code=rcvd.code if rcvd else None)
 
@@ -338,7 +338,7 @@ class Connection(asyncio.Protocol):
         if self.pings is None:
             self.pings = TokenBucket(rate, time.monotonic)
         if not self.pings.take() and self.session is not None:
-            self._outcome(self.session.close(p.CloseCode.RATE_LIMITED, "ping_rate"))
+            self._outcome(self.session.close(p.CloseCode.RATE_LIMITED, "too_many_pings"))
 
     def _message(self, data: bytes | bytearray | memoryview) -> None:
         session = self.session
@@ -349,7 +349,7 @@ class Connection(asyncio.Protocol):
             frame = p.decode(data)  # type: ignore[arg-type]
         except p.ProtocolError as exc:
             self.log.info("malformed message", error=str(exc))
-            self._outcome(session.malformed("malformed_frame"))
+            self._outcome(session.malformed())
             return
         if received:
             decoded = time.perf_counter()
@@ -586,7 +586,7 @@ class Connection(asyncio.Protocol):
             unsent=self.transport.get_write_buffer_size(),
         )
         if self.session is not None:
-            self.session.close(p.CloseCode.GOING_AWAY, "not_reading")
+            self.session.abandon()
         self.transport.abort()
 
 

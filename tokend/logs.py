@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -47,3 +49,13 @@ def configure(fmt: str = "json", level: str = "info") -> None:
     )
     # websockets and redis log through the standard library; keep them quiet but visible.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(message)s")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line: its password (``user:password@`` or ``?password=``)
+    replaced by ``***``."""
+    userinfo, at, _ = urlsplit(url).netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if at and colon:
+        url = url.replace(userinfo + "@", f"{user}:***@", 1)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from redis import exceptions as rexc
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from tokend.clocks import State
 from tokend.config import Settings
@@ -47,6 +48,9 @@ SWEEP_BATCH = 1000
 MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
 FLUSH_LANES = 2
+# The control subscription's first wait before subscribing again, doubled up to
+# MAX_BACKOFF while it fails; through Sentinel, how often the master's name is asked.
+FIRST_RETRY = 0.1
 
 
 class Batcher:
@@ -399,15 +403,16 @@ class Node:
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""
-        backoff = 0.1
+        backoff = FIRST_RETRY
         channel = self.store.keys.control_channel(self.name)
         while self.running:
-            pubsub = None
+            pubsub = named = None
             try:
+                named = await self._master_named()
                 pubsub = await subscription(self.redis)
                 await pubsub.subscribe(channel)
                 self.subscribed.set()
-                backoff = 0.1
+                backoff = FIRST_RETRY
                 while self.running:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
@@ -421,8 +426,33 @@ class Node:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(1):
                         await pubsub.aclose()
-            await asyncio.sleep(backoff)
+            await self._until_retry(backoff, named)
             backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _master_named(self) -> tuple[str, int] | None:
+        """The master Sentinel names now, when this node reaches Redis through Sentinel."""
+        pool = getattr(self.redis, "connection_pool", None)
+        if not isinstance(pool, SentinelConnectionPool):
+            return None
+        address: tuple[str, int] = await pool.sentinel_manager.discover_master(pool.service_name)
+        return address
+
+    async def _until_retry(self, backoff: float, named: tuple[str, int] | None) -> None:
+        """Wait ``backoff`` before subscribing again; through Sentinel, only until it names
+        another master than ``named`` (asked before the try that failed): a failover is
+        done, so retry now rather than after a wait that doubled while the old master was
+        named. Sentinel is asked every FIRST_RETRY."""
+        if not isinstance(getattr(self.redis, "connection_pool", None), SentinelConnectionPool):
+            await asyncio.sleep(backoff)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(backoff):
+                while True:
+                    # No master named (it is down, not yet replaced) is no change.
+                    with contextlib.suppress(rexc.ConnectionError, rexc.TimeoutError, OSError):
+                        if await self._master_named() != named:
+                            return
+                    await asyncio.sleep(FIRST_RETRY)
 
     def _control(self, data: str) -> None:
         try:

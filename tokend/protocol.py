@@ -51,8 +51,15 @@ class CloseCode(IntEnum):
     TAKEN_OVER = 4507
 
     def describe(self) -> str:
-        """Short human text for the close frame's reason, e.g. "session expired"."""
+        """The code in words, e.g. "session expired" (the SDKs' ``meaning``)."""
         return _CLOSE_REASONS[self]
+
+    @property
+    def reason(self) -> str:
+        """The close reason of a close ordered from elsewhere (a control message, a
+        sweep), named like the session's own (docs/protocol.md §7)."""
+        # Revoked: the word a HELLO on the revoked session's tombstone gets too.
+        return "session_revoked" if self is CloseCode.TOKEN_REVOKED else self.name.lower()
 
     @property
     def reconnectable(self) -> bool:

@@ -27,6 +27,7 @@ from tokend.admin import AdminServer
 from tokend.config import Settings
 from tokend.connection import CLOSE_TIMEOUT, Connection, HttpAnswer
 from tokend.embedded import EmbeddedRedis
+from tokend.logs import redact_url
 from tokend.node import Node
 from tokend.session import Cadence
 from tokend.store import connect
@@ -125,7 +126,7 @@ class App:
             host=settings.host,
             port=self.port,
             node=self.node.name,
-            redis="embedded" if self.embedded else "external",
+            redis=redact_url(url),
             max_connections=self.max_open_connections,
         )
 
@@ -170,7 +171,12 @@ class App:
         if path == "/readyz":
             return self._readiness()
         if path == "/.well-known/jwks.json":
-            return HttpAnswer(http.HTTPStatus.OK, self.node.tokens.keys.jwks())
+            tokens = self.node.tokens
+            return HttpAnswer(
+                http.HTTPStatus.OK,
+                tokens.jwks(),
+                (("Cache-Control", tokens.jwks_cache_control),),
+            )
         return HttpAnswer(http.HTTPStatus.NOT_FOUND, {"error": "not_found", "path": path})
 
     async def _readiness(self) -> HttpAnswer:

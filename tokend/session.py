@@ -51,12 +51,6 @@ class Close(NamedTuple):
         return self.code in _ROUTINE_CLOSES
 
 
-# Closes the store asks for, from another node's script or sweep.
-_TOLD_REASONS = {
-    p.CloseCode.SESSION_EXPIRED: "session_expired",
-    p.CloseCode.TOKEN_REVOKED: "session_revoked",
-    p.CloseCode.TAKEN_OVER: "taken_over",
-}
 _ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
 
 
@@ -182,29 +176,33 @@ class Session:
         """A decoded message from the client: what to ask the store, or how to close."""
         if self.phase is Phase.OPEN:
             if self.frames is not None and not self.frames.take():
-                return self._close(p.CloseCode.RATE_LIMITED, "frame_rate")
+                return self._close(p.CloseCode.RATE_LIMITED, "too_many_frames")
             if isinstance(frame, p.Heartbeat):
                 return self._heartbeat(frame)
             if isinstance(frame, p.Bye):
                 self.phase = Phase.ENDING
                 return Ask.BYE
             if isinstance(frame, p.Hello):
-                return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_again")
-            return self._close(p.CloseCode.PROTOCOL_ERROR, "server_frame")
+                return self._close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
+            return self._close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
         if self.phase is Phase.HELLO:
             if isinstance(frame, p.Hello):
                 return self._hello(frame)
             if isinstance(frame, p.CLIENT_FRAMES):
-                return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_first")
-            return self._close(p.CloseCode.PROTOCOL_ERROR, "server_frame")
+                return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
+            return self._close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
         if self.phase is Phase.STARTING:
             # The client has no WELCOME yet, so nothing but HELLO was valid, once.
-            return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_first")
+            return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
         return None  # ENDING (BYE is being stored) or CLOSED: the close follows
 
-    def malformed(self, reason: str) -> Close | None:
-        """A message that is not a protocol v1 frame (or a text message): 4503."""
-        return self._close(p.CloseCode.PROTOCOL_ERROR, reason)
+    def malformed(self) -> Close | None:
+        """A binary message that is not a protocol v1 frame (the codec refused it): 4503."""
+        return self._close(p.CloseCode.PROTOCOL_ERROR, "malformed_frame")
+
+    def text_message(self) -> Close | None:
+        """Spec "Transport": every application frame is binary; a text message is 4503."""
+        return self._close(p.CloseCode.PROTOCOL_ERROR, "text_message")
 
     def _hello(self, hello: p.Hello) -> Ask | Close:
         try:
@@ -213,7 +211,7 @@ class Session:
             code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
             return self._close(code, exc.reason)
         if self.host.sub_is_full(claims):
-            return self._close(p.CloseCode.RATE_LIMITED, "sub_session_limit")
+            return self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
         self.claims = claims
         self.phase = Phase.STARTING
         return Ask.START
@@ -334,7 +332,7 @@ class Session:
             return self._close(p.CloseCode.TAKEN_OVER, "taken_over")
         if answer.outcome is HeartbeatOutcome.GONE:
             if answer.ended is None:
-                return self._close(p.CloseCode.SESSION_EXPIRED, "session_vanished")
+                return self._close(p.CloseCode.SESSION_EXPIRED, "session_ended")
             return self._close(ENDED_CODES[answer.ended], f"session_{answer.ended}")
         self.warned = False
         self.exp_ms = answer.exp_ms
@@ -347,7 +345,12 @@ class Session:
         return self._close(p.CloseCode.NORMAL, "bye")
 
     def store_unavailable(self) -> Close | None:
-        """The store could not take HELLO or BYE: the client should retry (1013)."""
+        """The store could not take HELLO or BYE: the client should retry (1013).
+
+        After BYE the logout did not happen: the session stays, and the client is told.
+        """
+        if self.phase is Phase.ENDING:
+            return self._close(p.CloseCode.TRY_AGAIN_LATER, "bye_not_recorded")
         return self._close(p.CloseCode.TRY_AGAIN_LATER, "store_unavailable")
 
     # Timers and other nodes
@@ -370,7 +373,16 @@ class Session:
             close_code = p.CloseCode(code)
         except ValueError:
             close_code = p.CloseCode.INTERNAL_ERROR
-        return self._close(close_code, _TOLD_REASONS.get(close_code, "internal_error"))
+        return self._close(close_code, close_code.reason)
+
+    def abandon(self) -> bool:
+        """The connection is gone or failed below the protocol (the client left, the
+        WebSocket layer failed it, it was dropped): nothing more comes out. True when
+        this ended a session that was not closed yet."""
+        if self.phase is Phase.CLOSED:
+            return False
+        self.phase = Phase.CLOSED
+        return True
 
     def close(self, code: p.CloseCode, reason: str) -> Close | None:
         """Close for a reason from outside the connection (another node, a drain)."""

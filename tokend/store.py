@@ -568,16 +568,20 @@ class Store:
         return results
 
     async def end(
-        self, tid: uuid.UUID, *, conn: str, event: str, tomb: str, code: int | None
+        self,
+        tid: uuid.UUID,
+        *,
+        conn: str,
+        event: str,
+        tomb: str,
+        code: int | None,
+        by: str = "",
     ) -> int:
-        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506)."""
-        return int(
-            await self._eval(
-                END,
-                self.keys.script_keys(tid),
-                [str(tid), conn, event, tomb, "" if code is None else int(code), self.ttl_s * 1000],
-            )
-        )
+        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506, ``by``
+        who asked)."""
+        code_arg = "" if code is None else int(code)
+        args = [str(tid), conn, event, tomb, code_arg, self.ttl_s * 1000, by]
+        return int(await self._eval(END, self.keys.script_keys(tid), args))
 
     async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]], int | None]:
         """Claim due sessions of every shard.
@@ -619,13 +623,14 @@ class Store:
                 made.append((tid, *reply))
         return made
 
-    async def revoke(self, tid: uuid.UUID) -> int:
+    async def revoke(self, tid: uuid.UUID, by: str) -> int:
         """Revoke a token: its session ends wherever it is (close 4506) and it is barred.
 
-        Returns 1 when a live session was ended, 2 when only the bar was written, 0 when
-        the token had already ended.
+        ``by`` names who asked, in the TOKEN_REVOKED event (docs/events.md). Returns 1
+        when a live session was ended, 2 when only the bar was written, 0 when the token
+        had already ended.
         """
-        return await self.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+        return await self.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506, by=by)
 
     # Reads for operators (admin API, ``tokend sessions``): plain commands, no script.
 

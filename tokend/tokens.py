@@ -1,26 +1,31 @@
 """Signing keys, token minting and verification (spec "Tokens").
 
 Keys are Ed25519, one PEM file per key in the keys directory, named by its
-``kid``. Kids sort by creation time, so the greatest one is the newest: it alone
-signs, every key in the directory verifies (rotation).
+``kid``. Kids sort by creation time, so the greatest one is the newest. A rotated
+key is published at once and signs after a delay; a key that stopped signing is
+published until its tokens have expired (:class:`KeySchedule`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import bisect
+import calendar
 import fcntl
+import functools
 import json
+import math
 import os
 import re
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -35,13 +40,37 @@ REFRESH_INTERVAL = 1.0  # seconds between looks at the keys directory for rotate
 PRIO_RANGE = range(10)
 
 
-class TokenError(Exception):
-    """A token that must be refused; ``expired`` selects 4502 over 4501."""
+# Why a token is refused: the reason of its close (4502 for "expired", else 4501), the
+# same for every client and release; each is explained in docs/protocol.md §7.
+Refusal = Literal[
+    "malformed",
+    "bad_algorithm",
+    "unknown_kid",
+    "bad_signature",
+    "missing_claim",
+    "wrong_issuer",
+    "wrong_audience",
+    "bad_time",
+    "expired",
+    "not_yet_valid",
+    "bad_jti",
+    "bad_sub",
+    "bad_prio",
+]
+REFUSALS: tuple[Refusal, ...] = get_args(Refusal)
 
-    def __init__(self, reason: str, *, expired: bool = False) -> None:
+
+class TokenError(Exception):
+    """A token that must be refused, and why (:data:`Refusal`)."""
+
+    def __init__(self, reason: Refusal) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.expired = expired
+
+    @property
+    def expired(self) -> bool:
+        """Close with 4502 (token expired) rather than 4501 (invalid token)."""
+        return self.reason == "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +130,17 @@ def _b64url(raw: bytes) -> str:
 
 
 class KeyRing:
-    """The keys of one keys directory: the newest signs, all of them verify."""
+    """The keys of one keys directory, as the directory holds them now.
+
+    Which key signs and which are published is :class:`KeySchedule`'s to say.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._private: dict[str, Ed25519PrivateKey] = {}
         self._headers: dict[str, str] = {}  # the JWS header of each kid, base64url-encoded
         self._public: dict[str, Ed25519PublicKey] = {}
-        self._mtime = 0  # the directory's mtime at the last reload
+        self.kids: list[str] = []  # every kid, oldest first
         self._checked = 0.0  # monotonic time of the last look at the directory
 
     @classmethod
@@ -123,54 +155,57 @@ class KeyRing:
         return ring
 
     def rotate(self) -> str:
-        """Make a new key the signing key; older keys keep verifying."""
+        """Add a new key, the newest; it signs once :class:`KeySchedule` says so."""
         with _locked(self.directory):
             return self._add_new_key()
 
     def _add_new_key(self) -> str:
         # Greater than every kid known or on disk (we hold the lock), so it sorts last.
-        on_disk = (p.stem for p in self.directory.glob("*.pem") if KID_PATTERN.match(p.stem))
-        kid = _new_kid(max([*self._private, *on_disk], default=""))
+        kid = _new_kid(max([*self._private, *self._kids_on_disk()], default=""))
         key = Ed25519PrivateKey.generate()
         _write_private_key(self.directory / f"{kid}.pem", key)
-        self._private[kid] = key
-        self._public[kid] = key.public_key()
+        self._add(kid, key)
         return kid
 
-    def refresh(self) -> None:
-        """Reload if the directory changed (another process rotated); at most once a second."""
+    def _add(self, kid: str, key: Ed25519PrivateKey) -> None:
+        self._private[kid] = key
+        self._public[kid] = key.public_key()
+        self.kids = sorted(self._private)
+
+    def _kids_on_disk(self) -> set[str]:
+        return {p.stem for p in self.directory.glob("*.pem") if KID_PATTERN.match(p.stem)}
+
+    def refresh(self, interval: float = REFRESH_INTERVAL) -> None:
+        """Follow the directory (keys rotated in or deleted by another process), looking
+        at it at most once per ``interval`` seconds."""
         now = time.monotonic()
-        if now - self._checked < REFRESH_INTERVAL:
+        if now - self._checked < interval:
             return
         self._checked = now
-        if self.directory.stat().st_mtime_ns != self._mtime:
+        if self._kids_on_disk() != self._private.keys():
             self.reload()
 
     def reload(self) -> None:
-        """Re-read the directory (picks up keys rotated by another process)."""
-        # Taken before reading, so a key added meanwhile changes it again.
-        self._mtime = self.directory.stat().st_mtime_ns
-        for path in sorted(self.directory.glob("*.pem")):
-            kid = path.stem
-            if kid in self._private or not KID_PATTERN.match(kid):
-                continue
+        """Re-read the directory: load the keys added, forget the keys deleted."""
+        on_disk = self._kids_on_disk()
+        for kid in self._private.keys() - on_disk:
+            del self._private[kid], self._public[kid]
+        self.kids = sorted(self._private)
+        for kid in sorted(on_disk - self._private.keys()):
+            path = self.directory / f"{kid}.pem"
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
             if not isinstance(key, Ed25519PrivateKey):
                 raise ValueError(f"{path}: not an Ed25519 private key")
-            self._private[kid] = key
-            self._public[kid] = key.public_key()
-
-    @property
-    def current_kid(self) -> str:
-        return max(self._private)
+            self._add(kid, key)
 
     def public_key(self, kid: str) -> Ed25519PublicKey | None:
         return self._public.get(kid)
 
-    def jwks(self) -> dict[str, Any]:
-        """The public keys as a JWKS (RFC 7517; OKP keys per RFC 8037)."""
+    def jwks(self, kids: Iterable[str]) -> dict[str, Any]:
+        """The public keys of ``kids`` as a JWKS (RFC 7517; OKP keys per RFC 8037),
+        newest first."""
         keys = []
-        for kid in sorted(self._public, reverse=True):
+        for kid in sorted(kids, reverse=True):
             raw = self._public[kid].public_bytes(
                 serialization.Encoding.Raw, serialization.PublicFormat.Raw
             )
@@ -186,15 +221,13 @@ class KeyRing:
             )
         return {"keys": keys}
 
-    def sign(self, claims: dict[str, Any]) -> str:
-        """A compact JWS of ``claims`` (RFC 7515 7.1), EdDSA-signed with the current key.
+    def sign(self, claims: dict[str, Any], kid: str) -> str:
+        """A compact JWS of ``claims`` (RFC 7515 7.1), EdDSA-signed with ``kid``'s key.
 
         Built here rather than with ``jwt.encode``, whose checks and encoders cost ~20 us
         of Python per token, most of what a renewal costs besides the signature itself;
         the bytes are PyJWT's (tests/test_tokens.py holds them equal).
         """
-        self.refresh()  # a key rotated in by `tokend keys rotate` signs from now on
-        kid = self.current_kid
         header = self._headers.get(kid)
         if header is None:
             header = self._headers[kid] = _b64url(
@@ -207,11 +240,62 @@ class KeyRing:
         return f"{signing_input}.{_b64url(self._private[kid].sign(signing_input.encode()))}"
 
 
+@functools.cache
+def _created(kid: str) -> float:
+    """The end of the second a kid names (UTC ``YYYYmmddTHHMMSSZ``): its key was
+    created no later."""
+    fields = (kid[0:4], kid[4:6], kid[6:8], kid[9:11], kid[11:13], kid[13:15])
+    return calendar.timegm(tuple(map(int, fields))) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchedule:
+    """When each key signs and while it is published, from the kids alone (the second
+    each names) and two settings, so that every node sharing the directory agrees.
+
+    A new key is published at once, and signs once ``publish_delay`` has passed, by
+    when every JWKS cached before it (for at most ``jwks_max_age`` < the delay) has
+    expired. Before that the key before it goes on signing (the oldest, while none is
+    due). A key that stopped signing stays published ``retire_after`` (token_ttl +
+    leeway), until every token it signed has expired, and then neither is published
+    nor verifies.
+    """
+
+    publish_delay: float
+    retire_after: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> KeySchedule:
+        return cls(settings.key_publish_delay, settings.token_ttl + settings.leeway)
+
+    def signs_from(self, kid: str) -> float:
+        return _created(kid) + self.publish_delay
+
+    def signing(self, kids: Sequence[str], now: float) -> str:
+        """The kid that signs at ``now`` (``kids`` oldest first, not empty)."""
+        due = [kid for kid in kids if self.signs_from(kid) <= now]
+        return due[-1] if due else kids[0]
+
+    def retires_at(self, kid: str, kids: Sequence[str]) -> float:
+        """When ``kid`` (one of ``kids``, oldest first) stops being published."""
+        newer = bisect.bisect_right(kids, kid)
+        if newer == len(kids):
+            return math.inf
+        return self.signs_from(kids[newer]) + self.retire_after
+
+    def published(self, kids: Sequence[str], now: float) -> list[str]:
+        """The kids published (and verifying) at ``now``: all but the retired."""
+        return [kid for kid in kids if now < self.retires_at(kid, kids)]
+
+
 class TokenService:
     """Mints and verifies tokens under one issuer, audience and key ring."""
 
     def __init__(self, settings: Settings, keys: KeyRing) -> None:
         self.keys = keys
+        self.schedule = KeySchedule.of(settings)
+        # Shorter than the publish delay (config.validate): see KeySchedule.
+        self.jwks_cache_control = f"public, max-age={int(settings.jwks_max_age)}"
         self.issuer = settings.issuer
         self.audience = settings.audience
         self.leeway = settings.leeway
@@ -247,16 +331,26 @@ class TokenService:
         }
         if claims.prio != DEFAULT_PRIO:
             body["prio"] = claims.prio
-        return self.keys.sign(body)
+        self.keys.refresh()  # a key rotated in by `tokend keys rotate` comes due in time
+        return self.keys.sign(body, self.signing_kid)
+
+    @property
+    def signing_kid(self) -> str:
+        return self.schedule.signing(self.keys.kids, time.time())
+
+    def published_kids(self) -> list[str]:
+        return self.schedule.published(self.keys.kids, time.time())
+
+    def jwks(self) -> dict[str, Any]:
+        """The published keys, as the keys directory holds them at this moment."""
+        self.keys.refresh(0)  # a listing of a few names: nothing to save by waiting
+        return self.keys.jwks(self.published_kids())
 
     def _key_for(self, kid: str) -> Ed25519PublicKey:
+        self.keys.refresh()  # keys rotated in or deleted by another process, within a second
         key = self.keys.public_key(kid)
-        if key is None:
-            # Perhaps a key rotated in by another process since we last looked.
-            self.keys.refresh()
-            key = self.keys.public_key(kid)
-        if key is None:
-            raise TokenError("unknown kid")
+        if key is None or time.time() >= self.schedule.retires_at(kid, self.keys.kids):
+            raise TokenError("unknown_kid")
         return key
 
     def verify(self, token: str) -> Claims:
@@ -269,37 +363,37 @@ class TokenService:
         """
         segments = token.split(".")
         if len(segments) != 3 or not all(map(_B64URL.fullmatch, segments)):
-            raise TokenError("malformed token")
+            raise TokenError("malformed")
         header = _json_segment(segments[0])
         alg, kid = header.get("alg"), header.get("kid")
         # Only Ed25519 keys exist here: an allowed algorithm of another family
         # could never verify, so it is refused rather than tried.
         if alg not in self.algorithms or alg != "EdDSA":
-            raise TokenError("algorithm not allowed")
+            raise TokenError("bad_algorithm")
         if not isinstance(kid, str) or not KID_PATTERN.match(kid):
-            raise TokenError("missing or malformed kid")
+            raise TokenError("unknown_kid")
         key = self._key_for(kid)
         try:
             key.verify(_b64decode(segments[2]), f"{segments[0]}.{segments[1]}".encode("ascii"))
         except (InvalidSignature, binascii.Error):
-            raise TokenError("InvalidSignatureError") from None
+            raise TokenError("bad_signature") from None
         payload = _json_segment(segments[1])
         for claim in REQUIRED_CLAIMS:
             if claim not in payload:
-                raise TokenError(f"MissingRequiredClaimError: {claim}")
+                raise TokenError("missing_claim")
         if payload["iss"] != self.issuer:
-            raise TokenError("InvalidIssuerError")
+            raise TokenError("wrong_issuer")
         if payload["aud"] != self.audience or not isinstance(payload["aud"], str):
-            raise TokenError("InvalidAudienceError")
+            raise TokenError("wrong_audience")
         now = time.time()
         for claim in ("exp", "iat", "nbf"):
             value = payload.get(claim)
             if claim in payload and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise TokenError(f"{claim} must be a number")
+                raise TokenError("bad_time")
         if payload["exp"] <= now - self.leeway:
-            raise TokenError("token expired", expired=True)
+            raise TokenError("expired")
         if payload["iat"] > now + self.leeway or payload.get("nbf", 0) > now + self.leeway:
-            raise TokenError("ImmatureSignatureError")
+            raise TokenError("not_yet_valid")
         return _claims(payload)
 
 
@@ -314,9 +408,9 @@ def _json_segment(segment: str) -> dict[str, Any]:
     try:
         value = json.loads(_b64decode(segment))
     except (ValueError, binascii.Error):
-        raise TokenError("malformed token") from None
+        raise TokenError("malformed") from None
     if not isinstance(value, dict):
-        raise TokenError("malformed token")
+        raise TokenError("malformed")
     return value
 
 
@@ -327,14 +421,14 @@ def _claims(payload: dict[str, Any]) -> Claims:
     except ValueError:
         tid = None
     if tid is None or str(tid) != jti:
-        raise TokenError("jti is not a canonical UUID")
+        raise TokenError("bad_jti")
     if not isinstance(sub, str) or not sub or len(sub) > 256:
-        raise TokenError("sub must be a string of 1..256 characters")
+        raise TokenError("bad_sub")
     if isinstance(prio, bool) or not isinstance(prio, int) or prio not in PRIO_RANGE:
-        raise TokenError("prio must be an integer 0..9")
+        raise TokenError("bad_prio")
     iat, exp = payload["iat"], payload["exp"]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (iat, exp)):
-        raise TokenError("iat and exp must be integers")
+        raise TokenError("bad_time")
     if not 0 < exp < 1 << 42:
-        raise TokenError("exp out of range")
+        raise TokenError("bad_time")
     return Claims(tid, sub, iat, exp, prio)

@@ -56,6 +56,11 @@ export interface Lifecycle {
   error: TokendError | null;
   /** The new token of a 'renewed' change. */
   token: string | null;
+  /**
+   * The close frame's reason behind a 'reconnecting' or 'ended' change: tokend's are
+   * stable words (docs/protocol.md §7, e.g. 'bad_signature'); '' when there was none.
+   */
+  reason: string;
 }
 
 export type LifecycleCallbacks = Partial<Record<LifecycleKind, (change: Lifecycle) => void>>;
@@ -110,6 +115,10 @@ export declare class Backoff {
 export declare class TokendError extends Error {
   constructor(code: number | null, reason?: string);
   readonly code: number | null;
+  /**
+   * The close frame's reason when `code` is set: tokend's are stable words
+   * (docs/protocol.md §7, e.g. 'bad_signature'); else what went wrong, in words.
+   */
   readonly reason: string;
   /** The close code in words, e.g. "token revoked"; the reason when there is no code. */
   readonly meaning: string;

@@ -409,8 +409,9 @@ export class Backoff {
  *   'resumed' | 'ended'} LifecycleKind
  * @typedef {{kind: LifecycleKind, exp: number, code: number | null, meaning: string,
  *   detail: string, delay: number | null, error: TokendError | null,
- *   token: string | null}} Lifecycle
- * @typedef {{code: number | null, detail: string, error?: TokendError | null}} End
+ *   token: string | null, reason: string}} Lifecycle
+ * @typedef {{code: number | null, detail: string, error?: TokendError | null,
+ *   reason?: string}} End
  */
 
 /**
@@ -548,7 +549,7 @@ export class Session {
     this._closing = true;
     this._wake?.();
     const conn = this._conn;
-    let detail = 'closed while not connected; the session stays until it expires';
+    let detail = this._unconnectedClose();
     if (conn && this._live) {
       detail = 'no close from the server after BYE; the session may stay until it expires';
       conn.ws.send(encodeBye());
@@ -562,6 +563,12 @@ export class Session {
       this._conn?.end({ code: null, detail }, 'closed by the client');
     }
     await this._runner;
+  }
+
+  /** What a close with no connection to send BYE on leaves behind. */
+  _unconnectedClose() {
+    if (!this._welcomedOnce) return 'closed before a session was made';
+    return 'closed while not connected; the session stays until it expires';
   }
 
   /** Stop sending heartbeats (the server WARNs, then expires the session): tests, diagnostics. */
@@ -582,10 +589,13 @@ export class Session {
 
   // Reporting
 
-  _emit(kind, { code = null, detail = '', delay = null, error = null, token = null } = {}) {
+  _emit(
+    kind,
+    { code = null, detail = '', delay = null, error = null, token = null, reason = '' } = {},
+  ) {
     const meaning = kind === 'reconnecting' || kind === 'ended' ? describe(code) : '';
     /** @type {Lifecycle} */
-    const change = { kind, exp: this.exp, code, meaning, detail, delay, error, token };
+    const change = { kind, exp: this.exp, code, meaning, detail, delay, error, token, reason };
     this.history.push(change);
     if (this.history.length > this._historySize) this.history.shift();
     for (const callback of this._listeners.get(kind)) {
@@ -598,11 +608,11 @@ export class Session {
     }
   }
 
-  _finish(code, detail, error = null) {
+  _finish(code, detail, error = null, reason = '') {
     if (this.ended) return;
     this.error = error;
     globalThis.document?.removeEventListener('visibilitychange', this._onVisible);
-    this._emit('ended', { code, detail, error });
+    this._emit('ended', { code, detail, error, reason });
     this._ended.resolve();
     this._settled.resolve();
   }
@@ -615,18 +625,18 @@ export class Session {
       while (!this.ended) {
         const end = await this._connection();
         if (this._closing) {
-          this._finish(end.code, closingDetail(end));
+          this._finish(end.code, closingDetail(end), null, end.reason);
           return;
         }
         if (end.error) {
-          this._finish(end.code, end.detail, end.error);
+          this._finish(end.code, end.detail, end.error, end.reason);
           return;
         }
         if (this._healthy) failures = 0;
         const limit = this.backoff.maxAttempts;
         if (limit !== null && failures >= limit) {
           const reason = `gave up after ${failures} reconnect attempts; last: ${end.detail}`;
-          this._finish(end.code, reason, new RetriesExhausted(end.code, reason));
+          this._finish(end.code, reason, new RetriesExhausted(end.code, reason), end.reason);
           return;
         }
         const delay = this.backoff.delay(failures);
@@ -636,6 +646,7 @@ export class Session {
           code: end.code,
           detail: `${end.detail}; attempt ${failures} in ${(delay / 1000).toFixed(2)} s`,
           delay,
+          reason: end.reason,
         });
         await new Promise((resolve) => {
           const timer = setTimeout(resolve, delay);
@@ -645,9 +656,7 @@ export class Session {
           };
         });
         this._wake = null;
-        if (this._closing) {
-          this._finish(null, 'closed while not connected; the session stays until it expires');
-        }
+        if (this._closing) this._finish(null, this._unconnectedClose());
       }
     } catch (exc) {
       // A bug here must end the session visibly, not hang it.
@@ -673,6 +682,7 @@ export class Session {
         sent: new Map(), // seq -> performance.now() when sent, until ACKed
         due: 0, // when the next heartbeat is due (performance.now() time)
         timer: 0,
+        openTimer: 0, // ends a connection that gets no WELCOME within openTimeout
         signing: false,
         done: false,
         /**
@@ -683,9 +693,12 @@ export class Session {
         end: (result, closeReason) => {
           if (conn.done) return;
           conn.done = true;
-          clearTimeout(openTimer);
+          clearTimeout(conn.openTimer);
           clearTimeout(conn.timer);
-          ws.onopen = ws.onmessage = ws.onclose = ws.onerror = null;
+          ws.onopen = ws.onmessage = ws.onclose = null;
+          // Not null: ws (the WebSocket under Node 20) throws an error nobody listens to,
+          // as it does when closed before its handshake is done.
+          ws.onerror = () => {};
           if (closeReason !== undefined && ws.readyState <= WebSocket.OPEN) {
             const code = result.error instanceof ProtocolViolation ? CLIENT_VIOLATION_CODE : 1000;
             ws.close(code, closeReason);
@@ -696,7 +709,7 @@ export class Session {
         },
       };
       this._conn = conn;
-      const openTimer = setTimeout(
+      conn.openTimer = setTimeout(
         () => conn.end({ code: null, detail: 'no WELCOME in time' }, 'no WELCOME in time'),
         this.openTimeout,
       );
@@ -734,10 +747,8 @@ export class Session {
       return { code: null, detail: conn.opened ? 'connection lost' : 'cannot connect' };
     }
     const { code, reason } = event;
-    const meaning = describe(code);
-    const detail = reason && reason !== meaning ? `${meaning} (${reason})` : meaning;
     const family = classify(code);
-    return { code, detail, error: family ? new family(code, reason) : null };
+    return { code, detail: describe(code), error: family ? new family(code, reason) : null, reason };
   }
 
   /** End the connection on a malformed server frame (terminal) or a bug of ours (visible). */
@@ -773,6 +784,7 @@ export class Session {
   }
 
   _welcome(conn, welcome) {
+    clearTimeout(conn.openTimer); // in time: from here on heartbeat ACKs judge the link
     conn.welcome = welcome;
     this.heartbeatInterval = welcome.heartbeatMs;
     this.state = 'ACTIVE';

@@ -3,10 +3,11 @@
 A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module):
 
 - :func:`browser_tools` installs what the tests need once per machine: Debian's
-  ``chromium`` (with ``apt-get``, as root) and pinned ``playwright-core`` and
-  ``typescript`` from npm into a cache directory outside the repository. What
-  cannot be installed skips the test with a message saying what failed.
+  ``chromium`` (with ``apt-get``, as root) and pinned ``playwright-core``,
+  ``typescript`` and ``ws`` from npm into a cache directory outside the repository.
+  What cannot be installed skips the test with a message saying what failed.
   The installs run when collection finishes, outside any test's timeout.
+- ``node_dir``: the npm packages alone, for the SDK under Node (no Chromium).
 - ``site``: the browser SDK and the test pages over loopback HTTP.
 - ``chromium``: one headless Chromium for the test session (``tests/browser/driver.mjs``,
   serving pages on a Unix socket); ``browser``: a page of it in a fresh browser
@@ -40,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CHROMIUM = Path("/usr/bin/chromium")
 # Pinned npm packages: playwright-core drives Chromium (driver.mjs); typescript
-# checks the SDK's declarations (typecheck.ts).
-NODE_PACKAGES = {"playwright-core": "1.65.1", "typescript": "5.9.3"}
+# checks the SDK's declarations (typecheck.ts); ws is the WebSocket of the SDK under
+# Node 20 (node_session.mjs).
+NODE_PACKAGES = {"playwright-core": "1.65.1", "typescript": "5.9.3", "ws": "8.23.1"}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokend-tests"
 INSTALL_TIMEOUT = 900  # seconds; the one-time apt and npm installs
 CHROMIUM_START_TIMEOUT = 30  # seconds, for Chromium or a page to be ready
@@ -140,9 +142,20 @@ class BrowserTools:
 
 
 @functools.cache
-def _tools() -> BrowserTools | str:
+def _node_packages() -> Path | str:
     try:
-        return BrowserTools(install_chromium(), install_node_packages())
+        return install_node_packages()
+    except BrowserUnavailable as exc:
+        return str(exc)
+
+
+@functools.cache
+def _tools() -> BrowserTools | str:
+    node_dir = _node_packages()
+    if isinstance(node_dir, str):
+        return node_dir
+    try:
+        return BrowserTools(install_chromium(), node_dir)
     except BrowserUnavailable as exc:
         return str(exc)
 
@@ -353,14 +366,26 @@ def site() -> Iterator[StaticSite]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Install before the first browser test starts: the installs may take longer than
     a test's timeout, and a failure then skips the tests rather than failing one."""
-    if any("tools" in getattr(item, "fixturenames", ()) for item in session.items):
+    needs = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "tools" in needs:
         _tools()
+    elif "node_dir" in needs:
+        _node_packages()
 
 
 @pytest.fixture(scope="session")
 def tools() -> BrowserTools:
     """Chromium and the npm packages, installed if need be (else the test is skipped)."""
     return browser_tools()
+
+
+@pytest.fixture(scope="session")
+def node_dir() -> Path:
+    """A directory whose node_modules holds the npm packages (no Chromium needed)."""
+    found = _node_packages()
+    if isinstance(found, str):
+        pytest.skip(f"Node tests need node and npm packages: {found}")
+    return found
 
 
 @pytest.fixture(scope="session")

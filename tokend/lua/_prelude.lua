@@ -25,17 +25,20 @@ if now_ms() > GIVEN_UP_AT then
   return false
 end
 
--- The event of a transition, emitted in the same atomic step that makes it.
-local function emit(kind, tid, sub, at, reason)
-  local json = cjson.encode({v = 1, type = kind, tid = tid, sub = sub, at = at,
-                             node = NODE, reason = reason})
-  redis.call('XADD', STREAM, 'MAXLEN', '~', MAXLEN, '*', 'event', json)
-  redis.call('PUBLISH', EVENTS, json)
-end
-
 -- The node of connection `conn` ("<node>/<counter>"); nil for none.
 local function node_of(conn)
   return conn and conn:match('^(.+)/')
+end
+
+-- The event of a transition, emitted in the same atomic step that makes it. Its
+-- `node` is the node holding the session (of its connection `conn`), whichever node
+-- runs the script; `by` says who asked for a revocation. docs/events.md lists the
+-- fields of each type.
+local function emit(kind, tid, sub, at, conn, reason, by)
+  local json = cjson.encode({v = 1, type = kind, tid = tid, sub = sub, at = at,
+                             node = node_of(conn), reason = reason, by = by})
+  redis.call('XADD', STREAM, 'MAXLEN', '~', MAXLEN, '*', 'event', json)
+  redis.call('PUBLISH', EVENTS, json)
 end
 
 -- Ask the node holding connection `conn` to act on it, on that node's own control
@@ -50,13 +53,13 @@ end
 
 -- End a session: delete it, leave a tombstone until its token's exp, emit
 -- its final event, and (when code is given) close its connection wherever it is.
-local function finish(skey, tkey, tid, sub, exp, conn, now, kind, reason, tomb, code)
+local function finish(skey, tkey, tid, sub, exp, conn, now, kind, reason, tomb, code, by)
   redis.call('DEL', skey)
   redis.call('ZREM', DUE, tid)
   if exp > now then
     redis.call('SET', tkey, tomb, 'PXAT', exp)
   end
-  emit(kind, tid, sub, now, reason)
+  emit(kind, tid, sub, now, conn, reason, by)
   if code then
     control('close', tid, conn, code)
   end

@@ -34,7 +34,7 @@ local function heartbeat(skey, tkey, tid, conn, replayed)
   local was_warn = 0
   if s[2] == 'WARN' then
     was_warn = 1
-    emit('SESSION_RECOVERED', tid, sub, now)
+    emit('SESSION_RECOVERED', tid, sub, now, conn)
   end
   local renewed = 0
   if exp - now <= renew_ms then
@@ -44,7 +44,7 @@ local function heartbeat(skey, tkey, tid, conn, replayed)
     if new_exp > exp then
       exp, iat, renewed = new_exp, new_iat, 1
       redis.call('PEXPIREAT', skey, exp + grace_ms)
-      emit('TOKEN_RENEWED', tid, sub, now)
+      emit('TOKEN_RENEWED', tid, sub, now, conn)
     end
   end
   redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat)

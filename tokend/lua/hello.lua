@@ -38,10 +38,10 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
     if s[4] ~= conn then
       control('close', tid, s[4], 4507)
     end
-    emit('SESSION_RESUMED', tid, sub, now)
+    emit('SESSION_RESUMED', tid, sub, now, conn)
     if s[5] == 'WARN' then
       -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
-      emit('SESSION_RECOVERED', tid, sub, now)
+      emit('SESSION_RECOVERED', tid, sub, now, conn)
     end
     return {'resumed', exp, tonumber(s[3])}
   end
@@ -54,7 +54,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
              'prio', prio, 'conn', conn)
   redis.call('PEXPIREAT', skey, exp + grace_ms)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
-  emit('SESSION_STARTED', tid, sub, now)
+  emit('SESSION_STARTED', tid, sub, now, conn)
   return {'started', exp, tonumber(iat)}
 end
 

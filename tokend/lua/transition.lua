@@ -42,7 +42,7 @@ for i = 1, (#KEYS - 2) / 2 do
       redis.call('HSET', skey, 'st', 'WARN')
       -- Same deadline as tokend.clocks.deadline(WARN, hb, exp).
       redis.call('ZADD', DUE, math.min(hb + expire_ms, exp), tid)
-      emit('SESSION_WARN', tid, sub, now)
+      emit('SESSION_WARN', tid, sub, now, conn)
       out[i] = {'warn', tell('notice', tid, conn)}
     else
       -- Not due (a heartbeat came after the claim): tokend.clocks.deadline(st, hb, exp).

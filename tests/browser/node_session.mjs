@@ -1,0 +1,32 @@
+// The browser SDK (sdk/js/tokend.js) under Node, for tests/test_browser.py.
+//
+// Node 22 has a global WebSocket; on older Node the npm package `ws` stands in for it
+// (environment: NODE_DIR holding node_modules/ws). argv[2] is a JSON object
+// {url, token, options, holdMs}: a session is opened with `options` (lifecycle
+// callbacks added), held for `holdMs` or until it ends, then logged out. Every line
+// written is JSON: {"change": ...} per lifecycle change, then {"held": {stats,
+// connected}} and {"done": {error}}.
+
+import { createRequire } from 'node:module';
+
+const { NODE_DIR } = process.env;
+globalThis.WebSocket ??= createRequire(`${NODE_DIR}/`)('ws').WebSocket;
+const tokend = await import('../../sdk/js/tokend.js');
+
+const { url, token, options = {}, holdMs } = JSON.parse(process.argv[2]);
+const say = (message) => process.stdout.write(`${JSON.stringify(message)}\n`);
+const report = ({ error, token: _token, ...change }) =>
+  say({ change: { ...change, error: error && { name: error.name, reason: error.reason } } });
+const on = Object.fromEntries(tokend.LIFECYCLE.map((kind) => [kind, report]));
+const session = new tokend.Session(url, token, { ...options, on });
+session.open();
+
+const ended = session.wait().then(
+  () => null,
+  (error) => error,
+);
+await Promise.race([ended, new Promise((resolve) => setTimeout(resolve, holdMs))]);
+say({ held: { stats: session.stats, connected: session.connected } });
+await session.close();
+const error = await ended;
+say({ done: { error: error && { name: error.name, code: error.code, reason: error.reason } } });
