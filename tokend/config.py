@@ -79,6 +79,11 @@ class Settings:
         "most heartbeats per Redis round trip; when more wait, higher prio first and WARN "
         "sessions last",
     )
+    flush_lanes: int = _setting(
+        2,
+        "store round trips each batcher (HELLOs, heartbeats) keeps in flight at once; 2 lets "
+        "the node answer one batch while Redis runs the next",
+    )
     sweep_interval: float = _setting(
         0.1, "how often each node sweeps for due WARN/EXPIRED transitions"
     )
@@ -267,6 +272,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("backlog: must be 1..65535")
     if settings.heartbeat_batch < 1:
         raise ConfigError("heartbeat_batch: must be at least 1")
+    if settings.flush_lanes < 1:
+        raise ConfigError("flush_lanes: must be at least 1")
     if not -1 <= settings.admin_port <= 65535:
         raise ConfigError("admin_port: must be -1 (off) or 0..65535")
     if settings.admin_max_body < 1:

@@ -47,7 +47,6 @@ SWEEP_BATCH = 1000
 # spends on deadlines falling due one by one.
 MIN_SWEEP_PAUSE = 0.005
 MAX_BACKOFF = 2.0
-FLUSH_LANES = 2
 # The control subscription's first wait before subscribing again, doubled up to
 # MAX_BACKOFF while it fails; through Sentinel, how often the master's name is asked.
 FIRST_RETRY = 0.1
@@ -243,8 +242,10 @@ class Node:
             self.log.warning("redis unavailable at start; scripts load on first use")
         self.running = True
         self._tasks = [
-            asyncio.create_task(self.heartbeats.run(self, FLUSH_LANES), name="heartbeats"),
-            asyncio.create_task(self.hellos.run(self, FLUSH_LANES), name="hellos"),
+            asyncio.create_task(
+                self.heartbeats.run(self, self.settings.flush_lanes), name="heartbeats"
+            ),
+            asyncio.create_task(self.hellos.run(self, self.settings.flush_lanes), name="hellos"),
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
         ]
