@@ -37,7 +37,7 @@ from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer
-from tokend.session import Ask, Close, Session, TokenBucket
+from tokend.session import Ask, Close, Phase, Session, TokenBucket
 from tokend.store import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -203,9 +203,7 @@ class Connection(asyncio.Protocol):
             try:
                 self._message(apply_mask(data[6:], data[2:6]))
             except Exception:
-                self.log.exception("connection failed")
-                if self.session is not None:
-                    self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+                self._internal_error()
             self._write()
             return
         ws = self.ws
@@ -220,11 +218,15 @@ class Connection(asyncio.Protocol):
             if ws.close_sent is not None and session is not None:
                 self._failed(session)
         except Exception:
-            self.log.exception("connection failed")
-            if self.session is not None:
-                self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+            self._internal_error()
         self.aligned = self.fast_path and at_frame_start(ws)
         self._write()
+
+    def _internal_error(self) -> None:
+        """A bug met while serving this connection: log it, close 1011, serve the rest."""
+        self.log.exception("connection failed")
+        if self.session is not None:
+            self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
 
     @property
     def fast_path(self) -> bool:
@@ -303,6 +305,8 @@ class Connection(asyncio.Protocol):
 
     def _frame(self, frame: Frame) -> None:
         opcode = frame.opcode
+        if opcode in _DATA and self.session is not None and self.session.phase is Phase.CLOSED:
+            return  # data after our close frame (RFC 6455 5.5.1: the closing handshake)
         if opcode is Opcode.BINARY:
             if frame.fin:
                 self._message(frame.data)
@@ -623,6 +627,7 @@ def at_frame_start(ws: ServerProtocol) -> bool:
 
 
 _AT_EOF = StreamReader.at_eof.__code__
+_DATA = frozenset({Opcode.BINARY, Opcode.CONT, Opcode.TEXT})
 
 
 def _response(answer: HttpAnswer) -> Response:
