@@ -97,6 +97,14 @@ class Settings:
     admin_max_body: int = 16384
     # On SIGTERM, open connections are closed with 1001 in batches spread over this long.
     drain_period: float = 10.0
+    # Replicas that must acknowledge a revocation, BYE or admin DELETE (Redis WAIT) before it
+    # is reported done; "auto": every replica the deployment knows of; 0: no WAIT.
+    durable_replicas: str = "auto"
+    # How long to wait for those acknowledgements; then the operation is reported unconfirmed.
+    durable_timeout: float = 0.25
+    # How often a node compares the masters' replication ids to see a failover (and then
+    # writes again the revocations it heard, should the failover have lost them).
+    failover_check_interval: float = 1.0
 
     # Derived values, in the units the code uses.
 
@@ -121,6 +129,11 @@ class Settings:
         return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
     @property
+    def durable_replica_count(self) -> int | None:
+        """``durable_replicas`` as a number; None for "auto"."""
+        return None if self.durable_replicas == "auto" else int(self.durable_replicas)
+
+    @property
     def token_ttl_s(self) -> int:
         return round(self.token_ttl)
 
@@ -139,6 +152,8 @@ _DURATIONS = (
     "redis_timeout",
     "sweep_interval",
     "send_timeout",
+    "durable_timeout",
+    "failover_check_interval",
 )
 _CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
 FIELDS = {f.name: f for f in fields(Settings)}
@@ -215,6 +230,13 @@ def validate(settings: Settings) -> Settings:
     if settings.workers > 1 and settings.port == 0:
         # Port 0 would give every worker a port of its own.
         raise ConfigError("workers: more than 1 needs a fixed port, not 0")
+    if settings.durable_replicas != "auto" and not (
+        settings.durable_replicas.isascii() and settings.durable_replicas.isdigit()
+    ):
+        raise ConfigError("durable_replicas: must be auto or a number of replicas (0: no WAIT)")
+    if settings.durable_timeout >= settings.redis_timeout:
+        # WAIT's answer has to arrive within the socket timeout.
+        raise ConfigError("durable_timeout: must be less than redis_timeout")
     for name, allowed in _CHOICES.items():
         if getattr(settings, name) not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}")

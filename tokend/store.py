@@ -12,6 +12,7 @@ Redis Cluster slot:
 * ``<prefix>:{<prefix>:<n>}:events``   event stream shard
 * ``<prefix>:events``  pub/sub channel of the events
 * ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
+* ``<prefix>:ctl``  pub/sub channel of revocations, heard by every node (tokend.revocations)
 
 :func:`connect` makes the client for a URL: one Redis (``redis://``, ``rediss://``,
 ``unix://``), a Redis Cluster (``redis+cluster://``) or the master a Sentinel
@@ -23,7 +24,9 @@ unchanged on all three; where a Cluster differs it is :func:`initialized` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+import structlog
 from redis import exceptions as rexc
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -40,7 +44,10 @@ from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, pars
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from tokend.config import ConfigError, Settings
+from tokend.durability import known_replicas, then_wait
 from tokend.packing import pack_with_hiredis
+
+log = structlog.get_logger("tokend.store")
 
 SHARDS = 16
 T = TypeVar("T")
@@ -69,6 +76,17 @@ ScriptCall = tuple["Script", list[str], list[Any]]
 
 class StoreUnavailable(Exception):
     """Redis did not answer within the deadline, or refused the connection."""
+
+
+class NotConfirmed(StoreUnavailable):
+    """The master made the change, but fewer replicas than ``durable_replicas`` acknowledged
+    it within ``durable_timeout``: a failover may still undo it."""
+
+    def __init__(self, outcome: int, acknowledged: int, wanted: int, timeout: float) -> None:
+        super().__init__(f"{acknowledged} of {wanted} replicas acknowledged it within {timeout} s")
+        self.outcome = outcome
+        self.acknowledged = acknowledged
+        self.wanted = wanted
 
 
 def _source(name: str) -> str:
@@ -138,6 +156,11 @@ class Keyspace:
     def control_channel(self, node: str) -> str:
         return f"{self.control_prefix}:{node}"
 
+    @property
+    def revocations_channel(self) -> str:
+        """end.lua tells every node of a revocation on the control prefix itself (no node)."""
+        return self.control_prefix
+
 
 @dataclass(frozen=True, slots=True)
 class HelloResult:
@@ -145,6 +168,7 @@ class HelloResult:
     exp_ms: int = 0
     iat_s: int = 0
     tomb: str = ""
+    since_ms: int = 0  # Redis time at which this connection took the session
 
 
 class HeartbeatResult(NamedTuple):
@@ -162,14 +186,22 @@ class HeartbeatResult(NamedTuple):
 class HeartbeatRequest:
     """A connection's heartbeat for the batch; built once per connection, reused.
 
-    ``keys`` and ``args`` are its part of the shard's heartbeat.lua call, as sent.
+    ``keys`` and ``args`` are its part of the shard's heartbeat.lua call, as sent. The
+    rest is what the connection knows of its session, to restore it with should Redis
+    have lost it (:meth:`restoring`; none when ``since_ms`` is 0); rebuilt
+    (:meth:`renewed`) when its exp changes.
     """
 
     tid: str
     conn: str
     shard: int
     keys: tuple[str, str]  # session hash, tombstone
-    args: tuple[str, str, str]  # tid, conn, replayed ("1" or "0")
+    args: tuple[str, str, str, str]  # tid, conn, replayed ("1" or "0"), restore ("")
+    sub: str = ""
+    prio: int = 0
+    since_ms: int = 0
+    iat_s: int = 0
+    exp_ms: int = 0
 
     def replay(self) -> HeartbeatRequest:
         """The same heartbeat, marked as replayed.
@@ -177,7 +209,17 @@ class HeartbeatRequest:
         It was received in time but is stored late (after an outage): the script does
         not judge it for silence.
         """
-        return replace(self, args=(self.tid, self.conn, "1"))
+        return replace(self, args=(self.tid, self.conn, "1", ""))
+
+    def renewed(self, iat_s: int, exp_ms: int) -> HeartbeatRequest:
+        return replace(self, iat_s=iat_s, exp_ms=exp_ms)
+
+    def restoring(self) -> HeartbeatRequest:
+        """The same heartbeat, asking heartbeat.lua to restore the session from this one's
+        knowledge if Redis lost it (no hash and no tombstone) or lost this connection's
+        resume of it."""
+        known = f"{self.prio}|{self.iat_s}|{self.exp_ms}|{self.since_ms}|{self.sub}"
+        return replace(self, args=(*self.args[:3], known))
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +378,17 @@ async def subscription(redis: Client) -> PubSub:
     return (await initialized(redis)).pubsub(ignore_subscribe_messages=True)
 
 
+async def close_quietly(pubsub: PubSub) -> None:
+    """Close a subscription whose connection may be broken, within a second, silently.
+
+    Not to be awaited in a ``finally`` that a cancellation runs: the pool's aclose()
+    reclaims the connection then, and pubsub.aclose() while cancelled can block.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1):
+            await pubsub.aclose()
+
+
 async def slot_groups(redis: Client, keys: Sequence[str]) -> list[list[str]]:
     """``keys`` in groups that one multi-key command (XREAD) may name together.
 
@@ -392,6 +445,13 @@ class Store:
         # HELLOs waiting for the next round trip, and the task sending them (see hello()).
         self._hellos: list[tuple[ScriptCall, asyncio.Future[Any]]] = []
         self._hello_flusher: asyncio.Task[None] | None = None
+        self.node = node
+        # Replicas to WAIT for after a revocation or BYE (None: ask the deployment).
+        self.durable_replicas = settings.durable_replica_count
+        self.durable_timeout = settings.durable_timeout
+        # Whether this node knows the token as revoked (tokend.revocations sets it): such a
+        # HELLO is refused without asking Redis, which a failover may have made forget it.
+        self.revoked: Callable[[str], bool] = _never
 
     @property
     def _common(self) -> list[str]:
@@ -399,18 +459,20 @@ class Store:
         given_up_at = int(self.wall_clock() * 1000) + self.given_up_after_ms
         return [*self._prelude_args, str(given_up_at)]
 
-    async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
+    async def _deadline(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         try:
-            async with asyncio.timeout(self.timeout), self._in_flight:
+            async with asyncio.timeout(timeout or self.timeout), self._in_flight:
                 await initialized(self.redis)
                 return await make()
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from None
 
-    async def _timed(self, name: str, make: Callable[[], Awaitable[T]]) -> T:
+    async def _timed(
+        self, name: str, make: Callable[[], Awaitable[T]], timeout: float | None = None
+    ) -> T:
         started = time.perf_counter()
         try:
-            return await self._deadline(make)
+            return await self._deadline(make, timeout)
         finally:
             self.observe(name, time.perf_counter() - started)
 
@@ -434,6 +496,38 @@ class Store:
                 return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
 
         return self._answered(await self._timed(script.name, call))
+
+    async def _eval_durably(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, int, int]:
+        """:meth:`_eval`, then WAIT for ``durable_replicas`` (tokend.durability).
+
+        Returns the reply, how many replicas acknowledged it and how many were wanted.
+        """
+        wanted = self.durable_replicas
+        if wanted is None:
+            wanted = await self._deadline(lambda: known_replicas(self.redis, keys[0]))
+        if not wanted:
+            return await self._eval(script, keys, args), 0, 0
+        command = ("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
+        timeout_ms = max(1, math.floor(self.durable_timeout * 1000))  # WAIT 0 would never end
+
+        async def call() -> tuple[Any, int]:
+            reply, acknowledged = await then_wait(self.redis, keys[0], command, wanted, timeout_ms)
+            if isinstance(reply, rexc.NoScriptError):
+                await self.redis.script_load(script.source)
+                reply, acknowledged = await then_wait(
+                    self.redis, keys[0], command, wanted, timeout_ms
+                )
+            if isinstance(reply, Exception):
+                raise reply
+            return reply, acknowledged
+
+        # The WAIT may take durable_timeout on top of the call's own deadline.
+        reply, acknowledged = await self._timed(
+            script.name, call, self.timeout + self.durable_timeout
+        )
+        return self._answered(reply), acknowledged, wanted
 
     async def _eval_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
@@ -498,6 +592,8 @@ class Store:
         call each, one pipeline), as heartbeats do: in a connect storm a round trip per
         HELLO, with its pool checkout and deadline, cost more than the script itself.
         """
+        if self.revoked(str(tid)):
+            return HelloResult("tomb", tomb="revoked")
         args = [
             str(tid),
             sub,
@@ -516,7 +612,7 @@ class Store:
         reply = await future
         outcome = reply[0]
         if outcome in ("started", "resumed"):
-            return HelloResult(outcome, int(reply[1]), int(reply[2]))
+            return HelloResult(outcome, int(reply[1]), int(reply[2]), since_ms=int(reply[3]))
         if outcome == "tomb":
             return HelloResult(outcome, tomb=reply[1])
         return HelloResult(outcome)
@@ -536,18 +632,60 @@ class Store:
                 if not future.done():  # its connection may have gone meanwhile
                     future.set_result(reply)
 
-    def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
+    def heartbeat_request(
+        self,
+        tid: uuid.UUID,
+        conn: str,
+        *,
+        sub: str = "",
+        prio: int = 0,
+        hello: HelloResult | None = None,
+    ) -> HeartbeatRequest:
+        """The heartbeat of connection ``conn``, whose HELLO got ``hello`` (without it, and
+        the token's ``sub`` and ``prio``, the session cannot be restored from it)."""
         hash_key, tomb_key = self.keys.session_keys(tid)
-        return HeartbeatRequest(
-            str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key), (str(tid), conn, "0")
+        request = HeartbeatRequest(
+            str(tid), conn, self.keys.shard(tid), (hash_key, tomb_key), (str(tid), conn, "0", "")
+        )
+        if hello is None:
+            return request
+        return replace(
+            request,
+            sub=sub,
+            prio=prio,
+            since_ms=hello.since_ms,
+            iat_s=hello.iat_s,
+            exp_ms=hello.exp_ms,
         )
 
     async def heartbeats(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
-        """Record many heartbeats in one round trip.
+        """Record many heartbeats in one round trip (two when Redis lost some sessions).
 
-        One heartbeat.lua call for the whole batch on one Redis; on a Cluster, one per
-        shard (a call's keys must be of one slot there).
+        A session the store answers gone without a tombstone, or taken, is asked about
+        again with what its connection knows: Redis may have lost it, or this connection's
+        resume of it, in a failover; heartbeat.lua then restores it (SESSION_RESTORED).
         """
+        results = await self._beat(batch)
+        again = [
+            i
+            for i, result in enumerate(results)
+            if batch[i].since_ms
+            and (result.outcome == "taken" or (result.outcome == "gone" and not result.tomb))
+        ]
+        if again:
+            retried = await self._beat([batch[i].restoring() for i in again])
+            for i, result in zip(again, retried, strict=True):
+                results[i] = result
+                if result.outcome == "ok":
+                    request = batch[i]
+                    log.warning(
+                        "session restored", tid=request.tid, conn=request.conn, node=self.node
+                    )
+        return results
+
+    async def _beat(self, batch: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+        """One heartbeat.lua call for the whole batch on one Redis; on a Cluster, one per
+        shard (a call's keys must be of one slot there)."""
         # Per shard: its keys (shard keys, then its sessions'), the count and the
         # sessions' arguments, and the batch positions they answer.
         groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
@@ -584,14 +722,21 @@ class Store:
     async def end(
         self, tid: uuid.UUID, *, conn: str, event: str, tomb: str, code: int | None
     ) -> int:
-        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506)."""
-        return int(
-            await self._eval(
-                END,
-                self.keys.script_keys(tid),
-                [str(tid), conn, event, tomb, "" if code is None else int(code), self.ttl_s * 1000],
-            )
+        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506).
+
+        Returns end.lua's outcome once ``durable_replicas`` replicas hold it; raises
+        :class:`NotConfirmed` when they did not acknowledge it in time (a BYE that
+        recorded nothing has nothing to confirm).
+        """
+        reply, acknowledged, wanted = await self._eval_durably(
+            END,
+            self.keys.script_keys(tid),
+            [str(tid), conn, event, tomb, "" if code is None else int(code), self.ttl_s * 1000],
         )
+        outcome = int(reply)
+        if acknowledged < wanted and not (conn and not outcome):
+            raise NotConfirmed(outcome, acknowledged, wanted, self.durable_timeout)
+        return outcome
 
     async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]], int | None]:
         """Claim due sessions of every shard.
@@ -637,9 +782,26 @@ class Store:
         """Revoke a token: its session ends wherever it is (close 4506) and it is barred.
 
         Returns 1 when a live session was ended, 2 when only the bar was written, 0 when
-        the token had already ended.
+        the token had already ended; raises :class:`NotConfirmed` as :meth:`end` does.
         """
         return await self.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+
+    async def replication_ids(self) -> dict[str, str]:
+        """Each master's replication id, by node name on a Cluster ("" for the one master).
+
+        A replica promoted by a failover, or a master restarted, has a new one.
+        """
+
+        async def call() -> dict[str, str]:
+            if isinstance(self.redis, RedisCluster):
+                masters = self.redis.get_primaries()
+                infos = await asyncio.gather(
+                    *(self.redis.info("replication", target_nodes=m) for m in masters)
+                )
+                return {m.name: i["master_replid"] for m, i in zip(masters, infos, strict=True)}
+            return {"": (await self.redis.info("replication"))["master_replid"]}
+
+        return await self._deadline(call)
 
     # Reads for operators (admin API, ``tokend sessions``): plain commands, no script.
 
@@ -722,6 +884,10 @@ def _parse_cursor(cursor: str) -> tuple[int, str]:
 
 def _ignore(name: str, seconds: float) -> None:
     pass
+
+
+def _never(tid: str) -> bool:
+    return False
 
 
 def _heartbeat_result(reply: list[Any]) -> HeartbeatResult:

@@ -1,7 +1,10 @@
 -- HELLO: start a session, or resume the live one with this tid (spec 0x01).
 -- KEYS[3] session hash, KEYS[4] tombstone.
 -- ARGV: tid, sub, prio, iat (s), exp (s), conn, warn_after (ms), grace (ms), expire_after (ms).
--- Returns {'started'|'resumed', exp_ms, iat_s}, {'tomb', reason}, {'expired'} or {'mismatch'}.
+-- Returns {'started'|'resumed', exp_ms, iat_s, since_ms}, {'tomb', reason}, {'expired'} or
+-- {'mismatch'}. since_ms is when this connection took the session (hash field `since`): after
+-- a failover a node re-asserts its connection only over one that took it earlier
+-- (heartbeat.lua).
 local skey, tkey = KEYS[3], KEYS[4]
 local tid, sub, prio, iat, exp_s, conn = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local warn_ms, grace_ms, expire_ms = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
@@ -17,7 +20,14 @@ if s[1] then
   if s[1] ~= sub then
     return {'mismatch'}
   end
-  local exp = tonumber(s[2])
+  local exp, token_exp = tonumber(s[2]), tonumber(exp_s) * 1000
+  if token_exp > exp then
+    -- A token of ours newer than the session: a renewal that a Redis failover lost. The
+    -- client holds it; it keeps working.
+    exp, s[3] = token_exp, iat
+    redis.call('HSET', skey, 'exp', exp, 'iat', iat)
+    redis.call('PEXPIREAT', skey, exp + grace_ms)
+  end
   -- Due but not yet swept: expire it now rather than bring it back.
   if exp <= now then
     finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'token_expired', 'expired', 4505)
@@ -29,7 +39,7 @@ if s[1] then
     return {'tomb', 'expired'}
   end
   -- A resume counts as a heartbeat: the session is ACTIVE again.
-  redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
+  redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn, 'since', now)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   control('close', tid, s[4], 4507)
   emit('SESSION_RESUMED', tid, sub, now)
@@ -37,7 +47,7 @@ if s[1] then
     -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
     emit('SESSION_RECOVERED', tid, sub, now)
   end
-  return {'resumed', exp, tonumber(s[3])}
+  return {'resumed', exp, tonumber(s[3]), now}
 end
 
 local exp = tonumber(exp_s) * 1000
@@ -45,8 +55,8 @@ if exp <= now then
   return {'expired'}
 end
 redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
-           'prio', prio, 'conn', conn)
+           'prio', prio, 'conn', conn, 'since', now)
 redis.call('PEXPIREAT', skey, exp + grace_ms)
 redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
 emit('SESSION_STARTED', tid, sub, now)
-return {'started', exp, tonumber(iat)}
+return {'started', exp, tonumber(iat), now}
