@@ -30,6 +30,7 @@ from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
+from tokend.revocations import Revocations
 from tokend.session import Close, Session
 from tokend.store import (
     Client,
@@ -146,6 +147,7 @@ class Node:
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
+        self.revocations = Revocations(self.store, redis, settings.failover_check_interval)
         self.sessions: dict[str, Session] = {}  # by conn id
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
@@ -169,6 +171,7 @@ class Node:
             asyncio.create_task(self.heartbeats.run(self), name="heartbeats"),
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
+            asyncio.create_task(self.revocations.run(lambda: self.running), name="revocations"),
         ]
         # Ready means subscribed; if Redis is down, start anyway and say so in /readyz.
         with contextlib.suppress(TimeoutError):
