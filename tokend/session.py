@@ -180,7 +180,9 @@ class Session:
             raise Close(p.CloseCode.TOKEN_EXPIRED, "token expired")
         if result.outcome == "mismatch":
             raise Close(p.CloseCode.INVALID_TOKEN, "sub does not match the session")
-        self.heartbeat_request = self.node.store.heartbeat_request(claims.tid, self.conn)
+        self.heartbeat_request = self.node.store.heartbeat_request(
+            claims.tid, self.conn, sub=claims.sub, prio=claims.prio, hello=result
+        )
         self.tid_bytes = claims.tid.bytes
         self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
         self.token_exp_ms = claims.exp * 1000
@@ -296,6 +298,9 @@ class Session:
         if result.was_warn:
             self.log.info("session recovered")
         self.warned = False
+        if result.exp_ms != self.exp_ms and self.heartbeat_request is not None:
+            # What the store restores the session with, should Redis lose it, is current.
+            self.heartbeat_request = self.heartbeat_request.renewed(result.iat_s, result.exp_ms)
         self.exp_ms, self.iat_s = result.exp_ms, result.iat_s
 
     async def _bye(self) -> None:
@@ -305,7 +310,10 @@ class Session:
                 self.claims.tid, conn=self.conn, event="SESSION_CLOSED", tomb="closed", code=None
             )
         except StoreUnavailable as exc:
-            raise Close(p.CloseCode.TRY_AGAIN_LATER, "store unavailable, BYE not recorded") from exc
+            # Also when the replicas did not confirm it (NotConfirmed): the client may retry.
+            raise Close(
+                p.CloseCode.TRY_AGAIN_LATER, "store unavailable, BYE not confirmed"
+            ) from exc
         raise Close(p.CloseCode.NORMAL, "bye")
 
     async def notify_warn(self) -> None:
