@@ -705,3 +705,26 @@ async def test_cluster_failover_to_a_stale_replica(
     cluster_topology: ClusterTopology, start_app: StartApp, tokens: TokenService
 ):
     await provoke(cluster_topology, start_app, tokens)
+
+
+async def test_on_a_cluster_wait_follows_the_script_on_its_masters_connection(
+    cluster_topology: ClusterTopology, make_settings: Callable[..., Settings]
+):
+    """A replica stalled but still connected acknowledges nothing new: WAIT on the
+    connection that ran the script counts 0 of 1; on any other connection (or node) it
+    would count what that one wrote before, and confirm."""
+    settings = make_settings(redis_url=cluster_topology.url, durable_timeout=0.2)
+    client = connect(settings.redis_url, settings)
+    store = Store(client, settings, "test")
+    replica = cluster_topology.replica.process
+    assert replica is not None
+    try:
+        assert await store.revoke(cluster_topology.tid()) == 2  # confirmed by the replica
+        replica.send_signal(signal.SIGSTOP)
+        with pytest.raises(NotConfirmed, match="0 of 1 replicas"):
+            await store.revoke(cluster_topology.tid())
+        replica.send_signal(signal.SIGCONT)
+        assert await store.revoke(cluster_topology.tid()) == 2
+    finally:
+        replica.send_signal(signal.SIGCONT)
+        await client.aclose()

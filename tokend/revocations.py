@@ -6,7 +6,7 @@ and a failover may still lose the tombstone. So every node keeps the revocations
 (end.lua tells every node, on the revocations channel) until their tombstones would have
 expired, and
 
-* refuses the HELLO of a token it knows as revoked without asking Redis (``Store.revoked``);
+* refuses the HELLO of a token it knows as revoked without asking Redis (``Store.known_revoked``);
 * compares every master's replication id each ``failover_check_interval`` (and whenever its
   subscription is made again): a new id (a replica promoted, a master restarted) means
   acknowledged writes may be gone, and the node revokes again every token it keeps. A
@@ -51,7 +51,7 @@ class Revocations:
         self.replication_ids: dict[str, str] | None = None
         self.pending = False  # a failover was seen; not every revocation written again yet
         self.log = log.bind(node=store.node)
-        store.revoked = self.knows
+        store.known_revoked = self.knows
 
     def knows(self, tid: str) -> bool:
         expires = self.known.get(tid)

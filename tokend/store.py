@@ -212,6 +212,7 @@ class HeartbeatRequest:
         return replace(self, args=(self.tid, self.conn, "1", ""))
 
     def renewed(self, iat_s: int, exp_ms: int) -> HeartbeatRequest:
+        """The same heartbeat, knowing the session's newest token (after a renewal)."""
         return replace(self, iat_s=iat_s, exp_ms=exp_ms)
 
     def restoring(self) -> HeartbeatRequest:
@@ -451,7 +452,7 @@ class Store:
         self.durable_timeout = settings.durable_timeout
         # Whether this node knows the token as revoked (tokend.revocations sets it): such a
         # HELLO is refused without asking Redis, which a failover may have made forget it.
-        self.revoked: Callable[[str], bool] = _never
+        self.known_revoked: Callable[[str], bool] = _never
 
     @property
     def _common(self) -> list[str]:
@@ -592,7 +593,7 @@ class Store:
         call each, one pipeline), as heartbeats do: in a connect storm a round trip per
         HELLO, with its pool checkout and deadline, cost more than the script itself.
         """
-        if self.revoked(str(tid)):
+        if self.known_revoked(str(tid)):
             return HelloResult("tomb", tomb="revoked")
         args = [
             str(tid),
