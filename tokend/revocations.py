@@ -98,6 +98,9 @@ class Revocations:
             seen = await self.store.replication_ids()
         except StoreUnavailable:
             return
+        except Exception:  # a bug, or a Cluster in a state redis-py does not expect: retry
+            self.log.exception("failover check failed")
+            return
         if self.replication_ids is not None and seen != self.replication_ids:
             self.log.warning("redis failover or restart seen", masters=len(seen))
             self.pending = True
