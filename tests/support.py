@@ -175,7 +175,7 @@ class RedisClusterProcess:
 
     def add_replica(self, master: int, timeout: float = 20) -> RedisProcess:
         """A new node replicating ``self.nodes[master]``, returned once it is in sync and
-        every master lists it."""
+        every master lists it as that master's replica."""
         replica = self._node(f"replica-{len(self.replicas)}", free_port())
         self.replicas.append(replica)
         replica.start()
@@ -189,10 +189,11 @@ class RedisClusterProcess:
                 client.execute_command("CLUSTER", "REPLICATE", master_id)
                 break
             time.sleep(0.05)
-        my_id = client.execute_command("CLUSTER", "MYID")
+        # Each master's node table names it as this master's replica (gossip takes a moment).
+        row = b" slave " + master_id.encode() + b" "
         while time.monotonic() < deadline:
             synced = client.info("replication").get("master_link_status") == "up"
-            if synced and all(my_id in m.execute_command("CLUSTER", "NODES") for m in masters):
+            if synced and all(row in m.execute_command("CLUSTER", "NODES") for m in masters):
                 return replica
             time.sleep(0.05)
         raise RuntimeError("cluster replica did not sync")
