@@ -213,7 +213,19 @@ class HeartbeatRequest:
 
     def renewed(self, iat_s: int, exp_ms: int) -> HeartbeatRequest:
         """The same heartbeat, knowing the session's newest token (after a renewal)."""
-        return replace(self, iat_s=iat_s, exp_ms=exp_ms)
+        # The constructor, not dataclasses.replace: a renewal storm makes one per renewal.
+        return HeartbeatRequest(
+            self.tid,
+            self.conn,
+            self.shard,
+            self.keys,
+            self.args,
+            self.sub,
+            self.prio,
+            self.since_ms,
+            iat_s,
+            exp_ms,
+        )
 
     def restoring(self) -> HeartbeatRequest:
         """The same heartbeat, asking heartbeat.lua to restore the session from this one's
@@ -670,8 +682,9 @@ class Store:
         again = [
             i
             for i, result in enumerate(results)
-            if batch[i].since_ms
-            and (result.outcome == "taken" or (result.outcome == "gone" and not result.tomb))
+            if result.outcome != "ok"
+            and batch[i].since_ms
+            and (result.outcome == "taken" or not result.tomb)
         ]
         if again:
             retried = await self._beat([batch[i].restoring() for i in again])
