@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import FULL, QUICK, BenchError, Context, Row, fd_limit, format_table
+from tokend import config
 
 SCENARIOS = {
     "heartbeat": "bench.heartbeat",
@@ -32,6 +33,7 @@ SCENARIOS = {
     "expiry": "bench.expiry",
     "connect": "bench.connect",
     "socketio": "bench.socketio",
+    "revoke": "bench.revoke",
 }
 
 
@@ -79,6 +81,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run tokend as `tokend serve --workers N` (N processes on one port, unpinned; "
         "CPU figures are the whole process tree's)",
     )
+    parser.add_argument(
+        "--replica",
+        action="store_true",
+        help="give every Redis of the run a replica in sync (for durable_replicas)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a tokend setting for every tokend of the run, over the scenario's own "
+        "(e.g. --set durable_replicas=1); repeatable",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (logs)")
     args = parser.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
@@ -88,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeat must be at least 1")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    args.settings = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or name not in config.FIELDS:
+            parser.error(f"--set {item}: NAME=VALUE with NAME a tokend setting")
+        args.settings[name] = value
     return args
 
 
@@ -197,8 +218,18 @@ def main(argv: list[str] | None = None) -> int:
     print("pinning: " + ("off" if args.no_pin else "server under test on CPU 0, the rest on 1+"))
     if args.workers > 1:
         print(f"tokend: --workers {args.workers}, not pinned")
+    if args.replica or args.settings:
+        print(f"redis: {'with a replica' if args.replica else 'alone'}; tokend: {args.settings}")
     try:
-        ctx = Context(sizes, workdir, args.log_level, pin=not args.no_pin, workers=args.workers)
+        ctx = Context(
+            sizes,
+            workdir,
+            args.log_level,
+            pin=not args.no_pin,
+            workers=args.workers,
+            replica=args.replica,
+            settings=args.settings,
+        )
         results, ok = asyncio.run(run_all(ctx, names, args.repeat))
     finally:
         if args.keep:

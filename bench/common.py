@@ -375,12 +375,24 @@ class Context:
     """One harness run: sizes, a scratch directory, signing keys, cached measurements."""
 
     def __init__(
-        self, sizes: Sizes, workdir: Path, log_level: str, *, pin: bool = True, workers: int = 1
+        self,
+        sizes: Sizes,
+        workdir: Path,
+        log_level: str,
+        *,
+        pin: bool = True,
+        workers: int = 1,
+        replica: bool = False,
+        settings: dict[str, str] | None = None,
     ) -> None:
         self.sizes = sizes
         self.workdir = workdir
         self.log_level = log_level
         self.workers = workers
+        # Every Redis of the run with a replica in sync (what durable_replicas waits for).
+        self.replica = replica
+        # tokend settings given on the command line (--set), over each scenario's own.
+        self.settings = settings or {}
         # The server under test on one CPU, Redis and the load generators on the others.
         self.server_cpus, self.other_cpus = cpu_split() if pin else (None, None)
         self.keys_dir = workdir / "keys"
@@ -424,14 +436,37 @@ class Context:
 
 @contextlib.contextmanager
 def redis_server(ctx: Context) -> Iterator[RedisProcess]:
-    """A private redis-server (the embedded extra's Valkey) on a loopback port."""
-    server = RedisProcess(ctx.scratch("redis"))
+    """A private redis-server (the embedded extra's Valkey) on a loopback port; with
+    ``ctx.replica``, a replica of it too, in sync before it is yielded."""
+    server = RedisProcess(ctx.scratch("redis"), extra_args=("--repl-diskless-sync-delay", "0"))
+    replica = None
     try:
         server.start()
         pin(redis_pid(server), ctx.other_cpus)
+        if ctx.replica:
+            replica = RedisProcess(
+                ctx.scratch("redis-replica"),
+                extra_args=("--replicaof", LOOPBACK, str(server.port)),
+            )
+            replica.start()
+            pin(redis_pid(replica), ctx.other_cpus)
+            wait_in_sync(server)
         yield server
     finally:
+        if replica is not None:
+            replica.stop()
         server.stop()
+
+
+def wait_in_sync(server: RedisProcess, timeout: float = 30.0) -> None:
+    client = server.client()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = client.info("replication")
+        if info["connected_slaves"] and info["slave0"]["state"] == "online":
+            return
+        time.sleep(0.05)
+    raise BenchError("the replica did not sync")
 
 
 def redis_pid(server: RedisProcess) -> int:
@@ -456,7 +491,7 @@ def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -
         "TOKEND_ADMIN_PORT": "0",  # ephemeral: never collide with another server's
         "TOKEND_LOG_FORMAT": "json",
         "TOKEND_LOG_LEVEL": ctx.log_level,
-        **{config.env_name(k): str(v) for k, v in settings.items()},
+        **{config.env_name(k): str(v) for k, v in {**settings, **ctx.settings}.items()},
     }
     env.pop("TOKEND_CONFIG", None)
     argv = [sys.executable, "-m", "tokend", "serve", "--workers", str(ctx.workers)]

@@ -111,6 +111,9 @@ class RedisProcess:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
+
 
 def node_env(settings: Settings) -> dict[str, str]:
     """Every setting as its ``TOKEND_*`` variable: a tokend process configured like ``settings``."""
@@ -123,22 +126,27 @@ class RedisClusterProcess:
     SLOTS = 16384
 
     def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.directory = directory
         self.bus_ports = [free_port() for _ in range(masters)]
-        self.nodes = [
-            RedisProcess(
-                directory / f"node-{n}",
-                # An explicit bus port: the default (port + 10000) may be taken or too high.
-                extra_args=(
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-port",
-                    str(self.bus_ports[n]),
-                    "--cluster-node-timeout",
-                    "5000",
-                ),
-            )
-            for n in range(masters)
-        ]
+        self.nodes = [self._node(f"node-{n}", self.bus_ports[n]) for n in range(masters)]
+        self.replicas: list[RedisProcess] = []
+
+    def _node(self, name: str, bus_port: int) -> RedisProcess:
+        return RedisProcess(
+            self.directory / name,
+            # An explicit bus port: the default (port + 10000) may be taken or too high.
+            extra_args=(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                str(bus_port),
+                "--cluster-node-timeout",
+                "5000",
+                # A new replica's first sync starts at once, not 5 s later.
+                "--repl-diskless-sync-delay",
+                "0",
+            ),
+        )
 
     def master_of(self, key: str) -> int:
         """Which node (index) serves ``key``'s slot, as :meth:`start` assigned them."""
@@ -167,18 +175,54 @@ class RedisClusterProcess:
             time.sleep(0.05)
         raise RuntimeError("redis cluster did not reach cluster_state:ok")
 
+    def add_replica(self, master: int, timeout: float = 20) -> RedisProcess:
+        """A new node replicating ``self.nodes[master]``, returned once it is in sync and
+        every master lists it as that master's replica."""
+        replica = self._node(f"replica-{len(self.replicas)}", free_port())
+        self.replicas.append(replica)
+        replica.start()
+        client = redis.Redis(host=LOOPBACK, port=replica.port, socket_timeout=2)
+        masters = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]
+        master_id = masters[master].execute_command("CLUSTER", "MYID").decode()
+        client.execute_command("CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.bus_ports[0])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.ResponseError):  # the master is not known yet
+                client.execute_command("CLUSTER", "REPLICATE", master_id)
+                break
+            time.sleep(0.05)
+        # Each master's node table names it as this master's replica (gossip takes a moment).
+        row = b" slave " + master_id.encode() + b" "
+        while time.monotonic() < deadline:
+            synced = client.info("replication").get("master_link_status") == "up"
+            if synced and all(row in m.execute_command("CLUSTER", "NODES") for m in masters):
+                return replica
+            time.sleep(0.05)
+        raise RuntimeError("cluster replica did not sync")
+
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in self.nodes + self.replicas:
             node.stop()
 
 
 class RedisSentinelProcess:
     """A redis-server in sentinel mode watching ``master`` as service ``service``."""
 
-    def __init__(self, directory: Path, master: RedisProcess, service: str = "tokend") -> None:
+    def __init__(
+        self,
+        directory: Path,
+        master: RedisProcess,
+        service: str = "tokend",
+        *,
+        quorum: int = 1,
+        options: dict[str, int] | None = None,
+    ) -> None:
         self.directory = directory
         self.master = master
         self.service = service
+        self.quorum = quorum
+        # Per-service settings: down-after-milliseconds, failover-timeout...
+        self.options = options or {}
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -192,7 +236,8 @@ class RedisSentinelProcess:
         conf.write_text(
             f"port {self.port}\nbind {LOOPBACK}\ndir {self.directory}\n"
             f"logfile {self.directory / 'sentinel.log'}\n"
-            f"sentinel monitor {self.service} {LOOPBACK} {self.master.port} 1\n"
+            f"sentinel monitor {self.service} {LOOPBACK} {self.master.port} {self.quorum}\n"
+            + "".join(f"sentinel {k} {self.service} {v}\n" for k, v in self.options.items())
         )
         self.process = subprocess.Popen(
             [find_server_binary(), str(conf), "--sentinel"],
@@ -214,6 +259,9 @@ class RedisSentinelProcess:
         if self.process and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
 
 
 class TokendProcess:

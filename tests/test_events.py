@@ -228,6 +228,12 @@ async def test_every_event_type_has_the_fields_documented(
     tids.append(barred := str(uuid.uuid4()))
     assert await app.node.store.revoke(uuid.UUID(barred), by="admin:test") == 2
     await events.wait_for("TOKEN_REVOKED", barred)
+    async with RawClient.connect(app.port) as client:
+        # As if a Redis failover lost the session: the node holding it writes it again.
+        tids.append(lost := tid_of(await client.hello(tokens.mint("lost"))))
+        await app.node.store.redis.delete(app.node.store.keys.session_keys(uuid.UUID(lost))[0])
+        await client.heartbeat()
+        await events.wait_for("SESSION_RESTORED", lost)
 
     rows = documented_event_fields()
     emitted = [event for event in events.events if event["tid"] in tids]
@@ -244,6 +250,7 @@ async def test_every_event_type_has_the_fields_documented(
         "SESSION_CLOSED",
         "TOKEN_EXPIRED",
         "TOKEN_REVOKED",
+        "SESSION_RESTORED",
     }
     (closed,) = [e for e in emitted if e["type"] == "SESSION_CLOSED"]
     assert closed["reason"] == "bye"

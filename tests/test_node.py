@@ -92,6 +92,9 @@ class Waiter:
     def close(self, code: p.CloseCode, reason: str) -> None:
         self.calls.append(("close", code))
 
+    def known(self) -> None:
+        return None  # nothing to restore a session with (tests/test_failover.py does)
+
 
 @pytest.fixture
 def host(settings: Settings) -> Host:
@@ -192,11 +195,11 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     original = store.heartbeats
 
     async def beat_meanwhile(
-        requests: list[HeartbeatRequest], replayed: Sequence[bool] = ()
+        requests: list[HeartbeatRequest], replayed: Sequence[bool] = (), known: Any = None
     ) -> list[HeartbeatAnswer]:
         waiter.beat()  # the client's next heartbeat lands while Redis works on the first
         batcher.submit(waiter)  # type: ignore[arg-type]
-        return await original(requests, replayed)
+        return await original(requests, replayed, known)
 
     store.heartbeats = beat_meanwhile  # type: ignore[method-assign]
     await batcher.flush()

@@ -465,6 +465,12 @@ def test_bye_asks_the_store_then_closes_1000(session: Session, tokens: TokenServ
     closed(session.ended(), p.CloseCode.NORMAL, "bye")
 
 
+def test_bye_not_confirmed_by_the_replicas_is_1013(session: Session, tokens: TokenService) -> None:
+    welcome(session, tokens)
+    session.receive(p.Bye())
+    closed(session.bye_unconfirmed(), p.CloseCode.TRY_AGAIN_LATER, "bye_not_confirmed")
+
+
 def test_bye_not_recorded_is_1013(session: Session, tokens: TokenService) -> None:
     welcome(session, tokens)
     session.receive(p.Bye())

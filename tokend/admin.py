@@ -36,7 +36,7 @@ from redis import exceptions as rexc
 from tokend import events, health
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokend.node import Node
-from tokend.store import StoreUnavailable
+from tokend.store import NotConfirmed, StoreUnavailable
 from tokend.tokens import DEFAULT_PRIO, PRIO_RANGE
 
 log = structlog.get_logger("tokend.admin")
@@ -378,9 +378,30 @@ class AdminServer:
         return Response.json(http.HTTPStatus.OK, view.as_json())
 
     async def _revoke(self, request: Request, params: dict[str, str]) -> Response:
-        """DELETE /v1/sessions/{tid}: the revocation of ``tokend revoke`` (close 4506)."""
+        """DELETE /v1/sessions/{tid}: the revocation of ``tokend revoke`` (close 4506).
+
+        200 once ``durable_replicas`` replicas hold it; 504 ``not_confirmed`` when they did
+        not acknowledge it in time: the master has it, a failover may undo it.
+        """
         tid = _tid(params["tid"])
-        outcome = await self.node.store.revoke(tid, by=f"admin:{self.node.name}")
+        try:
+            outcome = await self.node.store.revoke(tid, by=f"admin:{self.node.name}")
+        except NotConfirmed as exc:
+            log.warning(
+                "revocation not confirmed",
+                tid=str(tid),
+                acknowledged=exc.acknowledged,
+                wanted=exc.wanted,
+            )
+            body = {
+                "error": "not_confirmed",
+                "detail": f"the master revoked it, but {exc}: a failover may undo it; repeat "
+                "the request",
+                "tid": str(tid),
+                "acknowledged": exc.acknowledged,
+                "wanted": exc.wanted,
+            }
+            return Response.json(http.HTTPStatus.GATEWAY_TIMEOUT, body)
         result = {1: "revoked", 2: "barred", 0: "already_ended"}[outcome]
         return Response.json(http.HTTPStatus.OK, {"tid": str(tid), "result": result})
 

@@ -32,6 +32,7 @@ class HelloAnswer(NamedTuple):
     outcome: HelloOutcome
     exp_ms: int = 0  # the session's current exp (a resumed one may be newer than the token's)
     iat_s: int = 0
+    since_ms: int = 0  # Redis time at which this connection took the session
     ended: Ended | None = None
 
 

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 # Sessions read per round of `tokend sessions list`.
 LIST_PAGE = 500
+# `tokend revoke`: the master revoked it, but too few replicas acknowledged it in time.
+EXIT_NOT_CONFIRMED = 3
 
 # The settings each command reads (every one can also come from TOKEND_* or the
 # config file); its --help shows these alone. serve reads them all.
@@ -193,8 +195,18 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
     if tid is None:
         return 2
 
+    from tokend.store import NotConfirmed
+
     async def revoke(store: Store) -> int:
-        result = await store.revoke(tid, by=f"cli:{socket.gethostname()}")
+        try:
+            result = await store.revoke(tid, by=f"cli:{socket.gethostname()}")
+        except NotConfirmed as exc:
+            print(
+                f"tokend revoke: not confirmed: the master revoked {tid}, but {exc}; a "
+                "failover may undo it: run tokend revoke again",
+                file=sys.stderr,
+            )
+            return EXIT_NOT_CONFIRMED
         print(
             {1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result]
         )
@@ -354,7 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
         "revoke",
         help="revoke a token by its id",
         description="End the session of token TID (its connection is closed with 4506 "
-        "wherever it is) and bar the token from starting a new one.",
+        "wherever it is) and bar the token from starting a new one. Exit status 0 once "
+        'durable_replicas replicas hold it, 3 ("not confirmed") when they did not '
+        "acknowledge it within durable_timeout (a Redis failover may undo it: run it "
+        "again), 1 when Redis is unreachable.",
     )
     revoke.add_argument("tid", help="token id (the jti claim, a UUID)")
     revoke.set_defaults(func=cmd_revoke)

@@ -151,6 +151,21 @@ class Settings:
     drain_period: float = _setting(
         10.0, "on SIGTERM, open connections are closed with 1001 spread over this long"
     )
+    durable_replicas: str = _setting(
+        "auto",
+        "replicas that must acknowledge a revocation, BYE or admin DELETE (Redis WAIT) before "
+        "it is reported done; auto: every replica the deployment knows of; 0: no WAIT",
+    )
+    durable_timeout: float = _setting(
+        0.25,
+        "how long to wait for those acknowledgements, then the operation is reported "
+        "unconfirmed; less than redis_timeout",
+    )
+    failover_check_interval: float = _setting(
+        1.0,
+        "how often a node compares the masters' replication ids to see a failover (and then "
+        "writes again the revocations it heard)",
+    )
 
     # Derived values, in the units the code uses.
 
@@ -175,6 +190,11 @@ class Settings:
         return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
     @property
+    def durable_replica_count(self) -> int | None:
+        """``durable_replicas`` as a number; None for "auto"."""
+        return None if self.durable_replicas == "auto" else int(self.durable_replicas)
+
+    @property
     def token_ttl_s(self) -> int:
         return round(self.token_ttl)
 
@@ -194,6 +214,8 @@ _DURATIONS = (
     "sweep_interval",
     "send_timeout",
     "key_publish_delay",
+    "durable_timeout",
+    "failover_check_interval",
 )
 _CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
 FIELDS = {f.name: f for f in fields(Settings)}
@@ -289,6 +311,13 @@ def validate(settings: Settings) -> Settings:
     if settings.workers > 1 and settings.port == 0:
         # Port 0 would give every worker a port of its own.
         raise ConfigError("workers: more than 1 needs a fixed port, not 0")
+    if settings.durable_replicas != "auto" and not (
+        settings.durable_replicas.isascii() and settings.durable_replicas.isdigit()
+    ):
+        raise ConfigError("durable_replicas: must be auto or a number of replicas (0: no WAIT)")
+    if settings.durable_timeout >= settings.redis_timeout:
+        # WAIT's answer has to arrive within the socket timeout.
+        raise ConfigError("durable_timeout: must be less than redis_timeout")
     for name, allowed in _CHOICES.items():
         if getattr(settings, name) not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}")

@@ -38,7 +38,7 @@ from websockets.typing import Subprotocol
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer
 from tokend.session import Ask, Close, Phase, Session, TokenBucket
-from tokend.store import StoreUnavailable
+from tokend.store import Known, NotConfirmed, StoreUnavailable
 
 if TYPE_CHECKING:
     from tokend.config import Settings
@@ -455,6 +455,15 @@ class Connection(asyncio.Protocol):
         self.paused = False
         transport.resume_reading()
 
+    def known(self) -> Known | None:
+        """What this connection knows of its session, to restore it with should Redis have
+        lost it (tokend.store.Known); None before WELCOME."""
+        session = self.session
+        if session is None or session.claims is None or not session.since_ms:
+            return None
+        claims = session.claims
+        return Known(claims.sub, claims.prio, session.iat_s, session.exp_ms, session.since_ms)
+
     def replayed(self, answer: HeartbeatAnswer) -> None:
         """A heartbeat held through an outage was stored at last."""
         assert self.session is not None
@@ -475,6 +484,8 @@ class Connection(asyncio.Protocol):
                 tomb="closed",
                 code=None,
             )
+        except NotConfirmed:
+            close = session.bye_unconfirmed()
         except StoreUnavailable:
             close = session.store_unavailable()
         else:

@@ -34,6 +34,7 @@ from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
+from tokend.revocations import Revocations
 from tokend.store import Client, Store, StoreUnavailable, subscription
 from tokend.tokens import Claims, TokenService
 
@@ -169,10 +170,15 @@ class HeartbeatBatcher(Batcher):
             replays = [c for c in unstored if c not in taken]
         # A connection whose earlier heartbeat is still unstored was not silent, whatever
         # Redis last recorded: its new heartbeat is not judged late either.
-        requests = [c.heartbeat_request for c in batch] + [c.heartbeat_request for c in replays]
+        connections = batch + replays
+        requests = [c.heartbeat_request for c in connections]
         replayed = [c in unstored for c in batch] + [True] * len(replays) if unstored else ()
         try:
-            answers = await self.store.heartbeats(requests, replayed)  # type: ignore[arg-type]
+            answers = await self.store.heartbeats(
+                requests,  # type: ignore[arg-type]
+                replayed,
+                lambda i: connections[i].known(),
+            )
         except StoreUnavailable as exc:
             if not self.held:
                 log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))
@@ -221,6 +227,7 @@ class Node:
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
+        self.revocations = Revocations(self.store, redis, settings.failover_check_interval)
         self.sessions: dict[str, Connection] = {}  # WELCOMEd connections by conn id
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
@@ -248,6 +255,7 @@ class Node:
             asyncio.create_task(self.hellos.run(self, self.settings.flush_lanes), name="hellos"),
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
+            asyncio.create_task(self.revocations.run(lambda: self.running), name="revocations"),
         ]
         # Ready means subscribed; if Redis is down, start anyway and say so in /readyz.
         with contextlib.suppress(TimeoutError):

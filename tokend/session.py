@@ -136,6 +136,7 @@ class Session:
         "last_seq",
         "phase",
         "resumed",
+        "since_ms",
         "storing",
         "tid_bytes",
         "token_exp_ms",
@@ -157,6 +158,7 @@ class Session:
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
         self.resumed = False
+        self.since_ms = 0  # Redis time at which this connection took the session
         self.warned = False
         self.held = False  # a heartbeat was acknowledged that the store has not recorded
         self.frames: TokenBucket | None = None
@@ -246,7 +248,7 @@ class Session:
         self.phase = Phase.OPEN
         self.resumed = outcome is HelloOutcome.RESUMED
         self.tid_bytes = self.claims.tid.bytes
-        self.exp_ms, self.iat_s = answer.exp_ms, answer.iat_s
+        self.exp_ms, self.iat_s, self.since_ms = answer.exp_ms, answer.iat_s, answer.since_ms
         self.token_exp_ms = self.claims.exp * 1000
         self.key = os.urandom(p.SESSION_KEY_LENGTH)
         if self.cadence.max_frame_rate:
@@ -343,6 +345,11 @@ class Session:
     def ended(self) -> Close | None:
         """The store took :attr:`Ask.BYE` (logged out, or the session had already ended)."""
         return self._close(p.CloseCode.NORMAL, "bye")
+
+    def bye_unconfirmed(self) -> Close | None:
+        """The master recorded BYE, but its replicas did not confirm it in time (a failover
+        may undo it, docs/scaling.md): the client is told to log out again (1013)."""
+        return self._close(p.CloseCode.TRY_AGAIN_LATER, "bye_not_confirmed")
 
     def store_unavailable(self) -> Close | None:
         """The store could not take HELLO or BYE: the client should retry (1013).

@@ -12,6 +12,7 @@ Redis Cluster slot:
 * ``<prefix>:{<prefix>:<n>}:events``   event stream shard
 * ``<prefix>:events``  pub/sub channel of the events
 * ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
+* ``<prefix>:ctl``  pub/sub channel of revocations, heard by every node (tokend.revocations)
 
 :func:`connect` makes the client for a URL: one Redis (``redis://``, ``rediss://``,
 ``unix://``), a Redis Cluster (``redis+cluster://``) or the master a Sentinel
@@ -23,7 +24,9 @@ unchanged on all three; where a Cluster differs it is :func:`initialized` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+import structlog
 from redis import exceptions as rexc
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -41,7 +45,10 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.config import ConfigError, Settings
+from tokend.durability import known_replicas, then_wait
 from tokend.packing import pack_with_hiredis
+
+log = structlog.get_logger("tokend.store")
 
 SHARDS = 16
 T = TypeVar("T")
@@ -74,6 +81,17 @@ SessionPart = tuple[int, Sequence[str], Sequence[Any]]
 
 class StoreUnavailable(Exception):
     """Redis did not answer within the deadline, or refused the connection."""
+
+
+class NotConfirmed(StoreUnavailable):
+    """The master made the change, but fewer replicas than ``durable_replicas`` acknowledged
+    it within ``durable_timeout``: a failover may still undo it."""
+
+    def __init__(self, outcome: int, acknowledged: int, wanted: int, timeout: float) -> None:
+        super().__init__(f"{acknowledged} of {wanted} replicas acknowledged it within {timeout} s")
+        self.outcome = outcome
+        self.acknowledged = acknowledged
+        self.wanted = wanted
 
 
 def _source(name: str) -> str:
@@ -148,6 +166,11 @@ class Keyspace:
     def control_channel(self, node: str) -> str:
         return f"{self.control_prefix}:{node}"
 
+    @property
+    def revocations_channel(self) -> str:
+        """end.lua tells every node of a revocation on the control prefix itself (no node)."""
+        return self.control_prefix
+
 
 class HeartbeatRequest(NamedTuple):
     """A connection's heartbeat for the batch; built once per connection, reused.
@@ -158,6 +181,22 @@ class HeartbeatRequest(NamedTuple):
     tid: str
     conn: str
     shard: int
+
+
+class Known(NamedTuple):
+    """What a live connection knows of its session: enough for heartbeat.lua to restore
+    it should a failover have lost it (or lost this connection's resume of it)."""
+
+    sub: str
+    prio: int
+    iat_s: int
+    exp_ms: int
+    since_ms: int  # Redis time at which this connection took the session (HELLO's answer)
+
+    @property
+    def encoded(self) -> str:
+        """heartbeat.lua's restore argument."""
+        return f"{self.prio}|{self.iat_s}|{self.exp_ms}|{self.since_ms}|{self.sub}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +355,17 @@ async def subscription(redis: Client) -> PubSub:
     return (await initialized(redis)).pubsub(ignore_subscribe_messages=True)
 
 
+async def close_quietly(pubsub: PubSub) -> None:
+    """Close a subscription whose connection may be broken, within a second, silently.
+
+    Not to be awaited in a ``finally`` that a cancellation runs: the pool's aclose()
+    reclaims the connection then, and pubsub.aclose() while cancelled can block.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1):
+            await pubsub.aclose()
+
+
 async def slot_groups(redis: Client, keys: Sequence[str]) -> list[list[str]]:
     """``keys`` in groups that one multi-key command (XREAD) may name together.
 
@@ -371,6 +421,13 @@ class Store:
         self.given_up_after_ms = settings.ms("redis_timeout") + settings.ms("leeway")
         # This node's wall clock: it only dates requests, never judges a session.
         self.wall_clock: Callable[[], float] = time.time
+        self.node = node
+        # Replicas to WAIT for after a revocation or BYE (None: ask the deployment).
+        self.durable_replicas = settings.durable_replica_count
+        self.durable_timeout = settings.durable_timeout
+        # Whether this node knows the token as revoked (tokend.revocations sets it): such a
+        # HELLO is refused without asking Redis, which a failover may have made forget it.
+        self.known_revoked: Callable[[str], bool] = _never
 
     @property
     def _common(self) -> list[str]:
@@ -378,18 +435,20 @@ class Store:
         given_up_at = int(self.wall_clock() * 1000) + self.given_up_after_ms
         return [*self._prelude_args, str(given_up_at)]
 
-    async def _deadline(self, make: Callable[[], Awaitable[T]]) -> T:
+    async def _deadline(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         try:
-            async with asyncio.timeout(self.timeout), self._in_flight:
+            async with asyncio.timeout(timeout or self.timeout), self._in_flight:
                 await initialized(self.redis)
                 return await make()
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from None
 
-    async def _timed(self, name: str, make: Callable[[], Awaitable[T]]) -> T:
+    async def _timed(
+        self, name: str, make: Callable[[], Awaitable[T]], timeout: float | None = None
+    ) -> T:
         started = time.perf_counter()
         try:
-            return await self._deadline(make)
+            return await self._deadline(make, timeout)
         finally:
             self.observe(name, time.perf_counter() - started)
 
@@ -413,6 +472,38 @@ class Store:
                 return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
 
         return self._answered(await self._timed(script.name, call))
+
+    async def _eval_durably(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, int, int]:
+        """:meth:`_eval`, then WAIT for ``durable_replicas`` (tokend.durability).
+
+        Returns the reply, how many replicas acknowledged it and how many were wanted.
+        """
+        wanted = self.durable_replicas
+        if wanted is None:
+            wanted = await self._deadline(lambda: known_replicas(self.redis, keys[0]))
+        if not wanted:
+            return await self._eval(script, keys, args), 0, 0
+        command = ("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
+        timeout_ms = max(1, math.floor(self.durable_timeout * 1000))  # WAIT 0 would never end
+
+        async def call() -> tuple[Any, int]:
+            reply, acknowledged = await then_wait(self.redis, keys[0], command, wanted, timeout_ms)
+            if isinstance(reply, rexc.NoScriptError):
+                await self.redis.script_load(script.source)
+                reply, acknowledged = await then_wait(
+                    self.redis, keys[0], command, wanted, timeout_ms
+                )
+            if isinstance(reply, Exception):
+                raise reply
+            return reply, acknowledged
+
+        # The WAIT may take durable_timeout on top of the call's own deadline.
+        reply, acknowledged = await self._timed(
+            script.name, call, self.timeout + self.durable_timeout
+        )
+        return self._answered(reply), acknowledged, wanted
 
     async def _eval_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Run many scripts in one round trip; NOSCRIPT entries are loaded and rerun."""
@@ -482,6 +573,9 @@ class Store:
         costs more than the script itself; the node sends the HELLOs that arrive while
         one round trip is out together in the next.
         """
+        if any(self.known_revoked(str(request[0])) for request in batch):
+            # Refused without asking Redis, which a failover may have made forget them.
+            return await self._hellos_but_revoked(batch)
         prefixes = self._session_prefixes
         members = []
         for tid, sub, prio, iat_s, exp_s, conn in batch:
@@ -498,20 +592,61 @@ class Store:
         replies = await self._per_shard(HELLO, self._hello_args, members)
         return [_hello_answer(reply) for reply in replies]
 
+    async def _hellos_but_revoked(self, batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
+        """:meth:`hellos`, answering those this node knows as revoked itself."""
+        barred = [self.known_revoked(str(request[0])) for request in batch]
+        asked = iter(await self.hellos([r for r, b in zip(batch, barred, strict=True) if not b]))
+        return [_REVOKED if b else next(asked) for b in barred]
+
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         tid_text = str(tid)
         return HeartbeatRequest(tid_text, conn, Keyspace.shard_of(tid_text))
 
     async def heartbeats(
-        self, batch: Sequence[HeartbeatRequest], replayed: Sequence[bool] = ()
+        self,
+        batch: Sequence[HeartbeatRequest],
+        replayed: Sequence[bool] = (),
+        known: Callable[[int], Known | None] | None = None,
     ) -> list[HeartbeatAnswer]:
-        """Record many heartbeats in one round trip.
+        """Record many heartbeats in one round trip (two when Redis lost some sessions).
 
         ``replayed[i]`` marks a heartbeat received in time but stored late (after an
         outage): the script does not judge it for silence. One heartbeat.lua call for
         the whole batch on one Redis; on a Cluster, one per shard (a call's keys must be
         of one slot there).
+
+        A session the store answers gone without a tombstone, or taken, is asked about
+        again with what its connection knows (``known(i)``): Redis may have lost it, or
+        this connection's resume of it, in a failover; heartbeat.lua then restores it
+        (SESSION_RESTORED, docs/scaling.md "What survives a failover").
         """
+        answers = await self._beat(batch, replayed, ())
+        if known is None:
+            return answers
+        again, knowledge = [], []
+        for i, answer in enumerate(answers):
+            outcome = answer.outcome
+            if outcome is _OK or (outcome is HeartbeatOutcome.GONE and answer.ended is not None):
+                continue
+            what = known(i)
+            if what is not None and what.since_ms:
+                again.append(i)
+                knowledge.append(what.encoded)
+        if again:
+            retried = await self._beat(
+                [batch[i] for i in again],
+                [bool(replayed) and replayed[i] for i in again],
+                knowledge,
+            )
+            for i, answer in zip(again, retried, strict=True):
+                answers[i] = answer
+                if answer.outcome is _OK:
+                    log.warning("session restored", tid=batch[i].tid, conn=batch[i].conn)
+        return answers
+
+    async def _beat(
+        self, batch: Sequence[HeartbeatRequest], replayed: Sequence[bool], restore: Sequence[str]
+    ) -> list[HeartbeatAnswer]:
         prefixes = self._session_prefixes
         members = []
         for i, (tid, conn, shard) in enumerate(batch):
@@ -520,7 +655,12 @@ class Store:
                 (
                     shard,
                     (hash_prefix + tid, tomb_prefix + tid),
-                    (tid, conn, "1" if replayed and replayed[i] else "0"),
+                    (
+                        tid,
+                        conn,
+                        "1" if replayed and replayed[i] else "0",
+                        restore[i] if restore else "",
+                    ),
                 )
             )
         replies = await self._per_shard(HEARTBEAT, self._heartbeat_args, members)
@@ -578,10 +718,21 @@ class Store:
         by: str = "",
     ) -> int:
         """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506, ``by``
-        who asked)."""
+        who asked).
+
+        Returns end.lua's outcome once ``durable_replicas`` replicas hold it; raises
+        :class:`NotConfirmed` when they did not acknowledge it in time (a BYE that
+        recorded nothing has nothing to confirm).
+        """
         code_arg = "" if code is None else int(code)
         args = [str(tid), conn, event, tomb, code_arg, self.ttl_s * 1000, by]
-        return int(await self._eval(END, self.keys.script_keys(tid), args))
+        reply, acknowledged, wanted = await self._eval_durably(
+            END, self.keys.script_keys(tid), args
+        )
+        outcome = int(reply)
+        if acknowledged < wanted and not (conn and not outcome):
+            raise NotConfirmed(outcome, acknowledged, wanted, self.durable_timeout)
+        return outcome
 
     async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]], int | None]:
         """Claim due sessions of every shard.
@@ -628,9 +779,26 @@ class Store:
 
         ``by`` names who asked, in the TOKEN_REVOKED event (docs/events.md). Returns 1
         when a live session was ended, 2 when only the bar was written, 0 when the token
-        had already ended.
+        had already ended; raises :class:`NotConfirmed` as :meth:`end` does.
         """
         return await self.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506, by=by)
+
+    async def replication_ids(self) -> dict[str, str]:
+        """Each master's replication id, by node name on a Cluster ("" for the one master).
+
+        A replica promoted by a failover, or a master restarted, has a new one.
+        """
+
+        async def call() -> dict[str, str]:
+            if isinstance(self.redis, RedisCluster):
+                masters = self.redis.get_primaries()
+                infos = await asyncio.gather(
+                    *(self.redis.info("replication", target_nodes=m) for m in masters)
+                )
+                return {m.name: i["master_replid"] for m, i in zip(masters, infos, strict=True)}
+            return {"": (await self.redis.info("replication"))["master_replid"]}
+
+        return await self._deadline(call)
 
     # Reads for operators (admin API, ``tokend sessions``): plain commands, no script.
 
@@ -715,10 +883,17 @@ def _ignore(name: str, seconds: float) -> None:
     pass
 
 
+def _never(tid: str) -> bool:
+    return False
+
+
+_REVOKED = HelloAnswer(HelloOutcome.ENDED, ended=Ended.REVOKED)
+
+
 def _hello_answer(reply: list[Any]) -> HelloAnswer:
     outcome = reply[0]
     if outcome in ("started", "resumed"):
-        return HelloAnswer(HelloOutcome(outcome), int(reply[1]), int(reply[2]))
+        return HelloAnswer(HelloOutcome(outcome), int(reply[1]), int(reply[2]), int(reply[3]))
     if outcome == "tomb":
         return HelloAnswer(HelloOutcome.ENDED, ended=_ended(reply[1]))
     return HelloAnswer(HelloOutcome(outcome))

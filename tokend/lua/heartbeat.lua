@@ -2,9 +2,11 @@
 -- renew a token inside its window.
 -- KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
 -- arguments are warn_after (ms), renew_window (ms), token_ttl (s), grace (ms) and
--- expire_after (ms); each session's are (tid, conn, replayed): replayed = '1' for a
--- heartbeat the node received in time but could only store now (after an outage); it
--- is not judged late.
+-- expire_after (ms); each session's are (tid, conn, replayed, restore): replayed = '1'
+-- for a heartbeat the node received in time but could only store now (after an outage);
+-- it is not judged late. restore = '' or, when the node asks again for a session the
+-- store answered gone or taken, what its live connection knows:
+-- 'prio|iat_s|exp_ms|since_ms|sub'.
 -- Returns, per session in order: exp_ms alone when the heartbeat was stored and the
 -- session neither left WARN nor was renewed (the common case, cheapest to send and to
 -- parse); else {'ok', was_warn, renewed, exp_ms, iat_s}, {'gone', tombstone or ''} or
@@ -13,13 +15,50 @@ local warn_ms, renew_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local ttl_s, grace_ms, expire_ms = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = now_ms()
 
-local function heartbeat(skey, tkey, tid, conn, replayed)
-  local s = redis.call('HMGET', skey, 'sub', 'st', 'exp', 'iat', 'conn', 'hb')
-  if not s[1] then
-    return {'gone', redis.call('GET', tkey) or ''}
+local function read(skey)
+  return redis.call('HMGET', skey, 'sub', 'st', 'exp', 'iat', 'conn', 'hb', 'since')
+end
+
+-- Redis lost this connection's session, or its hold on it, in a failover (writes the old
+-- master acknowledged and never replicated). Re-assert what the node knows, unless the
+-- session ended (tombstone), its token expired, or another connection took it later.
+-- Returns whether it did.
+local function restore(skey, tkey, tid, conn, s, known)
+  local prio, iat, exp, since, sub = known:match('^(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+  exp, since = tonumber(exp), tonumber(since)
+  if s[1] then
+    if s[1] ~= sub or tonumber(s[7] or 0) >= since then
+      return false
+    end
+    -- Our connection took the session after the one Redis names: Redis lost that resume.
+    control('close', tid, s[5], 4507)
+    redis.call('HSET', skey, 'conn', conn, 'since', since, 'hb', now)
+    if exp > tonumber(s[3]) then
+      redis.call('HSET', skey, 'exp', exp, 'iat', iat)
+      redis.call('PEXPIREAT', skey, exp + grace_ms)
+    end
+  else
+    if exp <= now or redis.call('EXISTS', tkey) == 1 then
+      return false
+    end
+    redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
+               'prio', prio, 'conn', conn, 'since', since)
+    redis.call('PEXPIREAT', skey, exp + grace_ms)
   end
+  emit('SESSION_RESTORED', tid, sub, now, conn)
+  return true
+end
+
+local function heartbeat(skey, tkey, tid, conn, replayed, known)
+  local s = read(skey)
   if s[5] ~= conn then
-    return {'taken'}
+    if known == '' or not restore(skey, tkey, tid, conn, s, known) then
+      if s[1] then
+        return {'taken'}
+      end
+      return {'gone', redis.call('GET', tkey) or ''}
+    end
+    s = read(skey)
   end
   local sub, exp, iat = s[1], tonumber(s[3]), tonumber(s[4])
   if exp <= now then
@@ -56,4 +95,4 @@ local function heartbeat(skey, tkey, tid, conn, replayed)
   return {'ok', was_warn, renewed, exp, iat}
 end
 
-return for_each_session(5, 3, heartbeat)
+return for_each_session(5, 4, heartbeat)

@@ -2,8 +2,10 @@
 -- tid. KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
 -- arguments are warn_after (ms), grace (ms) and expire_after (ms); each session's are
 -- (tid, sub, prio, iat (s), exp (s), conn).
--- Returns, per session in order: {'started'|'resumed', exp_ms, iat_s}, {'tomb', reason},
--- {'expired'} or {'mismatch'}.
+-- Returns, per session in order: {'started'|'resumed', exp_ms, iat_s, since_ms},
+-- {'tomb', reason}, {'expired'} or {'mismatch'}. since_ms is when this connection took
+-- the session (hash field `since`): after a failover a node re-asserts its connection
+-- only over one that took it earlier (heartbeat.lua).
 local warn_ms, grace_ms, expire_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_ms()
 
@@ -18,7 +20,14 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
     if s[1] ~= sub then
       return {'mismatch'}
     end
-    local exp = tonumber(s[2])
+    local exp, token_exp = tonumber(s[2]), tonumber(exp_s) * 1000
+    if token_exp > exp then
+      -- A token of ours newer than the session: a renewal that a Redis failover lost. The
+      -- client holds it; it keeps working.
+      exp, s[3] = token_exp, iat
+      redis.call('HSET', skey, 'exp', exp, 'iat', iat)
+      redis.call('PEXPIREAT', skey, exp + grace_ms)
+    end
     -- Due but not yet swept: expire it now rather than bring it back.
     if exp <= now then
       finish(skey, tkey, tid, sub, exp, s[4], now, 'TOKEN_EXPIRED', 'token_expired', 'expired',
@@ -31,7 +40,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
       return {'tomb', 'expired'}
     end
     -- A resume counts as a heartbeat: the session is ACTIVE again.
-    redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
+    redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn, 'since', now)
     redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
     -- The connection that held it is told it was taken over; not the one resuming, which
     -- bears the same id when a node restarted under the same name numbers it alike.
@@ -43,7 +52,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
       -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
       emit('SESSION_RECOVERED', tid, sub, now, conn)
     end
-    return {'resumed', exp, tonumber(s[3])}
+    return {'resumed', exp, tonumber(s[3]), now}
   end
 
   local exp = tonumber(exp_s) * 1000
@@ -51,11 +60,11 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
     return {'expired'}
   end
   redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
-             'prio', prio, 'conn', conn)
+             'prio', prio, 'conn', conn, 'since', now)
   redis.call('PEXPIREAT', skey, exp + grace_ms)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   emit('SESSION_STARTED', tid, sub, now, conn)
-  return {'started', exp, tonumber(iat)}
+  return {'started', exp, tonumber(iat), now}
 end
 
 return for_each_session(3, 6, hello)
