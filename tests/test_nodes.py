@@ -123,7 +123,13 @@ async def test_a_restarted_node_keeps_its_new_connections_when_old_sessions_move
 
 
 # Enough time for 1,000 HELLOs on a shared 2-core machine before the first expiry.
-KILL_CLOCKS: dict[str, Any] = {"heartbeat_interval": 1.0, "warn_after": 5.0, "expire_after": 6.0}
+# hello_timeout: a thousand handshakes, a hundred at a time, on a busy machine.
+KILL_CLOCKS: dict[str, Any] = {
+    "heartbeat_interval": 1.0,
+    "warn_after": 5.0,
+    "expire_after": 6.0,
+    "hello_timeout": 5.0,
+}
 SESSIONS = 1000
 CONCURRENCY = 100  # connections opening at once
 # Time for the sweeper's batch and the event's write, on top of the spec's bound.
