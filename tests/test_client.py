@@ -160,12 +160,17 @@ async def test_no_renewal_missed_over_accelerated_minutes(
             with contextlib.suppress(TimeoutError):
                 change = await recorder.until(*Change, timeout=left)
                 assert change.kind is Change.RENEWED, change
-                assert change.detail == "renewed"
-                # Renewed while the token we held was still valid, never later.
-                assert time.time() * 1000 < held_exp
                 assert change.token is not None
                 claims = tokens.verify(change.token)
                 assert claims.tid == session.tid and claims.sub == "marathon"
+                if change.detail != "renewed":
+                    # A heartbeat sent before the renewing one's ACK came back (a slow
+                    # round trip) said the older exp: the current token comes again.
+                    assert change.detail.startswith("token re-sent"), change
+                    assert claims.exp * 1000 == change.exp == held_exp
+                    continue
+                # Renewed while the token we held was still valid, never later.
+                assert time.time() * 1000 < held_exp
                 assert claims.exp * 1000 == change.exp > held_exp
                 held_exp = change.exp
                 renewals.append(change)
