@@ -75,7 +75,10 @@ def around(rng: random.Random, type_byte: int, exact: int) -> list[bytes]:
 
 
 def fragments(rng: random.Random, data: bytes) -> list[Frame]:
-    """``data`` as one binary message in 2..6 fragments (legal WebSocket)."""
+    """``data`` as one binary message in 2..6 fragments (legal WebSocket); in one frame
+    when it is too short to cut (a mutation may leave 0 or 1 byte)."""
+    if len(data) < 2:
+        return [Frame(Opcode.BINARY, data)]
     cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 5))))
     parts = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     frames = [Frame(Opcode.BINARY, parts[0], fin=False)]
