@@ -161,7 +161,9 @@ async def run(ctx: Context) -> list[Row]:
         ),
         Row(
             "heartbeat",
-            f"ACKs/s vs the Sans-I/O echo (the design's floor), {n} conns",
+            f"ACKs/s vs the Sans-I/O echo (the design's floor), {n} conns"
+            # Within half the ceiling, the echo's rate is the client's: a lower bound only.
+            + (" (floor client-bound)" if floor["rate"] * 2 > ceiling["rate"] else ""),
             tokend["rate"],
             "/s",
             "(reported)",
