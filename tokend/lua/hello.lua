@@ -31,7 +31,11 @@ if s[1] then
   -- A resume counts as a heartbeat: the session is ACTIVE again.
   redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'conn', conn)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
-  control('close', tid, s[4], 4507)
+  -- The connection it was held on is closed (4507), unless it bears this very id: a
+  -- node restarted under its name counts connections afresh, and would close the new one.
+  if s[4] ~= conn then
+    control('close', tid, s[4], 4507)
+  end
   emit('SESSION_RESUMED', tid, sub, now)
   if s[5] == 'WARN' then
     -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
