@@ -51,6 +51,10 @@ class Settings:
     # Most heartbeats stored in one Redis round trip. When more wait, higher token prio
     # goes first and sessions in WARN last (load shedding in priority order).
     heartbeat_batch: int = 2000
+    # Mean event-loop lateness beyond which a node is overloaded and sheds load: it
+    # refuses (1013) its worst-ranked sessions first, lowest prio and WARN first, never
+    # its best-ranked class, and new handshakes meanwhile (503). 0: never shed.
+    shed_lag: float = 0.01
     # How often every node sweeps the deadline set for due WARN/EXPIRED transitions.
     sweep_interval: float = 0.1
     issuer: str = "tokend"
@@ -198,6 +202,8 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:
         raise ConfigError("backlog: must be 1..65535")
+    if settings.shed_lag < 0:
+        raise ConfigError("shed_lag: must not be negative (0 turns shedding off)")
     if settings.heartbeat_batch < 1:
         raise ConfigError("heartbeat_batch: must be at least 1")
     if not -1 <= settings.admin_port <= 65535:

@@ -34,7 +34,7 @@ from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer
-from tokend.session import Ask, Close, Session, TokenBucket
+from tokend.session import OVERLOADED, Ask, Close, Session, TokenBucket
 from tokend.store import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -304,13 +304,14 @@ class Connection(asyncio.Protocol):
             self.log.info("malformed message", error=str(exc))
             self._outcome(session.malformed("malformed_frame"))
             return
+        shed_from = self.gate.node.shedder.shed_from
         if received:
             decoded = time.perf_counter()
-            outcome = session.receive(frame)
+            outcome = session.receive(frame, shed_from)
             if outcome is Ask.HEARTBEAT:
                 self.marks = (received, decoded, time.perf_counter())
         else:
-            outcome = session.receive(frame)
+            outcome = session.receive(frame, shed_from)
         self._outcome(outcome)
 
     def _outcome(self, outcome: Ask | Close | None) -> None:
@@ -462,7 +463,11 @@ class Connection(asyncio.Protocol):
         """Start the closing handshake (RFC 6455 7.1.2) with the session's close."""
         if close is None:
             return
-        if close.routine:
+        if close.reason == OVERLOADED:
+            # Counted, not logged one by one: the node logs its shedding steps.
+            assert self.session is not None and self.session.claims is not None
+            self.gate.node.metrics.shed[self.session.claims.prio] += 1
+        elif close.routine:
             self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)

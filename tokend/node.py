@@ -33,6 +33,7 @@ from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
+from tokend.shedding import Shedder
 from tokend.store import Client, Store, StoreUnavailable, subscription
 from tokend.tokens import Claims, TokenService
 
@@ -209,6 +210,12 @@ class Node:
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
         self.sessions: dict[str, Connection] = {}  # WELCOMEd connections by conn id
+        self.shedder = Shedder(
+            settings.shed_lag,
+            lambda: (c.session.rank for c in self.sessions.values()),  # type: ignore[union-attr]
+            lambda: len(self.heartbeats.waiting) > settings.heartbeat_batch,
+            self.name,
+        )
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
         self.subscribed = asyncio.Event()
@@ -234,6 +241,9 @@ class Node:
             asyncio.create_task(self._sweep(), name="sweeper"),
             asyncio.create_task(self._listen(), name="control"),
         ]
+        if self.settings.shed_lag:
+            shedding = self.shedder.run(lambda: self.running)
+            self._tasks.append(asyncio.create_task(shedding, name="shedder"))
         # Ready means subscribed; if Redis is down, start anyway and say so in /readyz.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.redis_timeout):

@@ -28,7 +28,7 @@ from tokend.answers import (
     HelloAnswer,
     HelloOutcome,
 )
-from tokend.clocks import serving_rank
+from tokend.clocks import RANKS, serving_rank
 from tokend.tokens import Claims, TokenError
 
 # Tombstone -> close code, for a HELLO or heartbeat on a session that ended.
@@ -58,6 +58,8 @@ _TOLD_REASONS = {
     p.CloseCode.TAKEN_OVER: "taken_over",
 }
 _ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
+# The reason of a 1013 given because the node sheds load (tokend.shedding).
+OVERLOADED = "overloaded"
 
 
 class Ask(Enum):
@@ -177,12 +179,19 @@ class Session:
 
     # Frames from the client
 
-    def receive(self, frame: p.Frame) -> Ask | Close | None:
-        """A decoded message from the client: what to ask the store, or how to close."""
+    def receive(self, frame: p.Frame, shed_from: int = RANKS) -> Ask | Close | None:
+        """A decoded message from the client: what to ask the store, or how to close.
+
+        ``shed_from`` is the node's load shedding (:mod:`tokend.shedding`): a heartbeat
+        of a session ranked there or worse, or a HELLO whose token would rank there, is
+        refused with 1013 before any work is done for it.
+        """
         if self.phase is Phase.OPEN:
             if self.frames is not None and not self.frames.take():
                 return self._close(p.CloseCode.RATE_LIMITED, "frame_rate")
             if isinstance(frame, p.Heartbeat):
+                if shed_from < RANKS and self.rank >= shed_from:
+                    return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
                 return self._heartbeat(frame)
             if isinstance(frame, p.Bye):
                 self.phase = Phase.ENDING
@@ -192,7 +201,7 @@ class Session:
             return self._close(p.CloseCode.PROTOCOL_ERROR, "server_frame")
         if self.phase is Phase.HELLO:
             if isinstance(frame, p.Hello):
-                return self._hello(frame)
+                return self._hello(frame, shed_from)
             if isinstance(frame, p.CLIENT_FRAMES):
                 return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_first")
             return self._close(p.CloseCode.PROTOCOL_ERROR, "server_frame")
@@ -205,15 +214,18 @@ class Session:
         """A message that is not a protocol v1 frame (or a text message): 4503."""
         return self._close(p.CloseCode.PROTOCOL_ERROR, reason)
 
-    def _hello(self, hello: p.Hello) -> Ask | Close:
+    def _hello(self, hello: p.Hello, shed_from: int) -> Ask | Close:
         try:
             claims = self.host.verify(hello.token)
         except TokenError as exc:
             code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
             return self._close(code, exc.reason)
+        self.claims = claims
+        # A HELLO counts as a heartbeat: the session would be ACTIVE.
+        if serving_rank(claims.prio, warned=False) >= shed_from:
+            return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         if self.host.sub_is_full(claims):
             return self._close(p.CloseCode.RATE_LIMITED, "sub_session_limit")
-        self.claims = claims
         self.phase = Phase.STARTING
         return Ask.START
 

@@ -1,0 +1,140 @@
+"""Load shedding (tokend/shedding.py): the session core's input, the steps, the loop probe.
+
+The session core is driven as in tests/test_session.py (real tokens, no Redis); the
+Shedder's steps with given ranks; its probe on a real event loop made late on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from tokend import protocol as p
+from tokend.clocks import RANKS, serving_rank
+from tokend.session import OVERLOADED, Ask, Close, Session
+from tokend.shedding import CALM_FOR, WINDOW, Shedder
+from tokend.tokens import TokenService
+
+from .test_session import CADENCE, IAT_S, Host, clock, heartbeat, host, session, tokens, welcome
+
+__all__ = ["clock", "host", "session", "tokens"]  # fixtures, shared with test_session
+
+SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+
+
+async def eventually(condition: Callable[[], bool], timeout: float) -> None:
+    """Wait until ``condition()``: the shedder's level offers nothing to await."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - nothing to await instead
+            await asyncio.sleep(WINDOW / 4)
+
+
+def test_a_heartbeat_ranked_among_the_shed_is_refused_with_1013(
+    session: Session, tokens: TokenService
+) -> None:
+    w = welcome(session, tokens)  # prio 5, ACTIVE
+    assert session.receive(heartbeat(w, 1), serving_rank(4, False)) is Ask.HEARTBEAT
+    assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
+    assert session.receive(heartbeat(w, 3), RANKS) is None  # closed: nothing more
+
+
+def test_a_session_in_warn_is_shed_before_an_active_one_of_any_prio(
+    host: Host, tokens: TokenService
+) -> None:
+    shed_from = serving_rank(9, warned=True)  # only WARN sessions, down to prio 9
+    active = Session(host, CADENCE, "node-a/1", time.monotonic)
+    w = welcome(active, tokens)
+    assert active.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
+    warned = Session(host, CADENCE, "node-a/2", time.monotonic)
+    w = welcome(warned, tokens)
+    warned.warn()
+    assert warned.receive(heartbeat(w, 1), shed_from) == SHED
+
+
+def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
+    host: Host, tokens: TokenService
+) -> None:
+    shed_from = serving_rank(4, False)  # ACTIVE sessions of prio 4 and below, every WARN
+    low = Session(host, CADENCE, "node-a/1", time.monotonic)
+    hello = p.Hello(tokens.mint("bob", ttl_s=600, iat=IAT_S, prio=4))
+    assert low.receive(hello, shed_from) == SHED
+    high = Session(host, CADENCE, "node-a/2", time.monotonic)
+    hello = p.Hello(tokens.mint("carol", ttl_s=600, iat=IAT_S, prio=5))
+    assert high.receive(hello, shed_from) is Ask.START
+
+
+class Held:
+    """The ranks a node holds, and whether heartbeats are backlogged."""
+
+    def __init__(self, *ranks: int) -> None:
+        self.ranks = list(ranks)
+        self.backlog = False
+
+    def shedder(self, shed_lag: float = 0.01) -> Shedder:
+        return Shedder(shed_lag, lambda: self.ranks, lambda: self.backlog, "node-a")
+
+
+def test_steps_go_down_the_ranks_held_but_never_to_the_best_and_back_up() -> None:
+    held = Held(serving_rank(9, False), serving_rank(5, False), serving_rank(0, False))
+    held.ranks.append(serving_rank(5, True))
+    shedder = held.shedder()
+    order = []
+    for _ in range(5):
+        shedder.step_down(lag=0.05)
+        order.append(shedder.shed_from)
+    # WARN first, then the lowest prio, then the next; prio 9 (the best held) never.
+    best = serving_rank(9, False)
+    assert (
+        order
+        == [serving_rank(5, True), serving_rank(0, False), serving_rank(5, False)]
+        + [serving_rank(5, False)] * 2
+    )
+    assert shedder.shed_from > best
+    for expected in (serving_rank(0, False), serving_rank(5, True), RANKS):
+        shedder.step_up()
+        assert shedder.shed_from == expected
+    assert not shedder.active
+
+
+def test_sessions_that_all_rank_alike_are_never_shed() -> None:
+    shedder = Held(*[serving_rank(5, False)] * 100).shedder()
+    shedder.step_down(lag=1.0)
+    assert not shedder.active
+
+
+async def test_a_late_loop_makes_the_node_shed_and_a_calm_one_stop() -> None:
+    held = Held(serving_rank(9, False), serving_rank(0, False))
+    shedder = held.shedder(shed_lag=0.01)
+    running = True
+    task = asyncio.create_task(shedder.run(lambda: running))
+    loop = asyncio.get_running_loop()
+    busy = True
+
+    def hog() -> None:  # an iteration of 30 ms, again and again: a saturated node
+        if busy:
+            time.sleep(0.03)
+            loop.call_soon(hog)
+
+    try:
+        hog()
+        await eventually(lambda: shedder.active, 20 * WINDOW)
+        assert shedder.shed_from == serving_rank(0, False)
+        busy = False
+        await eventually(lambda: not shedder.active, 10 * CALM_FOR)
+    finally:
+        running = busy = False
+        await task
+
+
+async def test_a_heartbeat_backlog_makes_the_node_shed() -> None:
+    held = Held(serving_rank(9, False), serving_rank(0, False))
+    held.backlog = True
+    shedder = held.shedder(shed_lag=10.0)  # the loop is never that late
+    running = True
+    task = asyncio.create_task(shedder.run(lambda: running))
+    try:
+        await eventually(lambda: shedder.active, 20 * WINDOW)
+    finally:
+        running = False
+        await task
