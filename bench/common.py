@@ -28,7 +28,7 @@ from typing import Any
 from tests.support import LOOPBACK, RedisProcess, free_port
 from tokend import config
 from tokend.protocol import WS_PATH
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import DEFAULT_PRIO, KeyRing, TokenService
 
 ROOT = Path(__file__).resolve().parent.parent
 # Descriptors a server keeps besides its connections (listener, Redis pool, logs...).
@@ -398,7 +398,7 @@ class Context:
         self.keys_dir = workdir / "keys"
         settings = config.load({"keys_dir": str(self.keys_dir)}, environ={})
         self.minter = TokenService(settings, KeyRing.open(self.keys_dir))
-        self._pools: dict[int, TokenPool] = {}
+        self._pools: dict[tuple[int, int], TokenPool] = {}
         # Measurements shared by scenarios of the same repetition (e.g. socketio reuses
         # heartbeat's tokend figures); cleared between repetitions.
         self.cache: dict[tuple[Any, ...], Any] = {}
@@ -410,25 +410,27 @@ class Context:
         path.mkdir(parents=True)
         return path
 
-    def tokens(self, count: int, ttl_s: int = 3600) -> TokenPool:
-        """At least ``count`` distinct tokens of this lifetime (each opens one session).
+    def tokens(self, count: int, ttl_s: int = 3600, prio: int = DEFAULT_PRIO) -> TokenPool:
+        """At least ``count`` distinct tokens of this lifetime and ``prio`` (each opens one
+        session).
 
         A pool is reused across scenarios: each scenario has a fresh Redis, so a token
         that opened a session in one scenario starts a new session in the next. A pool
         past half its tokens' lifetime is replaced.
         """
-        pool = self._pools.get(ttl_s)
+        pool = self._pools.get((ttl_s, prio))
         if pool is None or time.time() - pool.minted_at > ttl_s / 2:
             # New, or half its lifetime gone (a long run, --repeat): mint afresh.
             self._serial += 1
-            path = self.workdir / f"tokens-{ttl_s}s-{self._serial:03d}.txt"
-            pool = self._pools[ttl_s] = TokenPool(path, ttl_s)
+            path = self.workdir / f"tokens-{ttl_s}s-prio{prio}-{self._serial:03d}.txt"
+            pool = self._pools[ttl_s, prio] = TokenPool(path, ttl_s)
         missing = count - len(pool.tids)
         if missing > 0:
             with pool.path.open("a") as out:
                 for _ in range(missing):
                     tid = uuid.uuid4()
-                    out.write(self.minter.mint(f"bench-{tid.hex[:8]}", ttl_s=ttl_s, tid=tid))
+                    sub = f"bench-{tid.hex[:8]}"
+                    out.write(self.minter.mint(sub, ttl_s=ttl_s, tid=tid, prio=prio))
                     out.write("\n")
                     pool.tids.append(tid)
         return pool

@@ -20,9 +20,10 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
-* ``soak {interval, duration, reconnect}``: every connection heartbeats every
-  ``interval`` seconds (staggered across the interval, open loop: a heartbeat does not
-  wait for the previous ACK) for ``duration``; heartbeats sent and ACKed, ACK
+* ``soak {interval, duration, reconnect, flood, flood_for}``: every connection
+  heartbeats every ``interval`` seconds (every ``flood`` seconds for the first
+  ``flood_for``; staggered, open loop: a heartbeat does not wait for the previous ACK)
+  for ``duration``; heartbeats sent and ACKed, ACK
   latencies, and every connection lost meanwhile with its close code
   (``load_tests/soak.py``). With ``reconnect``, a connection closed with a
   reconnectable code (or dropped) reconnects with the SDK's full-jitter backoff and
@@ -263,15 +264,17 @@ class Conn(WSListener):  # type: ignore[misc]
 
     # Soak: a heartbeat every `interval` until `end`, each ACK timed
 
-    def soak_tick(self, interval: float, end: float) -> None:
+    def soak_tick(self, interval: float, end: float, flood: float, flood_end: float) -> None:
         gen = self.gen
-        if gen.loop.time() >= end or not gen.soaking:
+        now = gen.loop.time()
+        if now >= end or not gen.soaking:
             return
         if self.live and self.on_data == self._soak_reply:
             gen.sent += 1
             self.send_next()
             self.pending.append((self.seq, self.sent_ns))
-        gen.loop.call_later(interval, self.soak_tick, interval, end)
+        pause = flood if now < flood_end else interval
+        gen.loop.call_later(pause, self.soak_tick, interval, end, flood, flood_end)
 
     def _soak_reply(self, data: bytes) -> None:
         if data[0] != _ACK:
@@ -344,6 +347,7 @@ class Generator:
         self.resumed_at: Counter[int] = Counter()
         self.started_anew = 0
         self.gave_up: Counter[str] = Counter()
+        self.first_close: dict[str, float] = {}  # close code -> wall time it was first seen
         self.reconnecting: set[asyncio.Task[None]] = set()
         self.running = 0
         self.window_start = self.window_end = 0
@@ -434,18 +438,28 @@ class Generator:
             self.ended.set()
 
     async def soak(
-        self, interval: float, duration: float, reconnect: bool = False
+        self,
+        interval: float,
+        duration: float,
+        reconnect: bool = False,
+        flood: float = 0.0,
+        flood_for: float = 0.0,
     ) -> dict[str, Any]:
         self.latencies = array("q")
         self.acks = self.sent = self.started_anew = 0
         for counts in (self.closes, self.refusals, self.resumed_at, self.gave_up):
             counts.clear()
+        self.first_close.clear()
         self.soaking, self.reconnect = True, reconnect
         live = [c for c in self.conns if c.live]
         end = self.loop.time() + duration
+        flood_end = self.loop.time() + flood_for if flood else 0.0
+        first = flood or interval
         for i, conn in enumerate(live):
             conn.on_data = conn._soak_reply
-            self.loop.call_later(interval * i / len(live), conn.soak_tick, interval, end)
+            self.loop.call_later(
+                first * i / len(live), conn.soak_tick, interval, end, flood, flood_end
+            )
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
@@ -460,6 +474,7 @@ class Generator:
             "sent": self.sent,
             "acks": self.acks,
             "closes": dict(self.closes),
+            "first_close": self.first_close,
             "refusals": dict(self.refusals),
             "resumed_at": {str(k): v for k, v in self.resumed_at.items()},
             "started_anew": self.started_anew,
@@ -469,7 +484,9 @@ class Generator:
 
     def connection_lost(self, conn: Conn, exc: Exception) -> None:
         """A soaking connection was closed or dropped: count it, and resume if asked."""
-        self.closes[str(exc.code) if isinstance(exc, Closed) else type(exc).__name__] += 1
+        name = str(exc.code) if isinstance(exc, Closed) else type(exc).__name__
+        self.closes[name] += 1
+        self.first_close.setdefault(name, time.time())
         if self.reconnect and self.soaking and retryable(exc):
             task = self.loop.create_task(self._resume(conn))
             self.reconnecting.add(task)

@@ -501,6 +501,11 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--overload" in argv:  # another run, of one worker: load_tests/overload.py
+        import overload
+
+        return overload.main([a for a in argv if a != "--overload"])
     args = parse(argv)
     workdir = Path(tempfile.mkdtemp(prefix="tokend-soak-"))
     began = time.monotonic()
