@@ -221,11 +221,16 @@ def proc_rss(pid: int) -> int:
 
 
 def proc_children(pid: int) -> list[int]:
-    """The live child processes of a process (empty if it has gone)."""
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """The live child processes of a process (empty if it has gone).
+
+    Each thread lists the children it started (tokend starts its embedded Redis from a
+    worker thread), so all threads are read.
+    """
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread (or the process) may end meanwhile
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children
 
 
 def proc_cpu(pid: int, *, children: bool = True) -> float:
