@@ -152,6 +152,8 @@ class Conn(WSListener):  # type: ignore[misc]
             transport.send(WSMsgType.BINARY, p.encode(p.Hello(self.token)))
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if transport is not self.transport:
+            return  # an attempt given up on (timed out), reconnected since
         if frame.msg_type == WSMsgType.CLOSE:
             code = frame.get_close_code()
             self._fail(Closed(int(code)))
@@ -161,7 +163,8 @@ class Conn(WSListener):  # type: ignore[misc]
             self.on_data(frame.get_payload_as_bytes())
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
-        self._fail(ConnectionError("disconnected"))
+        if transport is self.transport:
+            self._fail(ConnectionError("disconnected"))
 
     def _fail(self, exc: Exception) -> None:
         for future in (self.ready, self.answered):
@@ -357,15 +360,24 @@ class Generator:
         """Connect, handshake and (tokend) HELLO → WELCOME; raises what went wrong."""
         conn.ready = self.loop.create_future()
         conn.on_data = conn._opening
-        async with asyncio.timeout(CONNECT_TIMEOUT):
-            await ws_connect(
-                lambda: conn,
-                self.url,
-                extra_headers=self.headers,
-                websocket_handshake_timeout=CONNECT_TIMEOUT,
-                local_addr=self.local_addr,
-            )
-            await conn.ready
+        conn.transport = None
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                await ws_connect(
+                    lambda: conn,
+                    self.url,
+                    extra_headers=self.headers,
+                    websocket_handshake_timeout=CONNECT_TIMEOUT,
+                    local_addr=self.local_addr,
+                )
+                await conn.ready
+        except BaseException:
+            # Given up (a timeout, a refusal): this attempt's connection must not answer
+            # for the next one.
+            if conn.transport is not None and not conn.transport.is_disconnected:
+                conn.transport.disconnect(graceful=False)
+            conn.transport = None
+            raise
 
     async def connect(self, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:
         errors: Counter[str] = Counter()

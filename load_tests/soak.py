@@ -121,6 +121,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--expire", action="store_true", help="then SIGKILL every client")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs) instead of removing it"
+    )
     return parser.parse_args(argv)
 
 
@@ -512,12 +515,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         figures = asyncio.run(run(args, workdir))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
     figures |= {
         "duration_s": args.duration,
         "heartbeat_s": args.heartbeat,
         "wall_s": round(time.monotonic() - began, 1),
-        "workdir": str(workdir),  # removed, with everything started in it
+        "workdir": str(workdir),  # removed (unless --keep), with everything started in it
     }
     problems = verdict(figures, args.sessions)
     print(report(figures, problems))

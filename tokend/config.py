@@ -49,7 +49,7 @@ class Settings:
     # Connections this node may open to Redis; callers wait (up to redis_timeout) beyond it.
     redis_pool_size: int = 64
     # Most heartbeats stored in one Redis round trip. When more wait, higher token prio
-    # goes first and sessions in WARN last (load shedding in priority order).
+    # goes first and sessions in WARN last, and the node sheds load (see shed_lag).
     heartbeat_batch: int = 2000
     # Mean event-loop lateness beyond which a node is overloaded and sheds load: it
     # refuses (1013) its worst-ranked sessions first, lowest prio and WARN first, never
