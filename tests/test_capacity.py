@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from tests.support import EventLog
-from tokend.store import Store
+import time
 
+from tests.support import EventLog
+from tokend import protocol as p
+from tokend.answers import HelloAnswer, HelloOutcome
+from tokend.session import Ask, Close, Session
+from tokend.store import Store
+from tokend.tokens import TokenService
+
+from .test_session import CADENCE, EXP_MS, IAT_S, Host, host, tokens
 from .test_store import control, started, store
 
-__all__ = ["control", "store"]  # fixtures, shared with test_store
+__all__ = ["control", "host", "store", "tokens"]  # fixtures, shared with their modules
 
 
 async def test_a_resume_on_a_connection_of_the_same_id_closes_nothing(
@@ -27,3 +34,13 @@ async def test_a_resume_on_a_connection_of_the_same_id_closes_nothing(
         ("close", "node-a/1", 4507),
         ("close", "node-a/2", 4507),
     ]
+
+
+def test_a_hello_the_store_does_not_answer_in_time_is_1013(host: Host, tokens: TokenService):
+    """Under a reconnect storm a HELLO may wait long for the store; past hello_timeout
+    the client has given up and reconnected, and this HELLO, stored later, would take
+    the session over from the new connection: it is answered 1013 instead."""
+    session = Session(host, CADENCE, "node-a/1", time.monotonic)
+    assert session.receive(p.Hello(tokens.mint("alice", ttl_s=600))) is Ask.START
+    assert session.hello_timed_out() == Close(p.CloseCode.TRY_AGAIN_LATER, "hello_unanswered")
+    assert session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S)) is None

@@ -321,6 +321,8 @@ class Connection(asyncio.Protocol):
                 self.transport.pause_reading()
         elif outcome is Ask.START:
             self.gate.node.hellos.submit(self)
+            # The store must answer within hello_timeout, or 1013 (Session.hello_timed_out).
+            self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
         elif outcome is Ask.BYE:
             self.gate.node.spawn(self._bye())
         elif outcome is not None:
@@ -508,7 +510,10 @@ class Connection(asyncio.Protocol):
         if self.session is None:  # the opening handshake did not finish in time
             self._abort()
             return
-        self._close(self.session.hello_timed_out())
+        close = self.session.hello_timed_out()
+        if close is not None:
+            self.gate.node.hellos.forget(self)  # not stored if not yet sent
+        self._close(close)
         self._write()
 
     def _abort(self) -> None:

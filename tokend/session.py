@@ -361,9 +361,15 @@ class Session:
     # Timers and other nodes
 
     def hello_timed_out(self) -> Close | None:
-        if self.phase is not Phase.HELLO:
-            return None
-        return self._close(p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
+        """``hello_timeout`` passed: since the handshake without HELLO (4008), or since
+        HELLO without the store's answer (1013). A client that gave up waiting has
+        reconnected by then; its stale HELLO, stored later, would take the session over
+        from its new connection."""
+        if self.phase is Phase.HELLO:
+            return self._close(p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
+        if self.phase is Phase.STARTING:
+            return self._close(p.CloseCode.TRY_AGAIN_LATER, "hello_unanswered")
+        return None
 
     def warn(self) -> bytes | None:
         """The session entered WARN (swept by some node): the client is told (NOTICE)."""
