@@ -120,12 +120,35 @@ def retry_after(exc: BaseException) -> float:
     return 0.0
 
 
-class Conn(WSListener):  # type: ignore[misc]
+class Attempt(WSListener):  # type: ignore[misc]
+    """One connection attempt of a :class:`Conn`. Only the current attempt speaks for it:
+    one given up on (timed out) may still complete later, and must not answer then."""
+
+    def __init__(self, conn: Conn) -> None:
+        super().__init__()
+        self.conn = conn
+
+    def on_ws_connected(self, transport: WSTransport) -> None:
+        if self.conn.attempt is self:
+            self.conn.on_ws_connected(transport)
+        else:
+            transport.disconnect(graceful=False)
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if self.conn.attempt is self:
+            self.conn.on_ws_frame(transport, frame)
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        if self.conn.attempt is self:
+            self.conn.on_ws_disconnected(transport)
+
+
+class Conn:
     """One client connection; ``on_data`` is the handler of the current phase."""
 
     def __init__(self, gen: Generator, token: str) -> None:
-        super().__init__()
         self.gen = gen
+        self.attempt: Attempt | None = None
         self.token = token
         self.transport: WSTransport | None = None
         self.ready: asyncio.Future[None] = gen.loop.create_future()
@@ -152,8 +175,6 @@ class Conn(WSListener):  # type: ignore[misc]
             transport.send(WSMsgType.BINARY, p.encode(p.Hello(self.token)))
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-        if transport is not self.transport:
-            return  # an attempt given up on (timed out), reconnected since
         if frame.msg_type == WSMsgType.CLOSE:
             code = frame.get_close_code()
             self._fail(Closed(int(code)))
@@ -163,8 +184,7 @@ class Conn(WSListener):  # type: ignore[misc]
             self.on_data(frame.get_payload_as_bytes())
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
-        if transport is self.transport:
-            self._fail(ConnectionError("disconnected"))
+        self._fail(ConnectionError("disconnected"))
 
     def _fail(self, exc: Exception) -> None:
         for future in (self.ready, self.answered):
@@ -361,10 +381,11 @@ class Generator:
         conn.ready = self.loop.create_future()
         conn.on_data = conn._opening
         conn.transport = None
+        attempt = conn.attempt = Attempt(conn)
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 await ws_connect(
-                    lambda: conn,
+                    lambda: attempt,
                     self.url,
                     extra_headers=self.headers,
                     websocket_handshake_timeout=CONNECT_TIMEOUT,
@@ -372,8 +393,8 @@ class Generator:
                 )
                 await conn.ready
         except BaseException:
-            # Given up (a timeout, a refusal): this attempt's connection must not answer
-            # for the next one.
+            # Given up (a timeout, a refusal): this attempt must not answer for the next.
+            conn.attempt = None
             if conn.transport is not None and not conn.transport.is_disconnected:
                 conn.transport.disconnect(graceful=False)
             conn.transport = None

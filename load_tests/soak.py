@@ -253,6 +253,12 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
     assert server.process is not None
     exit_code = server.process.returncode
     stopped = time.time()
+    # How the kernel spread the connections over the workers (SO_REUSEPORT).
+    per_worker = [
+        json.loads(line)["connections"]
+        for line in server.log.read_text(errors="replace").splitlines()
+        if '"event": "draining"' in line
+    ]
     server.log = server.log.with_name("tokend-restarted.log")
     started = time.time()
     await asyncio.to_thread(server.start, '"listening"', 60.0, args.workers)
@@ -268,6 +274,7 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
         "began_ms": began_ms,
         **heartbeat_figures(replies),
         "supervisor_exit": exit_code,
+        "connections_per_worker": per_worker,
         "drain_and_exit_s": round(stopped - signalled, 1),
         "start_to_listening_s": round(listening - started, 1),
         "resumed": sum(resumed_at.values()),
@@ -478,7 +485,8 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
     ]
     if restart := figures.get("restart"):
         lines += [
-            f"restart:            drain+exit {restart['drain_and_exit_s']} s (exit "
+            f"restart:            {restart['connections_per_worker']} connections per worker; "
+            f"drain+exit {restart['drain_and_exit_s']} s (exit "
             f"{restart['supervisor_exit']}), start to listening "
             f"{restart['start_to_listening_s']} s; {restart['resumed']:,} resumed, last "
             f"{restart['last_resume_after_start_s']} s after the start "
