@@ -90,10 +90,10 @@ def test_steps_go_down_the_ranks_held_but_never_to_the_best_and_back_up() -> Non
         == [serving_rank(5, True), serving_rank(0, False), serving_rank(5, False)]
         + [serving_rank(5, False)] * 2
     )
-    assert shedder.shed_from > best
+    assert shedder.shed_from > best and shedder.saturated  # handshakes refused now
     for expected in (serving_rank(0, False), serving_rank(5, True), RANKS):
         shedder.step_up()
-        assert shedder.shed_from == expected
+        assert shedder.shed_from == expected and not shedder.saturated
     assert not shedder.active
 
 

@@ -53,7 +53,7 @@ class Settings:
     heartbeat_batch: int = 2000
     # Mean event-loop lateness beyond which a node is overloaded and sheds load: it
     # refuses (1013) its worst-ranked sessions first, lowest prio and WARN first, never
-    # its best-ranked class, and new handshakes meanwhile (503). 0: never shed.
+    # its best-ranked class, then new handshakes (503). 0: never shed.
     shed_lag: float = 0.01
     # How often every node sweeps the deadline set for due WARN/EXPIRED transitions.
     sweep_interval: float = 0.1

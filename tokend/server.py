@@ -152,7 +152,7 @@ class App:
                 return HttpAnswer(
                     http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
                 )
-            if self.node.shedder.active:
+            if self.node.shedder.saturated:
                 # Not logged one by one: the node logs its shedding steps.
                 self.node.metrics.shed_handshakes += 1
                 return BUSY

@@ -12,10 +12,13 @@ sheds nothing but sessions in WARN.
 
 What is shed is answered with close 1013 (try again later): the next heartbeat of a
 shed session, and a HELLO whose token ranks among the shed classes (the session, if
-it exists, is not touched; the client resumes it after its backoff). While shedding,
-new handshakes get HTTP 503 with Retry-After (the token, and so its ``prio``, comes
-only after the handshake). After calm windows for :data:`CALM_FOR`, the last class
-shed is served again, and so on back up.
+it exists, is not touched; the client resumes it after its backoff). Handshakes go
+on while some class is still served below the best: their HELLO decides, by the
+token's ``prio``, so that the clients of classes not shed get back in. Once every
+class but the best is shed and the node is still overloaded, new handshakes get HTTP
+503 with Retry-After too (the token, and so its ``prio``, comes only after the
+handshake; answering 503 costs less than a handshake and a token check). After calm
+windows for :data:`CALM_FOR`, the last class shed is served again, and so on back up.
 
 The decision is an input of the session core (``Session.receive(frame, shed_from)``);
 this module only decides where ``shed_from`` stands.
@@ -59,6 +62,8 @@ class Shedder:
         self.ranks = ranks
         self.backlogged = backlogged
         self.shed_from = RANKS
+        # Every class but the best is shed, and the node was overloaded still.
+        self.saturated = False
         self._steps: list[int] = []  # the levels stepped down from, to go back up
         self.log = log.bind(node=node)
 
@@ -101,6 +106,9 @@ class Shedder:
         best = min(held)
         worse = [rank for rank in held if best < rank < self.shed_from]
         if not worse:
+            if self.active and not self.saturated:
+                self.saturated = True
+                self.log.warning("overloaded: refusing new handshakes", lag_ms=round(lag * 1000))
             return
         self._steps.append(self.shed_from)
         self.shed_from = max(worse)
@@ -111,7 +119,8 @@ class Shedder:
         )
 
     def step_up(self) -> None:
-        """Serve the class shed last again."""
+        """Serve the class shed last again (and new handshakes)."""
+        self.saturated = False
         self.shed_from = self._steps.pop()
         if self.active:
             self.log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
