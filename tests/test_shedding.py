@@ -16,7 +16,18 @@ from tokend.session import OVERLOADED, Ask, Close, Session
 from tokend.shedding import CALM_FOR, WINDOW, Shedder
 from tokend.tokens import TokenService
 
-from .test_session import CADENCE, IAT_S, Host, clock, heartbeat, host, session, tokens, welcome
+from .test_session import (
+    CADENCE,
+    IAT_S,
+    FakeClock,
+    Host,
+    clock,
+    heartbeat,
+    host,
+    session,
+    tokens,
+    welcome,
+)
 
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures, shared with test_session
 
@@ -37,6 +48,32 @@ def test_a_heartbeat_ranked_among_the_shed_is_refused_with_1013(
     assert session.receive(heartbeat(w, 1), serving_rank(4, False)) is Ask.HEARTBEAT
     assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
     assert session.receive(heartbeat(w, 3), RANKS) is None  # closed: nothing more
+
+
+def test_a_heartbeat_on_cadence_is_not_shed_unless_the_session_is_in_warn(
+    session: Session, tokens: TokenService, clock: FakeClock
+) -> None:
+    """A client that keeps its cadence costs one heartbeat per interval: shedding it
+    would save nothing and cost it its session. Only what comes faster is shed."""
+    w = welcome(session, tokens)
+    shed_from = serving_rank(9, warned=False)  # everything below prio 9 is shed
+    clock.now += CADENCE.heartbeat_ms / 1000  # on cadence: served
+    assert session.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
+    clock.now += CADENCE.heartbeat_ms / 1000 / 2
+    assert session.receive(heartbeat(w, 2), shed_from) is Ask.HEARTBEAT
+    session.warn()  # it missed heartbeats before: WARN is shed even on cadence
+    clock.now += CADENCE.heartbeat_ms / 1000
+    assert session.receive(heartbeat(w, 3), shed_from) == SHED
+
+
+def test_a_heartbeat_faster_than_the_cadence_is_shed(
+    session: Session, tokens: TokenService, clock: FakeClock
+) -> None:
+    w = welcome(session, tokens)
+    clock.now += CADENCE.heartbeat_ms / 1000
+    assert session.receive(heartbeat(w, 1), RANKS) is Ask.HEARTBEAT
+    clock.now += 0.1  # a flood: the next one 100 ms later
+    assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
 
 
 def test_a_session_in_warn_is_shed_before_an_active_one_of_any_prio(

@@ -141,6 +141,7 @@ class Session:
         "host",
         "iat_s",
         "key",
+        "last_beat",
         "last_seq",
         "phase",
         "resumed",
@@ -161,6 +162,7 @@ class Session:
         self.tid_bytes = b""
         self.key = b""
         self.last_seq = 0
+        self.last_beat = 0.0  # clock() at WELCOME, then at each heartbeat verified
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
@@ -184,13 +186,16 @@ class Session:
 
         ``shed_from`` is the node's load shedding (:mod:`tokend.shedding`): a heartbeat
         of a session ranked there or worse, or a HELLO whose token would rank there, is
-        refused with 1013 before any work is done for it.
+        refused with 1013 before any work is done for it. Not a heartbeat on cadence of
+        an ACTIVE session (half an interval or more after the one before, or after
+        WELCOME): a client that keeps its cadence costs one heartbeat per interval, and
+        shedding it would save next to nothing and cost it its session.
         """
         if self.phase is Phase.OPEN:
             if self.frames is not None and not self.frames.take():
                 return self._close(p.CloseCode.RATE_LIMITED, "frame_rate")
             if isinstance(frame, p.Heartbeat):
-                if shed_from < RANKS and self.rank >= shed_from:
+                if shed_from < RANKS and self.rank >= shed_from and not self._on_cadence():
                     return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
                 return self._heartbeat(frame)
             if isinstance(frame, p.Bye):
@@ -209,6 +214,11 @@ class Session:
             # The client has no WELCOME yet, so nothing but HELLO was valid, once.
             return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_first")
         return None  # ENDING (BYE is being stored) or CLOSED: the close follows
+
+    def _on_cadence(self) -> bool:
+        """An ACTIVE session's heartbeat that comes half an interval or more after the
+        one before (or after WELCOME)."""
+        return not self.warned and self.clock() - self.last_beat >= self.cadence.heartbeat_ms / 2000
 
     def malformed(self, reason: str) -> Close | None:
         """A message that is not a protocol v1 frame (or a text message): 4503."""
@@ -238,6 +248,7 @@ class Session:
         if hb.seq <= self.last_seq:
             return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
         self.last_seq = hb.seq
+        self.last_beat = self.clock()
         self.unanswered.append((hb.seq, hb.exp_ms))
         return Ask.HEARTBEAT
 
@@ -262,6 +273,7 @@ class Session:
         self.exp_ms, self.iat_s = answer.exp_ms, answer.iat_s
         self.token_exp_ms = self.claims.exp * 1000
         self.key = os.urandom(p.SESSION_KEY_LENGTH)
+        self.last_beat = self.clock()
         if self.cadence.max_frame_rate:
             self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock)
         cadence = self.cadence

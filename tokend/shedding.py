@@ -11,8 +11,11 @@ node whose sessions all rank alike (every token at the default ``prio``) therefo
 sheds nothing but sessions in WARN.
 
 What is shed is answered with close 1013 (try again later): the next heartbeat of a
-shed session, and a HELLO whose token ranks among the shed classes (the session, if
-it exists, is not touched; the client resumes it after its backoff). Handshakes go
+shed session that comes faster than the cadence (or at all, for a session in WARN),
+and a HELLO whose token ranks among the shed classes (the session, if it exists, is
+not touched; the client resumes it after its backoff). A client that keeps its
+cadence costs one heartbeat per interval: it is never shed while ACTIVE, so shedding
+never expires it. Handshakes go
 on while some class is still served below the best: their HELLO decides, by the
 token's ``prio``, so that the clients of classes not shed get back in. Once every
 class but the best is shed and the node is still overloaded, new handshakes get HTTP
