@@ -44,6 +44,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import math
 import resource
 import socket
 import struct
@@ -161,6 +162,7 @@ class Conn:
         self.sent_ns = 0
         self.mac = hmac.new(b"", digestmod=hashlib.sha256)
         self.live = False  # WELCOMEd and not lost since
+        self.last_sent = -math.inf  # loop time of the last soak heartbeat
         self.resumed = False  # the last WELCOME's flag
         # Soak: (seq, sent at) of the heartbeats not yet ACKed, oldest first.
         self.pending: deque[tuple[int, int]] = deque()
@@ -292,12 +294,21 @@ class Conn:
         now = gen.loop.time()
         if now >= end or not gen.soaking:
             return
-        if self.live and self.on_data == self._soak_reply:
-            gen.sent += 1
-            self.send_next()
-            self.pending.append((self.seq, self.sent_ns))
         pause = flood if now < flood_end else interval
+        if self.live and self.on_data == self._soak_reply:
+            if now - self.last_sent < pause / 2:
+                # Just resumed, and its first heartbeat went out on WELCOME (as the SDK
+                # does): keep the cadence from there.
+                pause = self.last_sent + pause - now
+            else:
+                self.soak_beat(now)
         gen.loop.call_later(pause, self.soak_tick, interval, end, flood, flood_end)
+
+    def soak_beat(self, now: float) -> None:
+        self.gen.sent += 1
+        self.send_next()
+        self.pending.append((self.seq, self.sent_ns))
+        self.last_sent = now
 
     def _soak_reply(self, data: bytes) -> None:
         if data[0] != _ACK:
@@ -488,11 +499,15 @@ class Generator:
         end = self.loop.time() + duration
         flood_end = self.loop.time() + flood_for if flood else 0.0
         first = flood or interval
+        now = self.loop.time()
         for i, conn in enumerate(live):
             conn.on_data = conn._soak_reply
-            self.loop.call_later(
-                first * i / len(live), conn.soak_tick, interval, end, flood, flood_end
-            )
+            # Staggered, but never sooner than the cadence after its last heartbeat: a
+            # connection keeps its cadence from one soak to the next.
+            delay = first * i / len(live)
+            if not flood:
+                delay = max(delay, conn.last_sent + interval - now)
+            self.loop.call_later(delay, conn.soak_tick, interval, end, flood, flood_end)
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
@@ -543,6 +558,7 @@ class Generator:
             else:
                 self.started_anew += 1  # the session was lost: a new one began
             conn.on_data = conn._soak_reply
+            conn.soak_beat(self.loop.time())  # at once on WELCOME, as the SDK does
             return
 
     async def burst(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ def test_a_heartbeat_ranked_among_the_shed_is_refused_with_1013(
 ) -> None:
     w = welcome(session, tokens)  # prio 5, ACTIVE
     assert session.receive(heartbeat(w, 1), serving_rank(4, False)) is Ask.HEARTBEAT
+    # The next one at once: faster than the cadence.
     assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
     assert session.receive(heartbeat(w, 3), RANKS) is None  # closed: nothing more
 
@@ -57,7 +58,7 @@ def test_a_heartbeat_on_cadence_is_not_shed_unless_the_session_is_in_warn(
     would save nothing and cost it its session. Only what comes faster is shed."""
     w = welcome(session, tokens)
     shed_from = serving_rank(9, warned=False)  # everything below prio 9 is shed
-    clock.now += CADENCE.heartbeat_ms / 1000  # on cadence: served
+    # The first of the connection (clients send one on WELCOME): served.
     assert session.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
     clock.now += CADENCE.heartbeat_ms / 1000 / 2
     assert session.receive(heartbeat(w, 2), shed_from) is Ask.HEARTBEAT
@@ -70,7 +71,6 @@ def test_a_heartbeat_faster_than_the_cadence_is_shed(
     session: Session, tokens: TokenService, clock: FakeClock
 ) -> None:
     w = welcome(session, tokens)
-    clock.now += CADENCE.heartbeat_ms / 1000
     assert session.receive(heartbeat(w, 1), RANKS) is Ask.HEARTBEAT
     clock.now += 0.1  # a flood: the next one 100 ms later
     assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
@@ -83,6 +83,7 @@ def test_a_session_in_warn_is_shed_before_an_active_one_of_any_prio(
     active = Session(host, CADENCE, "node-a/1", time.monotonic)
     w = welcome(active, tokens)
     assert active.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
+    assert active.receive(heartbeat(w, 2), shed_from) is Ask.HEARTBEAT  # prio 5: not shed
     warned = Session(host, CADENCE, "node-a/2", time.monotonic)
     w = welcome(warned, tokens)
     warned.warn()

@@ -14,6 +14,7 @@ the close code of every failure (docs/protocol.md, "Close reasons").
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,7 +163,7 @@ class Session:
         self.tid_bytes = b""
         self.key = b""
         self.last_seq = 0
-        self.last_beat = 0.0  # clock() at WELCOME, then at each heartbeat verified
+        self.last_beat = -math.inf  # clock() at the last heartbeat verified
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
@@ -187,9 +188,10 @@ class Session:
         ``shed_from`` is the node's load shedding (:mod:`tokend.shedding`): a heartbeat
         of a session ranked there or worse, or a HELLO whose token would rank there, is
         refused with 1013 before any work is done for it. Not a heartbeat on cadence of
-        an ACTIVE session (half an interval or more after the one before, or after
-        WELCOME): a client that keeps its cadence costs one heartbeat per interval, and
-        shedding it would save next to nothing and cost it its session.
+        an ACTIVE session (the first of its connection, as clients send one on WELCOME,
+        or half an interval or more after the one before): a client that keeps its
+        cadence costs one heartbeat per interval, and shedding it would save next to
+        nothing and cost it its session.
         """
         if self.phase is Phase.OPEN:
             if self.frames is not None and not self.frames.take():
@@ -216,8 +218,8 @@ class Session:
         return None  # ENDING (BYE is being stored) or CLOSED: the close follows
 
     def _on_cadence(self) -> bool:
-        """An ACTIVE session's heartbeat that comes half an interval or more after the
-        one before (or after WELCOME)."""
+        """An ACTIVE session's first heartbeat on this connection, or one that comes half
+        an interval or more after the one before."""
         return not self.warned and self.clock() - self.last_beat >= self.cadence.heartbeat_ms / 2000
 
     def malformed(self, reason: str) -> Close | None:
@@ -273,7 +275,6 @@ class Session:
         self.exp_ms, self.iat_s = answer.exp_ms, answer.iat_s
         self.token_exp_ms = self.claims.exp * 1000
         self.key = os.urandom(p.SESSION_KEY_LENGTH)
-        self.last_beat = self.clock()
         if self.cadence.max_frame_rate:
             self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock)
         cadence = self.cadence
