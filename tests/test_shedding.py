@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from tokend import protocol as p
+from tokend.answers import HelloAnswer, HelloOutcome
 from tokend.clocks import RANKS, serving_rank
 from tokend.session import OVERLOADED, Ask, Close, Session
 from tokend.shedding import CALM_FOR, WINDOW, Shedder
@@ -18,6 +19,7 @@ from tokend.tokens import TokenService
 
 from .test_session import (
     CADENCE,
+    EXP_MS,
     IAT_S,
     FakeClock,
     Host,
@@ -32,6 +34,15 @@ from .test_session import (
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures, shared with test_session
 
 SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+
+
+def heartbeat_key(session: Session) -> p.Welcome:
+    """The store starts the session asked for (HELLO given): its WELCOME."""
+    out = session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S))
+    assert isinstance(out, bytes)
+    frame = p.decode(out)
+    assert isinstance(frame, p.Welcome)
+    return frame
 
 
 async def eventually(condition: Callable[[], bool], timeout: float) -> None:
@@ -65,6 +76,21 @@ def test_a_heartbeat_on_cadence_is_not_shed_unless_the_session_is_in_warn(
     session.warn()  # it missed heartbeats before: WARN is shed even on cadence
     clock.now += CADENCE.heartbeat_ms / 1000
     assert session.receive(heartbeat(w, 3), shed_from) == SHED
+
+
+def test_a_heartbeat_on_cadence_is_stored_before_floods_of_better_ranked_sessions(
+    host: Host, tokens: TokenService, clock: FakeClock
+) -> None:
+    low = Session(host, CADENCE, "node-a/1", clock)
+    assert low.receive(p.Hello(tokens.mint("bob", ttl_s=600, iat=IAT_S, prio=0))) is Ask.START
+    w = heartbeat_key(low)
+    high = Session(host, CADENCE, "node-a/2", clock)
+    h = welcome(high, tokens)  # prio 5
+    assert high.receive(heartbeat(h, 1)) is Ask.HEARTBEAT
+    clock.now += 0.1
+    assert high.receive(heartbeat(h, 2)) is Ask.HEARTBEAT  # a flood
+    assert low.receive(heartbeat(w, 1)) is Ask.HEARTBEAT  # the first of its connection
+    assert low.rank > high.rank and low.batch_rank < high.batch_rank
 
 
 def test_a_heartbeat_faster_than_the_cadence_is_shed(

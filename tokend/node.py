@@ -105,7 +105,8 @@ class HeartbeatBatcher(Batcher):
     """Heartbeats of many connections in one store call per flush; ACKs written from it.
 
     A flush takes at most ``batch_size`` connections; when more wait (Redis or the
-    node is overloaded), the best-ranked go first (:func:`tokend.clocks.serving_rank`)
+    node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
+    :func:`tokend.clocks.serving_rank`)
     and the rest wait for the next flush.
 
     While Redis is unavailable the heartbeats are acknowledged from what the session
@@ -137,7 +138,7 @@ class HeartbeatBatcher(Batcher):
             taken = heapq.nsmallest(
                 self.batch_size,
                 self.waiting,
-                key=lambda c: c.session.rank,  # type: ignore[union-attr]
+                key=lambda c: c.session.batch_rank,  # type: ignore[union-attr]
             )
             self._wake.set()  # the rest go in the next flush
             for connection in taken:

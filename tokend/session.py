@@ -133,6 +133,7 @@ class Session:
 
     __slots__ = (
         "cadence",
+        "cadenced",
         "claims",
         "clock",
         "conn",
@@ -164,6 +165,7 @@ class Session:
         self.key = b""
         self.last_seq = 0
         self.last_beat = -math.inf  # clock() at the last heartbeat verified
+        self.cadenced = False  # that heartbeat came on cadence (see _on_cadence)
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
@@ -179,6 +181,14 @@ class Session:
         """Serving order under overload (:func:`tokend.clocks.serving_rank`)."""
         assert self.claims is not None
         return serving_rank(self.claims.prio, self.warned)
+
+    @property
+    def batch_rank(self) -> int:
+        """Order in which its waiting heartbeats are stored when more wait than one batch:
+        those that came on cadence first (one heartbeat's work keeps a session alive,
+        and behind floods of better-ranked sessions it would wait until the session
+        expired), then the others; each by :attr:`rank`."""
+        return self.rank - RANKS if self.cadenced else self.rank
 
     # Frames from the client
 
@@ -220,7 +230,10 @@ class Session:
     def _on_cadence(self) -> bool:
         """An ACTIVE session's first heartbeat on this connection, or one that comes half
         an interval or more after the one before."""
-        return not self.warned and self.clock() - self.last_beat >= self.cadence.heartbeat_ms / 2000
+        return self._cadenced(self.clock())
+
+    def _cadenced(self, now: float) -> bool:
+        return not self.warned and now - self.last_beat >= self.cadence.heartbeat_ms / 2000
 
     def malformed(self, reason: str) -> Close | None:
         """A message that is not a protocol v1 frame (or a text message): 4503."""
@@ -250,7 +263,9 @@ class Session:
         if hb.seq <= self.last_seq:
             return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
         self.last_seq = hb.seq
-        self.last_beat = self.clock()
+        now = self.clock()
+        self.cadenced = self._cadenced(now)
+        self.last_beat = now
         self.unanswered.append((hb.seq, hb.exp_ms))
         return Ask.HEARTBEAT
 
