@@ -28,7 +28,9 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   (``load_tests/soak.py``). With ``reconnect``, a connection closed with a
   reconnectable code (or dropped) reconnects with the SDK's full-jitter backoff and
   resumes its session with HELLO, as a real client does; the reply counts the resumes,
-  the refusals met on the way (HTTP 503) and when each resume happened.
+  the refusals met on the way (HTTP 503) and when each resume happened. With
+  ``connect``, the connections not open yet connect the same way (a connect storm
+  whose sessions keep the cadence from their WELCOME).
 * ``exit``: drop every connection (no close handshake) and end.
 
 tokend and the bare server get byte-identical traffic: the same HELLO, the same
@@ -488,6 +490,7 @@ class Generator:
         reconnect: bool = False,
         flood: float = 0.0,
         flood_for: float = 0.0,
+        connect: bool = False,
     ) -> dict[str, Any]:
         self.latencies = array("q")
         self.acks = self.sent = self.started_anew = 0
@@ -508,6 +511,10 @@ class Generator:
             if not flood:
                 delay = max(delay, conn.last_sent + interval - now)
             self.loop.call_later(delay, conn.soak_tick, interval, end, flood, flood_end)
+        if connect:  # a connect storm: each new session keeps the cadence from its WELCOME
+            for conn in self.conns:
+                if not conn.live:
+                    self._reconnect(conn)
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
@@ -536,9 +543,12 @@ class Generator:
         self.closes[name] += 1
         self.first_close.setdefault(name, time.time())
         if self.reconnect and self.soaking and retryable(exc):
-            task = self.loop.create_task(self._resume(conn))
-            self.reconnecting.add(task)
-            task.add_done_callback(self.reconnecting.discard)
+            self._reconnect(conn)
+
+    def _reconnect(self, conn: Conn) -> None:
+        task = self.loop.create_task(self._resume(conn))
+        self.reconnecting.add(task)
+        task.add_done_callback(self.reconnecting.discard)
 
     async def _resume(self, conn: Conn) -> None:
         """Reconnect with backoff until the session is resumed or the soak ends."""
@@ -556,7 +566,7 @@ class Generator:
             if conn.resumed:
                 self.resumed_at[int(time.time() * 10)] += 1  # tenths of a second
             else:
-                self.started_anew += 1  # the session was lost: a new one began
+                self.started_anew += 1  # lost and begun again; or new, in a connect storm
             conn.on_data = conn._soak_reply
             conn.soak_beat(self.loop.time())  # at once on WELCOME, as the SDK does
             return

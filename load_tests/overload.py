@@ -13,8 +13,9 @@ group in load-generator processes of its own (``bench.loadgen``):
   ``--flood`` seconds, within the frame-rate limit) for ``--overload-for`` seconds;
 * ``warn`` (prio 5): silent until its sessions are in WARN, then floods too, from a few
   seconds into the overload: a WARN session must be shed before an ACTIVE one;
-* ``storm-mid`` and ``storm-low``: new sessions connecting as fast as they may during
-  the overload (a connect storm), retrying refusals with the SDK's backoff.
+* ``storm-mid`` and ``storm-low``: new sessions all connecting as the overload begins
+  (a connect storm), retrying refusals with the SDK's backoff, each heartbeating at
+  the cadence from its WELCOME.
 
 Phases: a baseline (every group but ``warn`` at the cadence, long enough for ``warn``
 to reach WARN) gives the unloaded p99; then the overload; then a recovery in which
@@ -74,7 +75,6 @@ P99_GOAL_RATIO = 4.0
 # the default cadence): by then the node sheds, so their first heartbeat meets it (a
 # heartbeat stored first would recover them).
 WARN_DELAY = 1 / 6
-STORM_CONCURRENCY = 100  # handshakes in flight per storm process
 SHED_LINE = "overloaded: shedding sessions"
 
 
@@ -158,19 +158,11 @@ def soak_args(args: argparse.Namespace, duration: float, **extra: Any) -> dict[s
     return {"timeout": duration + 60, "interval": args.heartbeat, "duration": duration, **extra}
 
 
-async def storm(args: argparse.Namespace, pool: ClientPool) -> dict[str, Any]:
-    """Connect every session of the pool while the overload lasts, then heartbeat."""
-    began = time.time()
-    replies = await pool.ask(
-        "connect",
-        timeout=args.overload_for + 120,
-        concurrency=STORM_CONCURRENCY,
-        retry_for=args.overload_for,
-    )
-    opened = sum(r["opened"] for r in replies)
-    rest = max(1.0, args.overload_for + args.recovery - (time.time() - began))
-    soaked = await pool.ask("soak", **soak_args(args, rest, reconnect=True))
-    return {"opened": opened, "connect_refusals": merged(replies, "refusals"), "soak": soaked}
+async def storm(args: argparse.Namespace, pool: ClientPool) -> list[dict[str, Any]]:
+    """Connect every session of the pool as the overload begins (retrying refusals with
+    the SDK's backoff); each heartbeats at the cadence from its WELCOME."""
+    whole = args.overload_for + args.recovery
+    return await pool.ask("soak", **soak_args(args, whole, reconnect=True, connect=True))
 
 
 def group_figures(replies: Sequence[dict[str, Any]], since: float) -> dict[str, Any]:
@@ -271,11 +263,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     figures["recovery"] = {"high": group_figures(high_recovery, start)}
     for name, replies in flooded.items():
         figures["overload"][name] = group_figures(replies, start)
-    for name, result in stormed.items():
+    for name, replies in stormed.items():
         figures["overload"][name] = {
-            "opened": result["opened"],
-            "connect_refusals": result["connect_refusals"],
-            **group_figures(result["soak"], start),
+            "opened": sum(r["started_anew"] for r in replies),
+            **group_figures(replies, start),
         }
     figures["events"] = {
         name: dict(Counter(e["type"] for e in events if e["tid"] in group))
@@ -318,7 +309,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
     lines = [f"groups:     {figures['sizes']}"]
     lines += [row("baseline", name, g) for name, g in figures["baseline"].items()]
     for name, g in figures["overload"].items():
-        refusals = {**g.get("connect_refusals", {}), **g["refusals"]}
+        refusals = g["refusals"]
         lines += [
             row("overload", name, g),
             f"{'':21} closes {g['closes'] or '-'}; refusals {refusals or '-'}; first 1013 at "
