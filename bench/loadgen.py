@@ -512,9 +512,10 @@ class Generator:
                 delay = max(delay, conn.last_sent + interval - now)
             self.loop.call_later(delay, conn.soak_tick, interval, end, flood, flood_end)
         if connect:  # a connect storm: each new session keeps the cadence from its WELCOME
+            ticking = (interval, end, flood, flood_end)
             for conn in self.conns:
                 if not conn.live:
-                    self._reconnect(conn)
+                    self._reconnect(conn, ticking)
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
@@ -545,12 +546,18 @@ class Generator:
         if self.reconnect and self.soaking and retryable(exc):
             self._reconnect(conn)
 
-    def _reconnect(self, conn: Conn) -> None:
-        task = self.loop.create_task(self._resume(conn))
+    def _reconnect(
+        self, conn: Conn, ticking: tuple[float, float, float, float] | None = None
+    ) -> None:
+        """Resume (or, new, start) the session of ``conn``; ``ticking``: the soak_tick
+        arguments of a connection that has no heartbeat timer yet."""
+        task = self.loop.create_task(self._resume(conn, ticking))
         self.reconnecting.add(task)
         task.add_done_callback(self.reconnecting.discard)
 
-    async def _resume(self, conn: Conn) -> None:
+    async def _resume(
+        self, conn: Conn, ticking: tuple[float, float, float, float] | None = None
+    ) -> None:
         """Reconnect with backoff until the session is resumed or the soak ends."""
         for attempt in itertools.count():
             await asyncio.sleep(BACKOFF.delay(attempt))
@@ -569,6 +576,8 @@ class Generator:
                 self.started_anew += 1  # lost and begun again; or new, in a connect storm
             conn.on_data = conn._soak_reply
             conn.soak_beat(self.loop.time())  # at once on WELCOME, as the SDK does
+            if ticking is not None:
+                self.loop.call_later(ticking[0], conn.soak_tick, *ticking)
             return
 
     async def burst(self) -> dict[str, Any]:
