@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 from tests.support import LOOPBACK, RedisProcess, free_port
 from tokend import config
 from tokend.protocol import WS_PATH
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import DEFAULT_PRIO, KeyRing, TokenService
 
 ROOT = Path(__file__).resolve().parent.parent
 # Descriptors a server keeps besides its connections (listener, Redis pool, logs...).
@@ -219,21 +220,30 @@ def proc_rss(pid: int) -> int:
     raise BenchError(f"no VmRSS for pid {pid}")
 
 
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds a live process and its live children have used so far.
+def proc_children(pid: int) -> list[int]:
+    """The live child processes of a process (empty if it has gone).
+
+    Each thread lists the children it started (tokend starts its embedded Redis from a
+    worker thread), so all threads are read.
+    """
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread (or the process) may end meanwhile
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def proc_cpu(pid: int, *, children: bool = True) -> float:
+    """User + system CPU seconds a live process (and its live children) have used so far.
 
     (The children count for ``tokend serve --workers N``, whose workers do the work.)
     """
     stat = Path(f"/proc/{pid}/stat").read_text()
     after_name = stat.rpartition(")")[2].split()
     own = (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        children = []
-    for child_pid in children:
+    for child_pid in proc_children(pid) if children else ():
         with contextlib.suppress(OSError):  # it may have exited meanwhile
-            own += proc_cpu(int(child_pid))
+            own += proc_cpu(child_pid)
     return own
 
 
@@ -258,20 +268,27 @@ def cpu_split() -> tuple[frozenset[int] | None, frozenset[int] | None]:
 
 
 class CpuMeter:
-    """CPU use of some processes over a window, as a percentage of one core."""
+    """CPU use of some processes over a window, as a percentage of one core.
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    ``own`` names the processes measured without their children.
+    """
+
+    def __init__(self, pids: dict[str, int], own: frozenset[str] = frozenset()) -> None:
         self.pids = pids
+        self.own = own
         self._start: tuple[float, dict[str, float]] | None = None
 
+    def _cpu(self, name: str) -> float:
+        return proc_cpu(self.pids[name], children=name not in self.own)
+
     def start(self) -> None:
-        self._start = (time.monotonic(), {n: proc_cpu(p) for n, p in self.pids.items()})
+        self._start = (time.monotonic(), {n: self._cpu(n) for n in self.pids})
 
     def stop(self) -> dict[str, float]:
         assert self._start is not None
         began, cpu = self._start
         wall = max(time.monotonic() - began, 1e-9)
-        return {n: round(100 * (proc_cpu(p) - cpu[n]) / wall, 1) for n, p in self.pids.items()}
+        return {n: round(100 * (self._cpu(n) - cpu[n]) / wall, 1) for n in self.pids}
 
 
 class Child:
@@ -304,8 +321,8 @@ class Child:
     def url(self) -> str:
         return f"ws://{LOOPBACK}:{self.port}{WS_PATH}"
 
-    def start(self, ready: str, timeout: float = 30.0) -> None:
-        """Start, pin to ``cpus``, and wait until ``ready`` appears in the log."""
+    def start(self, ready: str, timeout: float = 30.0, times: int = 1) -> None:
+        """Start, pin to ``cpus``, and wait until ``ready`` appears in the log ``times`` times."""
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 self.argv,
@@ -320,7 +337,7 @@ class Child:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise BenchError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            if ready in self.log.read_text(errors="replace"):
+            if self.log.read_text(errors="replace").count(ready) >= times:
                 pin(self.pid, self.cpus)  # threads started meanwhile
                 return
             time.sleep(0.02)
@@ -398,7 +415,7 @@ class Context:
         self.keys_dir = workdir / "keys"
         settings = config.load({"keys_dir": str(self.keys_dir)}, environ={})
         self.minter = TokenService(settings, KeyRing.open(self.keys_dir))
-        self._pools: dict[int, TokenPool] = {}
+        self._pools: dict[tuple[int, int], TokenPool] = {}
         # Measurements shared by scenarios of the same repetition (e.g. socketio reuses
         # heartbeat's tokend figures); cleared between repetitions.
         self.cache: dict[tuple[Any, ...], Any] = {}
@@ -410,25 +427,27 @@ class Context:
         path.mkdir(parents=True)
         return path
 
-    def tokens(self, count: int, ttl_s: int = 3600) -> TokenPool:
-        """At least ``count`` distinct tokens of this lifetime (each opens one session).
+    def tokens(self, count: int, ttl_s: int = 3600, prio: int = DEFAULT_PRIO) -> TokenPool:
+        """At least ``count`` distinct tokens of this lifetime and ``prio`` (each opens one
+        session).
 
         A pool is reused across scenarios: each scenario has a fresh Redis, so a token
         that opened a session in one scenario starts a new session in the next. A pool
         past half its tokens' lifetime is replaced.
         """
-        pool = self._pools.get(ttl_s)
+        pool = self._pools.get((ttl_s, prio))
         if pool is None or time.time() - pool.minted_at > ttl_s / 2:
             # New, or half its lifetime gone (a long run, --repeat): mint afresh.
             self._serial += 1
-            path = self.workdir / f"tokens-{ttl_s}s-{self._serial:03d}.txt"
-            pool = self._pools[ttl_s] = TokenPool(path, ttl_s)
+            path = self.workdir / f"tokens-{ttl_s}s-prio{prio}-{self._serial:03d}.txt"
+            pool = self._pools[ttl_s, prio] = TokenPool(path, ttl_s)
         missing = count - len(pool.tids)
         if missing > 0:
             with pool.path.open("a") as out:
                 for _ in range(missing):
                     tid = uuid.uuid4()
-                    out.write(self.minter.mint(f"bench-{tid.hex[:8]}", ttl_s=ttl_s, tid=tid))
+                    sub = f"bench-{tid.hex[:8]}"
+                    out.write(self.minter.mint(sub, ttl_s=ttl_s, tid=tid, prio=prio))
                     out.write("\n")
                     pool.tids.append(tid)
         return pool
@@ -477,6 +496,17 @@ def redis_pid(server: RedisProcess) -> int:
 @contextlib.contextmanager
 def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -> Iterator[Child]:
     """``python -m tokend serve`` (uvloop, JSON logs to a file) as in production."""
+    server = tokend_child(ctx, redis_url, **settings)
+    try:
+        # Every worker listening: one alone would take all the first connections.
+        server.start('"listening"', times=ctx.workers)
+        yield server
+    finally:
+        server.stop()
+
+
+def tokend_child(ctx: Context, redis_url: str, **settings: float | int | str) -> Child:
+    """The ``python -m tokend serve`` process of :func:`tokend_server`, not started."""
     port = free_port()
     directory = ctx.scratch("tokend")
     env = {
@@ -498,8 +528,7 @@ def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -
     log = directory / "tokend.log"
     # Workers pinned to the one server CPU would only share it: they run unpinned.
     cpus = ctx.server_cpus if ctx.workers == 1 else None
-    with child("tokend", argv, log, port=port, ready='"listening"', cpus=cpus, env=env) as c:
-        yield c
+    return Child("tokend", argv, log, port=port, env=env, cpus=cpus)
 
 
 @contextlib.contextmanager
@@ -534,6 +563,7 @@ class ClientPool:
         counts: list[int],
         tokens: TokenPool | None = None,
         first: int = 0,
+        sources: Sequence[str] = (),
     ) -> None:
         self.ctx = ctx
         self.name = name
@@ -542,6 +572,7 @@ class ClientPool:
         self.counts = counts
         self.tokens = tokens
         self.first = first
+        self.sources = sources  # local addresses, one per process in turn ("" for any)
         self.procs: list[asyncio.subprocess.Process] = []
         self.logs = ctx.scratch(f"clients-{name}")
 
@@ -558,6 +589,7 @@ class ClientPool:
                 "tokens": str(self.tokens.path) if self.tokens else "",
                 "first": offset,
                 "count": count,
+                "source": self.sources[i % len(self.sources)] if self.sources else "",
             }
             offset += count
             with (self.logs / f"client-{i}.log").open("wb") as err:
@@ -602,11 +634,17 @@ class ClientPool:
         reply: dict[str, Any] = json.loads(raw)
         return reply
 
+    def kill(self) -> None:
+        """SIGKILL every process: its connections vanish as a crashed client's do."""
+        for proc in self.procs:
+            if proc.returncode is None:
+                proc.kill()
+
     async def stop(self) -> None:
         """Drop every connection (no close handshake) and end the processes."""
         for proc in self.procs:
             if proc.returncode is None and proc.stdin is not None:
-                with contextlib.suppress(ConnectionError):
+                with contextlib.suppress(ConnectionError, RuntimeError):
                     proc.stdin.write(b'{"cmd": "exit"}\n')
                     proc.stdin.close()
         for proc in self.procs:
@@ -629,9 +667,17 @@ async def client_pool(
     procs: int,
     tokens: TokenPool | None = None,
     first: int = 0,
+    sources: Sequence[str] = (),
 ) -> AsyncIterator[ClientPool]:
     pool = ClientPool(
-        ctx, name, url=url, proto=proto, counts=split(total, procs), tokens=tokens, first=first
+        ctx,
+        name,
+        url=url,
+        proto=proto,
+        counts=split(total, procs),
+        tokens=tokens,
+        first=first,
+        sources=sources,
     )
     try:
         await pool.start()
@@ -640,9 +686,14 @@ async def client_pool(
         await pool.stop()
 
 
-async def open_all(pool: ClientPool, concurrency: int) -> dict[str, Any]:
-    """Open every connection of the pool; rate, latencies and failures, merged."""
-    replies = await pool.ask("connect", timeout=300, concurrency=concurrency)
+async def open_all(pool: ClientPool, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:
+    """Open every connection of the pool; rate, latencies and failures, merged.
+
+    For ``retry_for`` seconds the clients retry what the server asks them to retry.
+    """
+    replies = await pool.ask(
+        "connect", timeout=300 + retry_for, concurrency=concurrency, retry_for=retry_for
+    )
     opened = sum(r["opened"] for r in replies)
     failed = sum(r["failed"] for r in replies)
     if failed:
@@ -654,5 +705,6 @@ async def open_all(pool: ClientPool, concurrency: int) -> dict[str, Any]:
         "seconds": round(span, 3),
         "rate": opened / span if span > 0 else 0.0,
         "client_cpu_s": round(sum(r["cpu_s"] for r in replies), 2),
+        "refusals": dict(sum((Counter(r["refusals"]) for r in replies), Counter())),
         **latency_summary([x for r in replies for x in r["latencies_us"]]),
     }

@@ -7,18 +7,30 @@ figure, so a saturated client would show.
 
 :class:`bench.common.ClientPool` starts it as ``python -m bench.loadgen JOB`` where JOB
 is JSON: ``url``, ``proto`` (``tokend``, ``bare`` or ``socketio``), ``tokens`` (a file,
-one token per line), ``first`` and ``count`` (this process's slice of that file).
+one token per line), ``first`` and ``count`` (this process's slice of that file) and
+``source`` (the local address its connections come from, "" for any: each loopback
+address has its own ephemeral ports, so many processes can hold more connections
+than one address's port range).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
-* ``connect {concurrency}``: open the connections (tokend and bare: handshake, HELLO,
-  WELCOME; socketio: handshake, engine.io OPEN, namespace CONNECT), timed.
+* ``connect {concurrency, retry_for}``: open the connections (tokend and bare:
+  handshake, HELLO, WELCOME; socketio: handshake, engine.io OPEN, namespace CONNECT),
+  timed; for ``retry_for`` seconds a refusal the client should retry (HTTP 503, a
+  reconnectable close code) is retried with the SDK's backoff.
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
-* ``soak {interval, duration}``: every connection heartbeats every ``interval`` seconds
-  (staggered across the interval) for ``duration``; heartbeats sent and ACKed, ACK
+* ``soak {interval, duration, reconnect, flood, flood_for}``: every connection
+  heartbeats every ``interval`` seconds (every ``flood`` seconds for the first
+  ``flood_for``; staggered, open loop: a heartbeat does not wait for the previous ACK)
+  for ``duration``; heartbeats sent and ACKed, ACK
   latencies, and every connection lost meanwhile with its close code
-  (``load_tests/soak.py``).
+  (``load_tests/soak.py``). With ``reconnect``, a connection closed with a
+  reconnectable code (or dropped) reconnects with the SDK's full-jitter backoff and
+  resumes its session with HELLO, as a real client does; the reply counts the resumes,
+  the refusals met on the way (HTTP 503) and when each resume happened. With
+  ``connect``, the connections not open yet connect the same way (a connect storm
+  whose sessions keep the cadence from their WELCOME).
 * ``exit``: drop every connection (no close handshake) and end.
 
 tokend and the bare server get byte-identical traffic: the same HELLO, the same
@@ -32,21 +44,31 @@ import base64
 import gc
 import hashlib
 import hmac
+import itertools
 import json
+import math
 import resource
 import socket
 import struct
 import sys
 import time
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvloop
-from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+from picows import (
+    WSFrame,
+    WSInvalidStatusError,
+    WSListener,
+    WSMsgType,
+    WSTransport,
+    ws_connect,
+)
 
 from tokend import protocol as p
+from tokend.client import Backoff
 
 # The heartbeat's signed part, as in tokend.protocol; checked against the codec once
 # per connection (Conn._welcome), then built here without the codec's dataclasses.
@@ -60,6 +82,9 @@ CONNECT_TIMEOUT = 20.0
 _ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 MAX_SAMPLES = 2_000_000
 SOAK_GRACE_S = 2.0  # after a soak, how long the last heartbeats' ACKs may take
+# Close codes after which the spec's client reconnects (docs/protocol.md §7).
+RECONNECTABLE = frozenset({1001, 1011, 1013, 4008, 4029})
+BACKOFF = Backoff()  # the Python SDK's: full jitter, 0.5 s doubling up to 30 s
 
 
 def cpu_seconds() -> float:
@@ -75,12 +100,58 @@ class Closed(Exception):
         self.code = code
 
 
-class Conn(WSListener):  # type: ignore[misc]
+def retryable(exc: BaseException) -> bool:
+    """A failed connect or a lost connection the spec's client tries again."""
+    if isinstance(exc, Closed):
+        return exc.code in RECONNECTABLE
+    return not isinstance(exc, p.ProtocolError)
+
+
+def failure_name(exc: BaseException) -> str:
+    if isinstance(exc, Closed):
+        return f"close {exc.code}"
+    if isinstance(exc, WSInvalidStatusError) and exc.response is not None:
+        return f"http {exc.response.status}"
+    return type(exc).__name__
+
+
+def retry_after(exc: BaseException) -> float:
+    """The server's Retry-After (seconds) on a refused handshake, else 0."""
+    if isinstance(exc, WSInvalidStatusError) and exc.response is not None:
+        value = exc.response.headers.get("Retry-After", "0")
+        return float(value) if value.isdigit() else 0.0
+    return 0.0
+
+
+class Attempt(WSListener):  # type: ignore[misc]
+    """One connection attempt of a :class:`Conn`. Only the current attempt speaks for it:
+    one given up on (timed out) may still complete later, and must not answer then."""
+
+    def __init__(self, conn: Conn) -> None:
+        super().__init__()
+        self.conn = conn
+
+    def on_ws_connected(self, transport: WSTransport) -> None:
+        if self.conn.attempt is self:
+            self.conn.on_ws_connected(transport)
+        else:
+            transport.disconnect(graceful=False)
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if self.conn.attempt is self:
+            self.conn.on_ws_frame(transport, frame)
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        if self.conn.attempt is self:
+            self.conn.on_ws_disconnected(transport)
+
+
+class Conn:
     """One client connection; ``on_data`` is the handler of the current phase."""
 
     def __init__(self, gen: Generator, token: str) -> None:
-        super().__init__()
         self.gen = gen
+        self.attempt: Attempt | None = None
         self.token = token
         self.transport: WSTransport | None = None
         self.ready: asyncio.Future[None] = gen.loop.create_future()
@@ -92,11 +163,18 @@ class Conn(WSListener):  # type: ignore[misc]
         self.seq = 0
         self.sent_ns = 0
         self.mac = hmac.new(b"", digestmod=hashlib.sha256)
+        self.live = False  # WELCOMEd and not lost since
+        self.last_sent = -math.inf  # loop time of the last soak heartbeat
+        self.resumed = False  # the last WELCOME's flag
+        # Soak: (seq, sent at) of the heartbeats not yet ACKed, oldest first.
+        self.pending: deque[tuple[int, int]] = deque()
 
     # picows callbacks
 
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
+        self.seq = 0
+        self.pending.clear()
         if self.gen.proto != "socketio":
             transport.send(WSMsgType.BINARY, p.encode(p.Hello(self.token)))
 
@@ -116,9 +194,10 @@ class Conn(WSListener):  # type: ignore[misc]
         for future in (self.ready, self.answered):
             if future is not None and not future.done():
                 future.set_exception(exc)
-        if self.on_data == self._soak_reply:
-            self.on_data = self._idle
-            self.gen.closes[str(exc.code) if isinstance(exc, Closed) else type(exc).__name__] += 1
+        if self.live:
+            self.live = False
+            if self.on_data == self._soak_reply:
+                self.gen.connection_lost(self, exc)
         if self.on_data == self._loop_reply or self.on_data == self._sio_loop_reply:
             self.on_data = self._idle
             self.gen.lost += 1
@@ -132,6 +211,7 @@ class Conn(WSListener):  # type: ignore[misc]
                 self._send(WSMsgType.TEXT, _SIO_CONNECT)
             elif data.startswith(_SIO_CONNECT):
                 self.on_data = self._idle
+                self.live = True
                 self.ready.set_result(None)
             return
         try:
@@ -146,7 +226,9 @@ class Conn(WSListener):  # type: ignore[misc]
         except p.ProtocolError as exc:
             self.ready.set_exception(exc)
             return
+        self.resumed = frame.resumed
         self.on_data = self._idle
+        self.live = True
         self.ready.set_result(None)
 
     def _idle(self, data: bytes) -> None:
@@ -209,23 +291,44 @@ class Conn(WSListener):  # type: ignore[misc]
 
     # Soak: a heartbeat every `interval` until `end`, each ACK timed
 
-    def soak_tick(self, interval: float, end: float) -> None:
-        if self.on_data != self._soak_reply or self.gen.loop.time() >= end:
+    def soak_tick(self, interval: float, end: float, flood: float, flood_end: float) -> None:
+        gen = self.gen
+        now = gen.loop.time()
+        if now >= end or not gen.soaking:
             return
+        pause = flood if now < flood_end else interval
+        if self.live and self.on_data == self._soak_reply:
+            if now - self.last_sent < pause / 2:
+                # Just resumed, and its first heartbeat went out on WELCOME (as the SDK
+                # does): keep the cadence from there.
+                pause = self.last_sent + pause - now
+            else:
+                self.soak_beat(now)
+        gen.loop.call_later(pause, self.soak_tick, interval, end, flood, flood_end)
+
+    def soak_beat(self, now: float) -> None:
         self.gen.sent += 1
         self.send_next()
-        self.gen.loop.call_later(interval, self.soak_tick, interval, end)
+        self.pending.append((self.seq, self.sent_ns))
+        self.last_sent = now
 
     def _soak_reply(self, data: bytes) -> None:
         if data[0] != _ACK:
             return  # a NOTICE: counted by the server's events, not an answer
         gen = self.gen
+        ack = p.decode(data)
+        assert isinstance(ack, p.HeartbeatAck)
+        pending = self.pending
+        while pending and pending[0][0] < ack.seq:  # unanswered: the ACKs come in order
+            pending.popleft()
+        if not pending:
+            return
         gen.acks += 1
         if len(gen.latencies) < MAX_SAMPLES:
-            gen.latencies.append((time.perf_counter_ns() - self.sent_ns) // 1000)
-        ack = p.decode(data)
-        if isinstance(ack, p.HeartbeatAck) and ack.token:
+            gen.latencies.append((time.perf_counter_ns() - pending.popleft()[1]) // 1000)
+        if ack.token:
             self.exp_ms = ack.exp_ms
+            self.token = ack.token  # a resume must present the newest
 
     # Burst
 
@@ -264,49 +367,85 @@ class Generator:
             if len(tokens) != job["count"]:
                 raise SystemExit(f"token file has too few tokens for {job}")
         self.conns = [Conn(self, t) for t in tokens]
+        # A local address of its own: its ephemeral ports are not shared with others.
+        self.local_addr = (job["source"], 0) if job.get("source") else None
         self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
         self.latencies: array[int] = array("q")
         self.acks = 0
         self.lost = 0
         self.sent = 0
         self.closes: Counter[str] = Counter()
+        # Soak with reconnects: refusals met, resumes (by wall-clock tenth of a second),
+        # new sessions.
+        self.soaking = False
+        self.reconnect = False
+        self.refusals: Counter[str] = Counter()
+        self.resumed_at: Counter[int] = Counter()
+        self.started_anew = 0
+        self.gave_up: Counter[str] = Counter()
+        self.first_close: dict[str, float] = {}  # close code -> wall time it was first seen
+        self.reconnecting: set[asyncio.Task[None]] = set()
         self.running = 0
         self.window_start = self.window_end = 0
         self.ended = asyncio.Event()
 
-    async def connect(self, concurrency: int) -> dict[str, Any]:
+    async def open(self, conn: Conn) -> None:
+        """Connect, handshake and (tokend) HELLO → WELCOME; raises what went wrong."""
+        conn.ready = self.loop.create_future()
+        conn.on_data = conn._opening
+        conn.transport = None
+        attempt = conn.attempt = Attempt(conn)
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                await ws_connect(
+                    lambda: attempt,
+                    self.url,
+                    extra_headers=self.headers,
+                    websocket_handshake_timeout=CONNECT_TIMEOUT,
+                    local_addr=self.local_addr,
+                )
+                await conn.ready
+        except BaseException:
+            # Given up (a timeout, a refusal): this attempt must not answer for the next.
+            conn.attempt = None
+            if conn.transport is not None and not conn.transport.is_disconnected:
+                conn.transport.disconnect(graceful=False)
+            conn.transport = None
+            raise
+
+    async def connect(self, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:
         errors: Counter[str] = Counter()
         latencies: list[int] = []
         pending = iter(self.conns)
         cpu0, t_start = cpu_seconds(), time.time()
+        retry_until = self.loop.time() + retry_for
 
         async def one(conn: Conn) -> None:
             began = time.perf_counter_ns()
-            try:
-                async with asyncio.timeout(CONNECT_TIMEOUT):
-                    await ws_connect(
-                        lambda: conn,
-                        self.url,
-                        extra_headers=self.headers,
-                        websocket_handshake_timeout=CONNECT_TIMEOUT,
-                    )
-                    await conn.ready
-            except Closed as exc:
-                errors[f"close {exc.code}"] += 1
-            except Exception as exc:
-                errors[type(exc).__name__] += 1
-            else:
-                latencies.append((time.perf_counter_ns() - began) // 1000)
+            for attempt in itertools.count():
+                try:
+                    await self.open(conn)
+                except Exception as exc:
+                    self.refusals[failure_name(exc)] += 1
+                    if not retryable(exc) or self.loop.time() >= retry_until:
+                        errors[failure_name(exc)] += 1
+                        return
+                    await asyncio.sleep(max(retry_after(exc), BACKOFF.delay(attempt)))
+                else:
+                    latencies.append((time.perf_counter_ns() - began) // 1000)
+                    return
 
         async def lane() -> None:
             for conn in pending:
                 await one(conn)
 
         await asyncio.gather(*(lane() for _ in range(max(1, concurrency))))
+        refusals, self.refusals = dict(self.refusals), Counter()
         return {
             "opened": len(latencies),
             "failed": sum(errors.values()),
             "errors": dict(errors),
+            "refusals": refusals,  # every failed attempt, retried or not
             "t_start": t_start,
             "t_end": time.time(),
             "cpu_s": cpu_seconds() - cpu0,
@@ -344,26 +483,102 @@ class Generator:
         if self.running <= 0:
             self.ended.set()
 
-    async def soak(self, interval: float, duration: float) -> dict[str, Any]:
+    async def soak(
+        self,
+        interval: float,
+        duration: float,
+        reconnect: bool = False,
+        flood: float = 0.0,
+        flood_for: float = 0.0,
+        connect: bool = False,
+    ) -> dict[str, Any]:
         self.latencies = array("q")
-        self.acks = self.sent = 0
-        self.closes.clear()
-        live = [c for c in self.conns if c.ready.done() and not c.ready.exception()]
+        self.acks = self.sent = self.started_anew = 0
+        for counts in (self.closes, self.refusals, self.resumed_at, self.gave_up):
+            counts.clear()
+        self.first_close.clear()
+        self.soaking, self.reconnect = True, reconnect
+        live = [c for c in self.conns if c.live]
         end = self.loop.time() + duration
+        flood_end = self.loop.time() + flood_for if flood else 0.0
+        first = flood or interval
+        now = self.loop.time()
         for i, conn in enumerate(live):
             conn.on_data = conn._soak_reply
-            self.loop.call_later(interval * i / len(live), conn.soak_tick, interval, end)
+            # Staggered, but never sooner than the cadence after its last heartbeat: a
+            # connection keeps its cadence from one soak to the next.
+            delay = first * i / len(live)
+            if not flood:
+                delay = max(delay, conn.last_sent + interval - now)
+            self.loop.call_later(delay, conn.soak_tick, interval, end, flood, flood_end)
+        if connect:  # a connect storm: each new session keeps the cadence from its WELCOME
+            ticking = (interval, end, flood, flood_end)
+            for conn in self.conns:
+                if not conn.live:
+                    self._reconnect(conn, ticking)
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
+        self.soaking = False
+        for task in list(self.reconnecting):
+            task.cancel()
+        await asyncio.gather(*self.reconnecting, return_exceptions=True)
         for conn in live:
             if conn.on_data == conn._soak_reply:
                 conn.on_data = conn._idle
         return {
             "connections": len(live),
+            "live": sum(c.live for c in live),
             "sent": self.sent,
             "acks": self.acks,
             "closes": dict(self.closes),
+            "first_close": self.first_close,
+            "refusals": dict(self.refusals),
+            "resumed_at": {str(k): v for k, v in self.resumed_at.items()},
+            "started_anew": self.started_anew,
+            "gave_up": dict(self.gave_up),
             "latencies_us": self.latencies.tolist(),
         }
+
+    def connection_lost(self, conn: Conn, exc: Exception) -> None:
+        """A soaking connection was closed or dropped: count it, and resume if asked."""
+        name = str(exc.code) if isinstance(exc, Closed) else type(exc).__name__
+        self.closes[name] += 1
+        self.first_close.setdefault(name, time.time())
+        if self.reconnect and self.soaking and retryable(exc):
+            self._reconnect(conn)
+
+    def _reconnect(
+        self, conn: Conn, ticking: tuple[float, float, float, float] | None = None
+    ) -> None:
+        """Resume (or, new, start) the session of ``conn``; ``ticking``: the soak_tick
+        arguments of a connection that has no heartbeat timer yet."""
+        task = self.loop.create_task(self._resume(conn, ticking))
+        self.reconnecting.add(task)
+        task.add_done_callback(self.reconnecting.discard)
+
+    async def _resume(
+        self, conn: Conn, ticking: tuple[float, float, float, float] | None = None
+    ) -> None:
+        """Reconnect with backoff until the session is resumed or the soak ends."""
+        for attempt in itertools.count():
+            await asyncio.sleep(BACKOFF.delay(attempt))
+            try:
+                await self.open(conn)
+            except Exception as exc:
+                self.refusals[failure_name(exc)] += 1
+                if not retryable(exc):
+                    self.gave_up[failure_name(exc)] += 1
+                    return
+                await asyncio.sleep(retry_after(exc))
+                continue
+            if conn.resumed:
+                self.resumed_at[int(time.time() * 10)] += 1  # tenths of a second
+            else:
+                self.started_anew += 1  # lost and begun again; or new, in a connect storm
+            conn.on_data = conn._soak_reply
+            conn.soak_beat(self.loop.time())  # at once on WELCOME, as the SDK does
+            if ticking is not None:
+                self.loop.call_later(ticking[0], conn.soak_tick, *ticking)
+            return
 
     async def burst(self) -> dict[str, Any]:
         cpu0, t_start = cpu_seconds(), time.time()

@@ -1,22 +1,36 @@
-"""Soak: hold as many tokend sessions as the open-file limit allows, heartbeating, for long.
+"""Soak and capacity: hold many tokend sessions for long, restart under them, let them expire.
 
-Starts ``tokend serve`` on a free 127.0.0.1 port (on the embedded Redis, or on
-``--redis URL``), opens ``--sessions`` sessions (default: as many as one process's
-open-file limit allows, about 19,500 at 20,000) from several load-generator processes
-(``bench.loadgen``, so that no client process exceeds its own limit), heartbeats each at
-``--heartbeat`` seconds (default 30, the production cadence, staggered) for
-``--duration`` seconds (default 600), then reports and stops everything it started:
+Starts ``tokend serve --workers N`` on a free 127.0.0.1 port (on the embedded Redis, or
+on ``--redis URL``), opens ``--sessions`` sessions from load-generator processes
+(``bench.loadgen``, at most ``--per-client`` connections each, each process from a
+loopback address of its own, 127.0.0.2, 127.0.0.3, ..., so that neither a client's
+open-file limit nor one address's ephemeral ports bound the count), then runs these
+phases and stops everything it started:
 
-* unexpected closes, by close code (must be 0),
-* heartbeats sent and ACKed (must be equal), ACK latency p50/p99/max,
-* server RSS after the sessions opened, its peak during the hold, and at the end,
-* SESSION_WARN / TOKEN_EXPIRED events (must be 0).
+* **hold** (always): every session heartbeats every ``--heartbeat`` seconds (default 30,
+  the production cadence, staggered) for ``--duration`` seconds (default 600). Reports
+  unexpected closes, heartbeats sent and ACKed, ACK latency p50/p99/max, RSS of the
+  workers and of Redis (and per session), CPU of every process, Redis memory per
+  session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
+* **restart** (``--restart``): with the sessions held and heartbeating, SIGTERM the
+  supervisor (its workers drain: 1001 spread over ``drain_period``) and start it again on
+  the same data directory; every client resumes its session with the SDK's backoff.
+  Reports the time until the last resume (goal: within 60 s of the new start), the
+  resume rate, the refusals met (503), new sessions (must be 0), terminal closes (must
+  be 0) and TOKEN_EXPIRED (must be 0).
+* **expire** (``--expire``): SIGKILL every client process at once; each session must get
+  exactly one SESSION_WARN and one TOKEN_EXPIRED (counted on the event streams), with
+  the TOKEN_EXPIRED lag against its deadline (last heartbeat + expire_after) p99 at
+  most 250 ms.
 
-Exit status 0 when all of that holds, 1 otherwise. Not part of CI: a ~5 s smoke run is
-(tests/test_load_smoke.py).
+``--overload`` is another run, of one worker: see :mod:`load_tests.overload`.
 
-    python load_tests/soak.py                                 # full: ~19,500 x 600 s
-    python load_tests/soak.py --sessions 3000 --duration 60   # a short proof run
+Exit status 0 when every goal holds, 1 otherwise. Not part of CI: a smoke run of each
+phase, seconds each, is (tests/test_load_smoke.py).
+
+    python load_tests/soak.py                                  # ~19,500 x 600 s, one process
+    python load_tests/soak.py --sessions 75000 --workers 4 --restart --expire
+    python load_tests/soak.py --sessions 3000 --duration 60    # a short proof run
 """
 
 from __future__ import annotations
@@ -28,6 +42,9 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +55,37 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: bench/ and tes
 
 from bench.common import (  # noqa: E402
     QUICK,
+    Child,
+    ClientPool,
     Context,
+    CpuMeter,
     client_pool,
     fd_limit,
     latency_summary,
     max_sessions,
     open_all,
-    tokend_server,
+    percentile,
+    proc_children,
+    proc_rss,
+    tokend_child,
 )
 from tokend.embedded import socket_url  # noqa: E402
 from tokend.store import Keyspace  # noqa: E402
 
 PER_CLIENT_PROCESS = 5000  # sessions per load-generator process (well under its fd limit)
 CONNECT_CONCURRENCY = 50  # handshakes in flight per load-generator process
-RSS_EVERY_S = 5.0  # how often the server's RSS is sampled during the hold
+RSS_EVERY_S = 5.0  # how often RSS is sampled during the hold
 MB = 1 << 20
+PREFIX = "bench"  # the key prefix bench.common gives the server
+# Seconds of ordinary heartbeats before the supervisor is signalled, in the restart phase.
+RESTART_AFTER_S = 2.0
+STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
+RESUME_GOAL_S = 60.0
+EXPIRY_LAG_GOAL_MS = 250
+# After the last deadline, how long the expire phase waits for stragglers.
+EXPIRY_GRACE_S = 30.0
+STREAM_POLL_S = 2.0
+READ_CHUNK = 5000  # Redis reads per pipeline or XRANGE call
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -61,47 +94,307 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--sessions",
         type=int,
         default=max_sessions(),
-        help=f"sessions to hold (default {max_sessions()}: the open-file limit {fd_limit()} "
-        "less headroom)",
+        help=f"sessions to hold (default {max_sessions()}: one process's open-file limit "
+        f"{fd_limit()} less headroom)",
     )
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds (default 600)")
+    parser.add_argument("--workers", type=int, default=1, help="tokend workers (default 1)")
+    parser.add_argument("--duration", type=float, default=600.0, help="hold, s (default 600)")
     parser.add_argument(
         "--heartbeat", type=float, default=30.0, help="heartbeat interval, s (default 30)"
     )
     parser.add_argument("--redis", default="", help="Redis URL (default: the embedded one)")
     parser.add_argument(
-        "--clients", type=int, default=0, help="load-generator processes (default: 1 per 5000)"
+        "--per-client",
+        type=int,
+        default=PER_CLIENT_PROCESS,
+        help=f"sessions per load-generator process (default {PER_CLIENT_PROCESS})",
     )
+    parser.add_argument(
+        "--drain-period", type=float, default=10.0, help="the server's drain_period (default 10)"
+    )
+    parser.add_argument("--restart", action="store_true", help="then restart the supervisor")
+    parser.add_argument(
+        "--restart-window",
+        type=float,
+        default=150.0,
+        help="seconds the clients heartbeat and resume across the restart (default 150)",
+    )
+    parser.add_argument("--expire", action="store_true", help="then SIGKILL every client")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs) instead of removing it"
+    )
     return parser.parse_args(argv)
 
 
-async def event_counts(redis_url: str, prefix: str) -> dict[str, int]:
-    """Events of each type in the server's streams (WARN and EXPIRED must not appear)."""
-    client = aioredis.from_url(redis_url, decode_responses=True)
-    counts: dict[str, int] = {}
-    try:
-        for stream in Keyspace(prefix).streams():
-            for _, fields in await client.xrange(stream):
-                kind = json.loads(fields["event"])["type"]
-                counts[kind] = counts.get(kind, 0) + 1
-    finally:
-        await client.aclose()
-    return counts
+def sources(count: int) -> list[str]:
+    """Loopback source addresses, one per client process: 127.0.0.2, 127.0.0.3, ..."""
+    return [f"127.0.{(2 + i) // 256}.{(2 + i) % 256}" for i in range(count)]
 
 
-async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    ctx = Context(QUICK, workdir, "info", pin=False)  # info: the "listening" line
-    # Tokens outlive the run, so the hold measures heartbeats (renewal has its own bench).
-    tokens = ctx.tokens(args.sessions, ttl_s=int(max(3600, 4 * args.duration)))
-    clocks = {
-        "heartbeat_interval": args.heartbeat,
-        "warn_after": 3 * args.heartbeat,
-        "expire_after": 4 * args.heartbeat,
+def processes(server: Child, workers: int) -> dict[str, int]:
+    """The server's processes by role: supervisor, worker-1.., redis (if embedded)."""
+    roles: dict[str, int] = {}
+    kids = sorted(proc_children(server.pid))
+    redis = [k for k in kids if "server" in Path(f"/proc/{k}/comm").read_text()]
+    if workers == 1:
+        roles["tokend"] = server.pid
+    else:
+        roles["supervisor"] = server.pid
+        for i, pid in enumerate(k for k in kids if k not in redis):
+            roles[f"worker-{i + 1}"] = pid
+    if redis:
+        roles["redis"] = redis[0]
+    return roles
+
+
+def rss(roles: dict[str, int]) -> dict[str, int]:
+    """Bytes resident: the serving processes together, and Redis."""
+    serving = [pid for name, pid in roles.items() if name != "redis"]
+    return {
+        "tokend": sum(proc_rss(pid) for pid in serving),
+        "redis": proc_rss(roles["redis"]) if "redis" in roles else 0,
     }
-    procs = args.clients or -(-args.sessions // PER_CLIENT_PROCESS)
-    with tokend_server(ctx, args.redis, **clocks) as server:
-        redis_url = args.redis or socket_url(server.log.parent)  # its data directory
+
+
+async def used_memory(redis: aioredis.Redis) -> int:
+    return int((await redis.info("memory"))["used_memory"])
+
+
+async def read_events(
+    redis: aioredis.Redis, since_ms: int, last: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Events in the stream shards from ``since_ms`` (Redis time); with ``last``, only
+    those after the ids it holds, which it then advances (incremental reading)."""
+    events = []
+    for stream in Keyspace(PREFIX).streams():
+        start = f"({last[stream]}" if last and stream in last else f"{since_ms}-0"
+        while entries := await redis.xrange(stream, start, "+", count=READ_CHUNK):
+            events += [json.loads(fields["event"]) for _, fields in entries]
+            start = f"({entries[-1][0]}"
+            if last is not None:
+                last[stream] = entries[-1][0]
+    return events
+
+
+def merged(replies: Sequence[dict[str, Any]], key: str) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for reply in replies:
+        total.update(reply[key])
+    return dict(total)
+
+
+def heartbeat_figures(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "sent": sum(r["sent"] for r in replies),
+        "acks": sum(r["acks"] for r in replies),
+        "closes": merged(replies, "closes"),
+        "ack_latency": latency_summary([x for r in replies for x in r["latencies_us"]]),
+    }
+
+
+# Phases
+
+
+async def hold(
+    args: argparse.Namespace, server: Child, pool: ClientPool, redis: aioredis.Redis, base: int
+) -> dict[str, Any]:
+    roles = processes(server, args.workers)
+    rss_open = rss(roles)
+    redis_open = await used_memory(redis) - base
+    meter = CpuMeter(
+        {**roles, **{f"client-{i + 1}": pid for i, pid in enumerate(pool.pids)}},
+        own=frozenset({"supervisor", "tokend"}),  # their children are measured apart
+    )
+    meter.start()
+    began_ms = int(time.time() * 1000)
+    task = asyncio.ensure_future(
+        pool.ask(
+            "soak", timeout=args.duration + 60, interval=args.heartbeat, duration=args.duration
+        )
+    )
+    peak = dict(rss_open)
+    while not task.done():
+        await asyncio.wait([task], timeout=RSS_EVERY_S)
+        peak = {k: max(v, rss(roles)[k]) for k, v in peak.items()}
+    replies = task.result()
+    cpu = meter.stop()
+    events = Counter(e["type"] for e in await read_events(redis, began_ms))
+    sessions = sum(r["connections"] for r in replies)
+    clients_cpu = sum(v for k, v in cpu.items() if k.startswith("client-"))
+    return {
+        **heartbeat_figures(replies),
+        "sessions": sessions,
+        "rss_mb": {k: round(v / MB, 1) for k, v in rss_open.items()},
+        "rss_peak_mb": {k: round(v / MB, 1) for k, v in peak.items()},
+        "rss_per_session_b": {k: round(v / max(1, sessions)) for k, v in rss_open.items()},
+        "redis_used_memory_per_session_b": round(redis_open / max(1, sessions)),
+        "cpu_pct": {k: v for k, v in cpu.items() if not k.startswith("client-")}
+        | {"clients (all)": round(clients_cpu, 1)},
+        "events": dict(events),
+    }
+
+
+async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> dict[str, Any]:
+    window = args.restart_window
+    began_ms = int(time.time() * 1000)
+    task = asyncio.ensure_future(
+        pool.ask(
+            "soak",
+            timeout=window + 60,
+            interval=args.heartbeat,
+            duration=window,
+            reconnect=True,
+        )
+    )
+    await asyncio.sleep(RESTART_AFTER_S)
+    signalled = time.time()
+    await asyncio.to_thread(server.stop, STOP_TIMEOUT_S)
+    assert server.process is not None
+    exit_code = server.process.returncode
+    stopped = time.time()
+    # How the kernel spread the connections over the workers (SO_REUSEPORT).
+    per_worker = [
+        json.loads(line)["connections"]
+        for line in server.log.read_text(errors="replace").splitlines()
+        if '"event": "draining"' in line
+    ]
+    server.log = server.log.with_name("tokend-restarted.log")
+    started = time.time()
+    await asyncio.to_thread(server.start, '"listening"', 60.0, args.workers)
+    listening = time.time()
+    replies = await task
+    resumed_at = Counter({float(k) / 10: v for k, v in merged(replies, "resumed_at").items()})
+    per_second = Counter({int(t): 0 for t in resumed_at})
+    for t, n in resumed_at.items():
+        per_second[int(t)] += n
+    last = max(resumed_at, default=started)
+    closes = merged(replies, "closes")
+    return {
+        "began_ms": began_ms,
+        **heartbeat_figures(replies),
+        "supervisor_exit": exit_code,
+        "connections_per_worker": per_worker,
+        "drain_and_exit_s": round(stopped - signalled, 1),
+        "start_to_listening_s": round(listening - started, 1),
+        "resumed": sum(resumed_at.values()),
+        "started_anew": sum(r["started_anew"] for r in replies),
+        "gave_up": merged(replies, "gave_up"),
+        "live_at_end": sum(r["live"] for r in replies),
+        "refusals": merged(replies, "refusals"),
+        "terminal_closes": {c: n for c, n in closes.items() if c not in RECONNECT_CODES},
+        "last_resume_after_start_s": round(last + 0.1 - started, 1),
+        "last_resume_after_signal_s": round(last + 0.1 - signalled, 1),
+        "peak_resumes_per_s": max(per_second.values(), default=0),
+        "mean_resumes_per_s": round(
+            sum(resumed_at.values()) / max(0.1, last + 0.1 - min(resumed_at, default=last)), 1
+        ),
+    }
+
+
+RECONNECT_CODES = {"1001", "1011", "1013", "4008", "4029", "ConnectionError"}
+
+
+def pool_redis(server: Child) -> aioredis.Redis:
+    """A client of the embedded Redis of ``server`` (its data directory's socket)."""
+    return aioredis.from_url(socket_url(server.log.parent), decode_responses=True)
+
+
+async def last_heartbeats(redis: aioredis.Redis, tids: Sequence[uuid.UUID]) -> dict[str, int]:
+    """Each live session's last heartbeat (``hb``, Redis time, ms); absent ones left out."""
+    keys = Keyspace(PREFIX)
+    found: dict[str, int] = {}
+    for start in range(0, len(tids), READ_CHUNK):
+        chunk = tids[start : start + READ_CHUNK]
+        pipe = redis.pipeline(transaction=False)
+        for tid in chunk:
+            pipe.hget(keys.session_keys(tid)[0], "hb")
+        for tid, value in zip(chunk, await pipe.execute(), strict=True):
+            if value is not None:
+                found[str(tid)] = int(value)
+    return found
+
+
+def lag_summary(lags: list[int]) -> dict[str, float]:
+    lags.sort()
+    return {
+        "p50": percentile(lags, 50),
+        "p99": percentile(lags, 99),
+        "max": float(lags[-1]) if lags else 0.0,
+        "min": float(lags[0]) if lags else 0.0,
+    }
+
+
+async def expire(
+    args: argparse.Namespace, pool: ClientPool, redis: aioredis.Redis, tids: Sequence[uuid.UUID]
+) -> dict[str, Any]:
+    killed_ms = int(time.time() * 1000)
+    pool.kill()
+    await asyncio.gather(*(proc.wait() for proc in pool.procs))
+    await asyncio.sleep(1)  # heartbeats in flight are stored (or lost) by now
+    heartbeats = await last_heartbeats(redis, tids)
+    warn_ms, expire_ms = round(3 * args.heartbeat * 1000), round(4 * args.heartbeat * 1000)
+    last_deadline = max(heartbeats.values(), default=killed_ms) + expire_ms
+    warned: Counter[str] = Counter()
+    expired: Counter[str] = Counter()
+    warn_lags, expiry_lags = [], []
+    positions: dict[str, str] = {}
+    while True:
+        for event in await read_events(redis, killed_ms, positions):
+            tid = event["tid"]
+            if tid not in heartbeats:
+                continue
+            if event["type"] == "SESSION_WARN":
+                warned[tid] += 1
+                warn_lags.append(event["at"] - heartbeats[tid] - warn_ms)
+            elif event["type"] == "TOKEN_EXPIRED":
+                expired[tid] += 1
+                expiry_lags.append(event["at"] - heartbeats[tid] - expire_ms)
+        now_ms = time.time() * 1000
+        if now_ms > last_deadline + EXPIRY_GRACE_S * 1000 or (
+            len(expired) == len(heartbeats) and now_ms > last_deadline + 2000  # doubles show
+        ):
+            break
+        await asyncio.sleep(STREAM_POLL_S)
+    return {
+        "sessions": len(tids),
+        "with_a_heartbeat": len(heartbeats),
+        "deadlines_spread_s": round(
+            (max(heartbeats.values(), default=0) - min(heartbeats.values(), default=0)) / 1000, 1
+        ),
+        "warned_once": sum(1 for n in warned.values() if n == 1),
+        "warned_twice_or_more": sum(1 for n in warned.values() if n > 1),
+        "expired_once": sum(1 for n in expired.values() if n == 1),
+        "expired_twice_or_more": sum(1 for n in expired.values() if n > 1),
+        "expiry_lag_ms": lag_summary(expiry_lags),
+        "warn_lag_ms": lag_summary(warn_lags),
+    }
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    ctx = Context(QUICK, workdir, "info", pin=False, workers=args.workers)
+    # Tokens outlive the run, so the hold measures heartbeats (renewal has its own bench).
+    total_s = args.duration + args.restart_window + 8 * args.heartbeat
+    tokens = ctx.tokens(args.sessions, ttl_s=int(max(3600, 4 * total_s)))
+    tids = tokens.tids[: args.sessions]
+    procs = -(-args.sessions // args.per_client)
+    server = tokend_child(
+        ctx,
+        args.redis,
+        heartbeat_interval=args.heartbeat,
+        warn_after=3 * args.heartbeat,
+        expire_after=4 * args.heartbeat,
+        drain_period=args.drain_period,
+    )
+    figures: dict[str, Any] = {"workers": args.workers, "client_processes": procs}
+    try:
+        server.start('"listening"', times=args.workers)
+        redis = (
+            aioredis.from_url(args.redis, decode_responses=True)
+            if args.redis
+            else pool_redis(server)
+        )
+        base = await used_memory(redis)
         async with client_pool(
             ctx,
             "soak",
@@ -110,93 +403,135 @@ async def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             total=args.sessions,
             procs=procs,
             tokens=tokens,
+            sources=sources(procs),
         ) as pool:
-            opened = await open_all(pool, CONNECT_CONCURRENCY)
-            rss_open = server.rss()
-            peak = rss_open
-            hold = asyncio.ensure_future(
-                pool.ask(
-                    "soak",
-                    timeout=args.duration + 60,
-                    interval=args.heartbeat,
-                    duration=args.duration,
-                )
-            )
-            while not hold.done():
-                await asyncio.wait([hold], timeout=RSS_EVERY_S)
-                peak = max(peak, server.rss())
-            replies = hold.result()
-            rss_end = server.rss()
-        events = await event_counts(redis_url, "bench")
-    closes: dict[str, int] = {}
-    for reply in replies:
-        for code, count in reply["closes"].items():
-            closes[code] = closes.get(code, 0) + count
-    return {
-        "sessions": opened["opened"],
-        "client_processes": procs,
-        "open_seconds": opened["seconds"],
-        "duration_s": args.duration,
-        "heartbeat_s": args.heartbeat,
-        "unexpected_closes": closes,
-        "heartbeats_sent": sum(r["sent"] for r in replies),
-        "acks": sum(r["acks"] for r in replies),
-        "ack_latency": latency_summary([x for r in replies for x in r["latencies_us"]]),
-        "server_rss_mb": {
-            "after_open": round(rss_open / MB, 1),
-            "peak": round(peak / MB, 1),
-            "end": round(rss_end / MB, 1),
-        },
-        "events": events,
-    }
+            opened = await open_all(pool, CONNECT_CONCURRENCY, retry_for=args.heartbeat)
+            figures["open"] = {
+                k: opened[k] for k in ("opened", "seconds", "rate", "refusals", "p99_ms")
+            }
+            figures["hold"] = await hold(args, server, pool, redis, base)
+            if args.restart:
+                figures["restart"] = restart_figures = await restart(args, server, pool)
+                if not args.redis:  # the embedded Redis restarted with the server
+                    await redis.aclose()
+                    redis = pool_redis(server)
+                events = await read_events(redis, restart_figures.pop("began_ms"))
+                restart_figures["events"] = dict(Counter(e["type"] for e in events))
+            if args.expire:
+                figures["expire"] = await expire(args, pool, redis, tids)
+        await redis.aclose()
+    finally:
+        server.stop(STOP_TIMEOUT_S)
+    return figures
 
 
-def verdict(figures: dict[str, Any]) -> list[str]:
+def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
     """What failed (empty: PASS)."""
     problems = []
-    if figures["unexpected_closes"]:
-        problems.append(f"unexpected closes {figures['unexpected_closes']}")
-    if figures["acks"] != figures["heartbeats_sent"]:
-        problems.append(f"{figures['heartbeats_sent'] - figures['acks']} heartbeats not ACKed")
+    hold = figures["hold"]
+    if figures["open"]["opened"] != sessions:
+        problems.append(f"only {figures['open']['opened']} of {sessions} sessions opened")
+    if hold["closes"]:
+        problems.append(f"unexpected closes {hold['closes']}")
+    if hold["acks"] != hold["sent"]:
+        problems.append(f"{hold['sent'] - hold['acks']} heartbeats not ACKed")
     for kind in ("SESSION_WARN", "TOKEN_EXPIRED"):
-        if figures["events"].get(kind):
-            problems.append(f"{figures['events'][kind]} {kind}")
+        if hold["events"].get(kind):
+            problems.append(f"{hold['events'][kind]} {kind} during the hold")
+    if restart := figures.get("restart"):
+        if restart["resumed"] != sessions:
+            problems.append(f"{restart['resumed']} of {sessions} sessions resumed")
+        if restart["last_resume_after_start_s"] > RESUME_GOAL_S:
+            problems.append(f"last resume {restart['last_resume_after_start_s']} s after start")
+        for name in ("started_anew", "terminal_closes", "gave_up"):
+            if restart[name]:
+                problems.append(f"restart: {name} {restart[name]}")
+        if restart["events"].get("TOKEN_EXPIRED"):
+            problems.append(f"restart: {restart['events']['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+    if expire := figures.get("expire"):
+        for name in ("warned_once", "expired_once"):
+            if expire[name] != sessions:
+                problems.append(f"expire: {name} {expire[name]} of {sessions}")
+        if expire["expiry_lag_ms"]["p99"] > EXPIRY_LAG_GOAL_MS:
+            problems.append(f"expire: lag p99 {expire['expiry_lag_ms']['p99']} ms")
     return problems
 
 
-def report(figures: dict[str, Any], problems: list[str]) -> str:
-    latency = figures["ack_latency"]
-    rss = figures["server_rss_mb"]
-    return "\n".join(
-        [
-            f"sessions:           {figures['sessions']:,} from {figures['client_processes']} "
-            f"client processes (opened in {figures['open_seconds']:.1f} s)",
-            f"hold:               {figures['duration_s']:g} s, heartbeat every "
-            f"{figures['heartbeat_s']:g} s",
-            f"unexpected closes:  {sum(figures['unexpected_closes'].values())} "
-            f"{figures['unexpected_closes'] or ''}".rstrip(),
-            f"heartbeats:         {figures['heartbeats_sent']:,} sent, {figures['acks']:,} ACKed",
-            f"ACK latency:        p50 {latency['p50_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms, "
-            f"max {latency['max_ms']:.2f} ms",
-            f"server RSS:         {rss['after_open']} MB after open, peak {rss['peak']} MB, "
-            f"{rss['end']} MB at the end",
-            f"events:             {figures['events']}",
-            f"result:             {'FAIL: ' + '; '.join(problems) if problems else 'PASS'}",
-        ]
+def latency_line(latency: dict[str, float]) -> str:
+    return (
+        f"p50 {latency['p50_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms, "
+        f"max {latency['max_ms']:.2f} ms"
     )
 
 
+def report(figures: dict[str, Any], problems: list[str]) -> str:
+    opened, hold = figures["open"], figures["hold"]
+    lines = [
+        f"sessions:           {opened['opened']:,} from {figures['client_processes']} client "
+        f"processes, {figures['workers']} worker(s) (opened in {opened['seconds']:.1f} s, "
+        f"{opened['rate']:,.0f}/s; refusals retried {opened['refusals'] or 'none'})",
+        f"hold:               {figures['duration_s']:g} s, heartbeat every "
+        f"{figures['heartbeat_s']:g} s",
+        f"unexpected closes:  {sum(hold['closes'].values())} {hold['closes'] or ''}".rstrip(),
+        f"heartbeats:         {hold['sent']:,} sent, {hold['acks']:,} ACKed",
+        f"ACK latency:        {latency_line(hold['ack_latency'])}",
+        f"RSS:                tokend {hold['rss_mb']['tokend']} MB "
+        f"({hold['rss_per_session_b']['tokend']:,} B/session), Redis {hold['rss_mb']['redis']} "
+        f"MB ({hold['rss_per_session_b']['redis']:,} B/session) after open; peak "
+        f"{hold['rss_peak_mb']}",
+        f"Redis used_memory:  {hold['redis_used_memory_per_session_b']:,} B/session",
+        f"CPU (% of a core):  {hold['cpu_pct']}",
+        f"events:             {hold['events']}",
+    ]
+    if restart := figures.get("restart"):
+        lines += [
+            f"restart:            {restart['connections_per_worker']} connections per worker; "
+            f"drain+exit {restart['drain_and_exit_s']} s (exit "
+            f"{restart['supervisor_exit']}), start to listening "
+            f"{restart['start_to_listening_s']} s; {restart['resumed']:,} resumed, last "
+            f"{restart['last_resume_after_start_s']} s after the start "
+            f"({restart['last_resume_after_signal_s']} s after SIGTERM); peak "
+            f"{restart['peak_resumes_per_s']:,}/s, mean {restart['mean_resumes_per_s']:,}/s",
+            f"                    refusals {restart['refusals'] or 'none'}; closes "
+            f"{restart['closes']}; new sessions {restart['started_anew']}; terminal "
+            f"{restart['terminal_closes'] or 'none'}; events {restart['events']}",
+        ]
+    if expire := figures.get("expire"):
+        lag, warn = expire["expiry_lag_ms"], expire["warn_lag_ms"]
+        lines += [
+            f"expire:             {expire['with_a_heartbeat']:,} sessions (deadlines over "
+            f"{expire['deadlines_spread_s']} s): WARN once {expire['warned_once']:,} (more: "
+            f"{expire['warned_twice_or_more']}), TOKEN_EXPIRED once "
+            f"{expire['expired_once']:,} (more: {expire['expired_twice_or_more']})",
+            f"                    TOKEN_EXPIRED lag p50 {lag['p50']:.0f} / p99 {lag['p99']:.0f}"
+            f" / max {lag['max']:.0f} ms; WARN lag p50 {warn['p50']:.0f} / p99 "
+            f"{warn['p99']:.0f} / max {warn['max']:.0f} ms",
+        ]
+    lines.append(f"result:             {'FAIL: ' + '; '.join(problems) if problems else 'PASS'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--overload" in argv:  # another run, of one worker: load_tests/overload.py
+        import overload
+
+        return overload.main([a for a in argv if a != "--overload"])
     args = parse(argv)
     workdir = Path(tempfile.mkdtemp(prefix="tokend-soak-"))
     began = time.monotonic()
     try:
-        figures = asyncio.run(soak(args, workdir))
+        figures = asyncio.run(run(args, workdir))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    figures["wall_s"] = round(time.monotonic() - began, 1)
-    figures["workdir"] = str(workdir)  # removed, with everything started in it
-    problems = verdict(figures)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    figures |= {
+        "duration_s": args.duration,
+        "heartbeat_s": args.heartbeat,
+        "wall_s": round(time.monotonic() - began, 1),
+        "workdir": str(workdir),  # removed (unless --keep), with everything started in it
+    }
+    problems = verdict(figures, args.sessions)
     print(report(figures, problems))
     if args.json:
         args.json.write_text(json.dumps({**figures, "problems": problems}, indent=2))

@@ -20,6 +20,7 @@ from tests.support import LOOPBACK
 
 RUN = Path(__file__).resolve().parent.parent / "load_tests" / "run.py"
 SOAK = RUN.with_name("soak.py")
+OVERLOAD = RUN.with_name("overload.py")
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -68,24 +69,72 @@ def test_locust_smoke_run(tmp_path: Path):
         assert probe.connect_ex((LOOPBACK, port)) != 0
 
 
-def test_soak_smoke_run(tmp_path: Path):
-    """load_tests/soak.py, tiny: 60 sessions from 2 processes, 0.5 s heartbeats for 3 s."""
-    figures_file = tmp_path / "soak.json"
+def run_json(script: Path, tmp_path: Path, *args: str, timeout: float) -> dict:
+    """Run a load script with ``args`` and ``--json``; its figures (it must have stopped
+    everything it started)."""
+    figures_file = tmp_path / "figures.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
     result = subprocess.run(
-        [sys.executable, str(SOAK), "--sessions", "60", "--clients", "2", "--duration", "3",
-         "--heartbeat", "0.5", "--json", str(figures_file)],
-        env=env, capture_output=True, text=True, timeout=60,
+        [sys.executable, str(script), *args, "--json", str(figures_file)],
+        env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.rstrip().endswith("result:             PASS")
+    assert figures_file.exists(), result.stdout + result.stderr
     figures = json.loads(figures_file.read_text())
-    assert figures["sessions"] == 60 and figures["unexpected_closes"] == {}
-    # Every connection heartbeated about six times, each ACKed and timed.
-    assert figures["acks"] == figures["heartbeats_sent"] >= 60 * 5
-    assert figures["ack_latency"]["samples"] == figures["acks"]
-    assert figures["server_rss_mb"]["peak"] > 0
-    assert figures["events"] == {"SESSION_STARTED": 60}
-    # It stopped everything it started.
+    figures["returncode"], figures["stdout"] = result.returncode, result.stdout
     assert not Path(figures["workdir"]).exists()
     assert not _processes_mentioning(figures["workdir"])
+    return figures
+
+
+def test_soak_smoke_run(tmp_path: Path):
+    """load_tests/soak.py, tiny: 60 sessions from 2 processes, 0.5 s heartbeats for 3 s."""
+    figures = run_json(
+        SOAK, tmp_path, "--sessions", "60", "--per-client", "30", "--duration", "3",
+        "--heartbeat", "0.5", timeout=60,
+    )  # fmt: skip
+    assert figures["returncode"] == 0, figures["stdout"]
+    assert figures["stdout"].rstrip().endswith("result:             PASS")
+    hold = figures["hold"]
+    assert figures["open"]["opened"] == hold["sessions"] == 60 and hold["closes"] == {}
+    # Every connection heartbeated about six times, each ACKed and timed.
+    assert hold["acks"] == hold["sent"] >= 60 * 5
+    assert hold["ack_latency"]["samples"] == hold["acks"]
+    assert hold["rss_mb"]["tokend"] > 0 and hold["rss_mb"]["redis"] > 0
+    assert hold["events"] == {}
+
+
+def test_soak_restart_and_expire_smoke_run(tmp_path: Path):
+    """The capacity phases, tiny: 2 workers restarted under 60 sessions, which resume;
+    then every client is SIGKILLed and each session warns and expires once."""
+    figures = run_json(
+        SOAK, tmp_path, "--sessions", "60", "--per-client", "20", "--workers", "2",
+        "--duration", "2", "--heartbeat", "3", "--drain-period", "0.5", "--restart",
+        "--restart-window", "12", "--expire", timeout=120,
+    )  # fmt: skip
+    assert figures["returncode"] == 0, figures["stdout"]
+    assert figures["client_processes"] == 3
+    assert set(figures["hold"]["cpu_pct"]) >= {"supervisor", "worker-1", "worker-2", "redis"}
+    restart = figures["restart"]
+    assert restart["supervisor_exit"] == 0 and restart["closes"] == {"1001": 60}
+    assert restart["resumed"] == 60 and restart["started_anew"] == 0
+    assert "TOKEN_EXPIRED" not in restart["events"]
+    expire = figures["expire"]
+    assert expire["warned_once"] == expire["expired_once"] == 60
+
+
+def test_overload_smoke_run(tmp_path: Path):
+    """load_tests/overload.py, tiny: the groups, the phases, the report. Whether this
+    small load overloads the node depends on the machine; the highest prio is never
+    shed either way."""
+    figures = run_json(
+        OVERLOAD, tmp_path, "--sessions", "300", "--heartbeat", "3", "--overload-for", "4",
+        "--recovery", "8", timeout=120,
+    )  # fmt: skip
+    assert figures["sizes"]["high"] == 60
+    for window in ("baseline", "overload", "recovery"):
+        high = figures[window]["high"]
+        assert high["acks"] == high["sent"] > 0 and high["closes"] == {}
+    assert figures["overload"]["high"]["refusals"] == {}
+    flood = figures["overload"]["low-flood"]
+    assert flood["sent"] > figures["baseline"]["low-flood"]["sent"]  # flooded
+    assert {"storm-mid", "storm-low"} <= figures["overload"].keys()

@@ -80,10 +80,24 @@ def due_transition(
     return None
 
 
+# Ranks run 0..RANKS-1.
+RANKS = 20
+
+
 def serving_rank(prio: int, warned: bool) -> int:
-    """Order in which waiting heartbeats are served under overload: lowest first.
+    """Order in which sessions are served under overload: lowest first.
 
     Higher token ``prio`` first; a session in WARN after every ACTIVE one (spec
-    "Session state machine": QoS degraded in WARN). Ranks run 0..19.
+    "Session state machine": QoS degraded in WARN). Waiting heartbeats are stored in
+    this order, and a node sheds load from the other end (:mod:`tokend.shedding`).
     """
     return (10 if warned else 0) + 9 - prio
+
+
+def shed_classes(shed_from: int) -> str:
+    """The sessions ranked ``shed_from`` or worse, in words (for logs)."""
+    if shed_from >= RANKS:
+        return "none"
+    if shed_from >= 10:
+        return f"WARN sessions of prio <= {RANKS - 1 - shed_from}"
+    return f"every WARN session, ACTIVE ones of prio <= {9 - shed_from}"

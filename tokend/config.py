@@ -84,6 +84,12 @@ class Settings:
         "store round trips each batcher (HELLOs, heartbeats) keeps in flight at once; 2 lets "
         "the node answer one batch while Redis runs the next",
     )
+    shed_lag: float = _setting(
+        0.01,
+        "mean event-loop lateness, seconds, beyond which a node sheds load: 1013 to its "
+        "worst-ranked sessions first (lowest prio, WARN first, never its best class), then "
+        "503 to new handshakes; 0: never shed",
+    )
     sweep_interval: float = _setting(
         0.1, "how often each node sweeps for due WARN/EXPIRED transitions"
     )
@@ -292,6 +298,8 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:
         raise ConfigError("backlog: must be 1..65535")
+    if settings.shed_lag < 0:
+        raise ConfigError("shed_lag: must not be negative (0 turns shedding off)")
     if settings.heartbeat_batch < 1:
         raise ConfigError("heartbeat_batch: must be at least 1")
     if settings.flush_lanes < 1:

@@ -37,7 +37,7 @@ from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer
-from tokend.session import Ask, Close, Phase, Session, TokenBucket
+from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
 from tokend.store import Known, NotConfirmed, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -355,13 +355,14 @@ class Connection(asyncio.Protocol):
             self.log.info("malformed message", error=str(exc))
             self._outcome(session.malformed())
             return
+        shed_from = self.gate.node.shedder.shed_from
         if received:
             decoded = time.perf_counter()
-            outcome = session.receive(frame)
+            outcome = session.receive(frame, shed_from)
             if outcome is Ask.HEARTBEAT:
                 self.marks = (received, decoded, time.perf_counter())
         else:
-            outcome = session.receive(frame)
+            outcome = session.receive(frame, shed_from)
         self._outcome(outcome)
 
     def _outcome(self, outcome: Ask | Close | None) -> None:
@@ -371,6 +372,8 @@ class Connection(asyncio.Protocol):
                 self._pause_reading()
         elif outcome is Ask.START:
             self.gate.node.hellos.submit(self)
+            # The store must answer within hello_timeout, or 1013 (Session.hello_timed_out).
+            self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
         elif outcome is Ask.BYE:
             self.gate.node.spawn(self._bye())
         elif outcome is not None:
@@ -541,7 +544,11 @@ class Connection(asyncio.Protocol):
         """Start the closing handshake (RFC 6455 7.1.2) with the session's close."""
         if close is None:
             return
-        if close.routine:
+        if close.reason == OVERLOADED:
+            # Counted, not logged one by one: the node logs its shedding steps.
+            assert self.session is not None and self.session.claims is not None
+            self.gate.node.metrics.shed[self.session.claims.prio] += 1
+        elif close.routine:
             self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)
@@ -582,7 +589,10 @@ class Connection(asyncio.Protocol):
         if self.session is None:  # the opening handshake did not finish in time
             self._abort()
             return
-        self._close(self.session.hello_timed_out())
+        close = self.session.hello_timed_out()
+        if close is not None:
+            self.gate.node.hellos.forget(self)  # not stored if not yet sent
+        self._close(close)
         self._write()
 
     def _abort(self) -> None:

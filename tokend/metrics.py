@@ -108,6 +108,10 @@ class Metrics:
         self.close_codes: Counter[int] = Counter()
         # Connections dropped without a close frame (none could reach the client), by why.
         self.dropped: Counter[str] = Counter()
+        # Load shed (tokend.shedding): sessions refused with 1013 by token prio, and
+        # handshakes refused with 503 meanwhile.
+        self.shed: Counter[int] = Counter()
+        self.shed_handshakes = 0
         # Filled in by the node and the server: live values read at scrape time.
         self.sessions_by_state: Callable[[], dict[str, int]] = dict
         self.connections: Callable[[], int] = int
@@ -204,6 +208,17 @@ class _LiveCollector(Collector):
             "WebSocket close codes sent.",
             "code",
             ((str(code), n) for code, n in m.close_codes.items()),
+        )
+        yield _labelled(
+            "tokend_shed",
+            "Heartbeats and HELLOs refused with 1013 under overload, by token prio.",
+            "prio",
+            ((str(prio), n) for prio, n in m.shed.items()),
+        )
+        yield CounterMetricFamily(
+            "tokend_shed_handshakes",
+            "Handshakes refused with 503 while the node shed load.",
+            value=m.shed_handshakes,
         )
         yield _labelled(
             "tokend_dropped_connections",

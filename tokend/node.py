@@ -35,6 +35,7 @@ from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
+from tokend.shedding import Shedder
 from tokend.store import Client, Store, StoreUnavailable, subscription
 from tokend.tokens import Claims, TokenService
 
@@ -114,7 +115,8 @@ class HeartbeatBatcher(Batcher):
     """Heartbeats of many connections in one store call per flush; ACKs written from it.
 
     A flush takes at most ``batch_size`` connections; when more wait (Redis or the
-    node is overloaded), the best-ranked go first (:func:`tokend.clocks.serving_rank`)
+    node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
+    :func:`tokend.clocks.serving_rank`)
     and the rest wait for the next flush.
 
     While Redis is unavailable the heartbeats are acknowledged from what the session
@@ -152,7 +154,7 @@ class HeartbeatBatcher(Batcher):
             taken = heapq.nsmallest(
                 self.batch_size,
                 self.waiting,
-                key=lambda c: c.session.rank,  # type: ignore[union-attr]
+                key=lambda c: c.session.batch_rank,  # type: ignore[union-attr]
             )
             self._wake.set()  # the rest go in the next flush
             for connection in taken:
@@ -229,6 +231,12 @@ class Node:
         self.store.observe = self.metrics.redis_call
         self.revocations = Revocations(self.store, redis, settings.failover_check_interval)
         self.sessions: dict[str, Connection] = {}  # WELCOMEd connections by conn id
+        self.shedder = Shedder(
+            settings.shed_lag,
+            lambda: (c.session.rank for c in self.sessions.values()),  # type: ignore[union-attr]
+            lambda: len(self.heartbeats.waiting) > settings.heartbeat_batch,
+            self.name,
+        )
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
         self.subscribed = asyncio.Event()
@@ -257,6 +265,9 @@ class Node:
             asyncio.create_task(self._listen(), name="control"),
             asyncio.create_task(self.revocations.run(lambda: self.running), name="revocations"),
         ]
+        if self.settings.shed_lag:
+            shedding = self.shedder.run(lambda: self.running)
+            self._tasks.append(asyncio.create_task(shedding, name="shedder"))
         # Ready means subscribed; if Redis is down, start anyway and say so in /readyz.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.redis_timeout):

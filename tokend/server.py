@@ -153,6 +153,10 @@ class App:
                 return HttpAnswer(
                     http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"}
                 )
+            if self.node.shedder.saturated:
+                # Not logged one by one: the node logs its shedding steps.
+                self.node.metrics.shed_handshakes += 1
+                return BUSY
             if len(self.connections) > self.max_open_connections:
                 log.warning(
                     "handshake refused: near the open-file limit",

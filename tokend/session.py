@@ -14,6 +14,7 @@ the close code of every failure (docs/protocol.md, "Close reasons").
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from tokend.answers import (
     HelloAnswer,
     HelloOutcome,
 )
-from tokend.clocks import serving_rank
+from tokend.clocks import RANKS, serving_rank
 from tokend.tokens import Claims, TokenError
 
 # Tombstone -> close code, for a HELLO or heartbeat on a session that ended.
@@ -52,6 +53,8 @@ class Close(NamedTuple):
 
 
 _ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
+# The reason of a 1013 given because the node sheds load (tokend.shedding).
+OVERLOADED = "overloaded"
 
 
 class Ask(Enum):
@@ -124,6 +127,7 @@ class Session:
 
     __slots__ = (
         "cadence",
+        "cadenced",
         "claims",
         "clock",
         "conn",
@@ -133,6 +137,7 @@ class Session:
         "host",
         "iat_s",
         "key",
+        "last_beat",
         "last_seq",
         "phase",
         "resumed",
@@ -154,6 +159,8 @@ class Session:
         self.tid_bytes = b""
         self.key = b""
         self.last_seq = 0
+        self.last_beat = -math.inf  # clock() at the last heartbeat verified
+        self.cadenced = False  # that heartbeat came on cadence (see _on_cadence)
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
@@ -172,14 +179,33 @@ class Session:
         assert self.claims is not None
         return serving_rank(self.claims.prio, self.warned)
 
+    @property
+    def batch_rank(self) -> int:
+        """Order in which its waiting heartbeats are stored when more wait than one batch:
+        those that came on cadence first (one heartbeat's work keeps a session alive,
+        and behind floods of better-ranked sessions it would wait until the session
+        expired), then the others; each by :attr:`rank`."""
+        return self.rank - RANKS if self.cadenced else self.rank
+
     # Frames from the client
 
-    def receive(self, frame: p.Frame) -> Ask | Close | None:
-        """A decoded message from the client: what to ask the store, or how to close."""
+    def receive(self, frame: p.Frame, shed_from: int = RANKS) -> Ask | Close | None:
+        """A decoded message from the client: what to ask the store, or how to close.
+
+        ``shed_from`` is the node's load shedding (:mod:`tokend.shedding`): a heartbeat
+        of a session ranked there or worse, or a HELLO whose token would rank there, is
+        refused with 1013 before any work is done for it. Not a heartbeat on cadence of
+        an ACTIVE session (the first of its connection, as clients send one on WELCOME,
+        or half an interval or more after the one before): a client that keeps its
+        cadence costs one heartbeat per interval, and shedding it would save next to
+        nothing and cost it its session.
+        """
         if self.phase is Phase.OPEN:
             if self.frames is not None and not self.frames.take():
                 return self._close(p.CloseCode.RATE_LIMITED, "too_many_frames")
             if isinstance(frame, p.Heartbeat):
+                if shed_from < RANKS and self.rank >= shed_from and not self._on_cadence():
+                    return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
                 return self._heartbeat(frame)
             if isinstance(frame, p.Bye):
                 self.phase = Phase.ENDING
@@ -189,7 +215,7 @@ class Session:
             return self._close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
         if self.phase is Phase.HELLO:
             if isinstance(frame, p.Hello):
-                return self._hello(frame)
+                return self._hello(frame, shed_from)
             if isinstance(frame, p.CLIENT_FRAMES):
                 return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
             return self._close(p.CloseCode.PROTOCOL_ERROR, "unexpected_frame")
@@ -197,6 +223,14 @@ class Session:
             # The client has no WELCOME yet, so nothing but HELLO was valid, once.
             return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
         return None  # ENDING (BYE is being stored) or CLOSED: the close follows
+
+    def _on_cadence(self) -> bool:
+        """An ACTIVE session's first heartbeat on this connection, or one that comes half
+        an interval or more after the one before."""
+        return self._cadenced(self.clock())
+
+    def _cadenced(self, now: float) -> bool:
+        return not self.warned and now - self.last_beat >= self.cadence.heartbeat_ms / 2000
 
     def malformed(self) -> Close | None:
         """A binary message that is not a protocol v1 frame (the codec refused it): 4503."""
@@ -206,15 +240,18 @@ class Session:
         """Spec "Transport": every application frame is binary; a text message is 4503."""
         return self._close(p.CloseCode.PROTOCOL_ERROR, "text_message")
 
-    def _hello(self, hello: p.Hello) -> Ask | Close:
+    def _hello(self, hello: p.Hello, shed_from: int) -> Ask | Close:
         try:
             claims = self.host.verify(hello.token)
         except TokenError as exc:
             code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
             return self._close(code, exc.reason)
+        self.claims = claims
+        # A HELLO counts as a heartbeat: the session would be ACTIVE.
+        if serving_rank(claims.prio, warned=False) >= shed_from:
+            return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         if self.host.sub_is_full(claims):
             return self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
-        self.claims = claims
         self.phase = Phase.STARTING
         return Ask.START
 
@@ -227,6 +264,9 @@ class Session:
         if hb.seq <= self.last_seq:
             return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
         self.last_seq = hb.seq
+        now = self.clock()
+        self.cadenced = self._cadenced(now)
+        self.last_beat = now
         self.unanswered += ((hb.seq, hb.exp_ms),)
         return Ask.HEARTBEAT
 
@@ -363,9 +403,15 @@ class Session:
     # Timers and other nodes
 
     def hello_timed_out(self) -> Close | None:
-        if self.phase is not Phase.HELLO:
-            return None
-        return self._close(p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
+        """``hello_timeout`` passed: since the handshake without HELLO (4008), or since
+        HELLO without the store's answer (1013). A client that gave up waiting has
+        reconnected by then; its stale HELLO, stored later, would take the session over
+        from its new connection."""
+        if self.phase is Phase.HELLO:
+            return self._close(p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
+        if self.phase is Phase.STARTING:
+            return self._close(p.CloseCode.TRY_AGAIN_LATER, "hello_unanswered")
+        return None
 
     def warn(self) -> bytes | None:
         """The session entered WARN (swept by some node): the client is told (NOTICE)."""

@@ -1,0 +1,344 @@
+"""Overload by priority: drive one tokend worker past what it can answer, and watch it shed.
+
+Starts ``tokend serve`` (one worker, defaults: 30 s heartbeats, ``max_frame_rate`` 5,
+``shed_lag``) on the embedded Redis and holds sessions of three ``prio`` levels, each
+group in load-generator processes of its own (``bench.loadgen``):
+
+* ``high`` (prio 9): heartbeats at the cadence throughout; must keep every heartbeat
+  ACKed, with p99 at most 4x its unloaded p99, and never be refused;
+* ``mid`` (prio 5) and ``low`` (prio 0): at the cadence throughout, resuming with the
+  SDK's backoff what is shed: clients that keep their cadence, whose sessions must not
+  expire;
+* ``mid-flood`` and ``low-flood``: at the cadence, then flood (a heartbeat every
+  ``--flood`` seconds, within the frame-rate limit) for ``--overload-for`` seconds;
+* ``warn`` (prio 5): silent until its sessions are in WARN, then floods too, from a few
+  seconds into the overload: a WARN session must be shed before an ACTIVE one;
+* ``storm-mid`` and ``storm-low``: new sessions all connecting as the overload begins
+  (a connect storm), retrying refusals with the SDK's backoff, each heartbeating at
+  the cadence from its WELCOME.
+
+Phases: a baseline (every group but ``warn`` at the cadence, long enough for ``warn``
+to reach WARN) gives the unloaded p99; then the overload; then a recovery in which
+every client heartbeats at the cadence and resumes what was shed. Reported per group:
+heartbeats sent and ACKed, ACK p50/p99/max, refusals (1013 closes, HTTP 503 at the
+handshake), when the first 1013 came; the node's shedding steps (from its log); CPU;
+TOKEN_EXPIRED (must be 0: no client that kept its cadence loses its session).
+
+    python load_tests/overload.py                      # 14,000 sessions, ~5 minutes
+    python load_tests/overload.py --sessions 300 --heartbeat 3 --overload-for 4 --recovery 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from redis import asyncio as aioredis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: bench/ and tests/
+
+from soak import (  # noqa: E402
+    heartbeat_figures,
+    latency_line,
+    merged,
+    pool_redis,
+    read_events,
+    sources,
+)
+
+from bench.common import (  # noqa: E402
+    QUICK,
+    ClientPool,
+    Context,
+    CpuMeter,
+    client_pool,
+    open_all,
+    split,
+    tokend_server,
+)
+
+P99_GOAL_RATIO = 4.0
+# Heartbeat intervals into the overload at which the WARN group starts flooding (5 s at
+# the default cadence): by then the node sheds, so their first heartbeat meets it (a
+# heartbeat stored first would recover them).
+WARN_DELAY = 1 / 6
+SHED_LINE = "overloaded: shedding sessions"
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    prio: int
+    share: float  # of --sessions
+
+
+GROUPS = (
+    Group("high", 9, 0.2),
+    Group("mid", 5, 0.15),
+    Group("low", 0, 0.15),
+    Group("mid-flood", 5, 0.15),
+    Group("low-flood", 0, 0.15),
+    Group("warn", 5, 1 / 12),
+    Group("storm-mid", 5, 7 / 120),
+    Group("storm-low", 0, 7 / 120),
+)
+HELD = ("high", "mid", "low", "mid-flood", "low-flood", "warn")
+AT_CADENCE = ("mid", "low")  # through the overload, resuming what is shed
+FLOODING = ("mid-flood", "low-flood")
+# Groups that do not keep the cadence (they flood, or stay silent until WARN): their
+# sessions may expire; every other group's must not.
+MAY_EXPIRE = (*FLOODING, "warn")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=14_000, help="all groups together")
+    parser.add_argument(
+        "--heartbeat", type=float, default=30.0, help="heartbeat interval, s (default 30)"
+    )
+    parser.add_argument(
+        "--flood", type=float, default=0.25, help="s between a flooding session's heartbeats"
+    )
+    parser.add_argument("--overload-for", type=float, default=60.0, help="s (default 60)")
+    parser.add_argument("--recovery", type=float, default=100.0, help="s (default 100)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    return parser.parse_args(argv)
+
+
+@contextlib.asynccontextmanager
+async def pools(
+    ctx: Context, url: str, sizes: dict[str, int]
+) -> AsyncIterator[tuple[dict[str, ClientPool], dict[str, set[str]]]]:
+    """One client pool per group, each process from its own loopback address; the
+    tids of each group."""
+    taken: Counter[int] = Counter()  # tokens of each prio handed out so far
+    tids: dict[str, set[str]] = {}
+    addresses = iter(sources(64))
+    async with contextlib.AsyncExitStack() as stack:
+        made: dict[str, ClientPool] = {}
+        for group in GROUPS:
+            count = sizes[group.name]
+            procs = len(split(count, -(-count // 5000)))
+            tokens = ctx.tokens(
+                sum(sizes[g.name] for g in GROUPS if g.prio == group.prio), prio=group.prio
+            )
+            first = taken[group.prio]
+            tids[group.name] = {str(t) for t in tokens.tids[first : first + count]}
+            made[group.name] = await stack.enter_async_context(
+                client_pool(
+                    ctx,
+                    group.name,
+                    url=url,
+                    proto="tokend",
+                    total=count,
+                    procs=procs,
+                    tokens=tokens,
+                    first=first,
+                    sources=[next(addresses) for _ in range(procs)],
+                )
+            )
+            taken[group.prio] += count
+        yield made, tids
+
+
+def soak_args(args: argparse.Namespace, duration: float, **extra: Any) -> dict[str, Any]:
+    return {"timeout": duration + 60, "interval": args.heartbeat, "duration": duration, **extra}
+
+
+async def storm(args: argparse.Namespace, pool: ClientPool) -> list[dict[str, Any]]:
+    """Connect every session of the pool as the overload begins (retrying refusals with
+    the SDK's backoff); each heartbeats at the cadence from its WELCOME."""
+    whole = args.overload_for + args.recovery
+    return await pool.ask("soak", **soak_args(args, whole, reconnect=True, connect=True))
+
+
+def group_figures(replies: Sequence[dict[str, Any]], since: float) -> dict[str, Any]:
+    first = [r["first_close"].get("1013") for r in replies if r["first_close"].get("1013")]
+    return {
+        **heartbeat_figures(replies),
+        "refusals": merged(replies, "refusals"),
+        "first_1013_s": round(min(first) - since, 2) if first else None,
+        "resumed": sum(sum(r["resumed_at"].values()) for r in replies),
+        "live_at_end": sum(r["live"] for r in replies),
+        "started_anew": sum(r["started_anew"] for r in replies),
+    }
+
+
+def shedding_steps(log: Path, since: float) -> list[str]:
+    """The node's shedding steps, from its JSON log: "+<s> <what>"."""
+    steps = []
+    for line in log.read_text(errors="replace").splitlines():
+        if SHED_LINE in line or "shedding fewer" in line or "shedding ended" in line:
+            entry = json.loads(line)
+            at = datetime.fromisoformat(entry["timestamp"]).timestamp()
+            steps.append(f"+{at - since:.1f} s {entry['event']}: {entry.get('shed', '')}")
+    return steps
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    ctx = Context(QUICK, workdir, "info", pin=False)
+    sizes = {g.name: max(1, round(args.sessions * g.share)) for g in GROUPS}
+    clocks = {
+        "heartbeat_interval": args.heartbeat,
+        "warn_after": 3 * args.heartbeat,
+        "expire_after": 4 * args.heartbeat,
+    }
+    baseline_s = clocks["warn_after"] + args.heartbeat / 3  # the warn group reaches WARN
+    warn_delay = WARN_DELAY * args.heartbeat
+    figures: dict[str, Any] = {"sizes": sizes}
+    with tokend_server(ctx, "", **clocks) as server:
+        redis: aioredis.Redis = pool_redis(server)
+        began_ms = int(time.time() * 1000)
+        async with pools(ctx, server.url, sizes) as (groups, tids):
+            for name in HELD:
+                opened = await open_all(groups[name], 50, retry_for=args.heartbeat)
+                figures[f"open-{name}"] = opened["opened"]
+            soaking = [n for n in HELD if n != "warn"]
+            baseline = await asyncio.gather(
+                *(groups[n].ask("soak", **soak_args(args, baseline_s)) for n in soaking)
+            )
+            figures["baseline"] = {
+                n: heartbeat_figures(r) for n, r in zip(soaking, baseline, strict=True)
+            }
+            cpu = CpuMeter({"tokend": server.pid, **{f"{n}": groups[n].pids[0] for n in groups}})
+            cpu.start()
+            start = time.time()
+            whole = args.overload_for + args.recovery
+            flood = {"reconnect": True, "flood": args.flood}
+            high = asyncio.ensure_future(
+                groups["high"].ask("soak", **soak_args(args, args.overload_for))
+            )
+            floods = {
+                n: asyncio.ensure_future(
+                    groups[n].ask(
+                        "soak", **soak_args(args, whole, flood_for=args.overload_for, **flood)
+                    )
+                )
+                for n in FLOODING
+            } | {
+                n: asyncio.ensure_future(
+                    groups[n].ask("soak", **soak_args(args, whole, reconnect=True))
+                )
+                for n in AT_CADENCE
+            }
+            storms = {
+                n: asyncio.ensure_future(storm(args, groups[n])) for n in ("storm-mid", "storm-low")
+            }
+            await asyncio.sleep(warn_delay)
+            floods["warn"] = asyncio.ensure_future(
+                groups["warn"].ask(
+                    "soak",
+                    **soak_args(
+                        args,
+                        whole - warn_delay,
+                        flood_for=args.overload_for - warn_delay,
+                        **flood,
+                    ),
+                )
+            )
+            high_overload = await high
+            figures["cpu_pct_overload"] = cpu.stop()
+            high_recovery = await groups["high"].ask(
+                "soak", **soak_args(args, args.recovery, reconnect=True)
+            )
+            flooded = {n: await task for n, task in floods.items()}
+            stormed = {n: await task for n, task in storms.items()}
+        events = await read_events(redis, began_ms)
+        await redis.aclose()
+        figures["shedding"] = shedding_steps(server.log, start)
+    figures["overload"] = {"high": group_figures(high_overload, start)}
+    figures["recovery"] = {"high": group_figures(high_recovery, start)}
+    for name, replies in flooded.items():
+        figures["overload"][name] = group_figures(replies, start)
+    for name, replies in stormed.items():
+        figures["overload"][name] = {
+            "opened": sum(r["started_anew"] for r in replies),
+            **group_figures(replies, start),
+        }
+    figures["events"] = {
+        name: dict(Counter(e["type"] for e in events if e["tid"] in group))
+        for name, group in tids.items()
+    }
+    figures["overload_s"], figures["baseline_s"] = args.overload_for, baseline_s
+    return figures
+
+
+def verdict(figures: dict[str, Any]) -> list[str]:
+    problems = []
+    base = figures["baseline"]["high"]["ack_latency"]["p99_ms"]
+    high = figures["overload"]["high"]
+    for window in ("baseline", "overload", "recovery"):
+        h = figures[window]["high"]
+        if h["acks"] != h["sent"] or h["closes"] or h.get("refusals"):
+            unacked = h["sent"] - h["acks"]
+            problems.append(f"high, {window}: {unacked} unACKed, {h['closes']} {h.get('refusals')}")
+    if high["ack_latency"]["p99_ms"] > P99_GOAL_RATIO * base:
+        problems.append(
+            f"high p99 {high['ack_latency']['p99_ms']:.2f} ms > {P99_GOAL_RATIO}x {base:.2f} ms"
+        )
+    overload = figures["overload"]
+    low, mid = overload["low-flood"]["first_1013_s"], overload["mid-flood"]["first_1013_s"]
+    if mid is not None and (low is None or low > mid):
+        problems.append(f"mid shed (first at {mid} s) before low ({low})")
+    for name, events in figures["events"].items():
+        if name not in MAY_EXPIRE and events.get("TOKEN_EXPIRED"):
+            problems.append(f"{name}: {events['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+    return problems
+
+
+def row(window: str, name: str, g: dict[str, Any]) -> str:
+    return f"{window:11} {name:9} {g['sent']:>8,} sent {g['acks']:>8,} ACKed  " + latency_line(
+        g["ack_latency"]
+    )
+
+
+def report(figures: dict[str, Any], problems: list[str]) -> str:
+    lines = [f"groups:     {figures['sizes']}"]
+    lines += [row("baseline", name, g) for name, g in figures["baseline"].items()]
+    for name, g in figures["overload"].items():
+        refusals = g["refusals"]
+        lines += [
+            row("overload", name, g),
+            f"{'':21} closes {g['closes'] or '-'}; refusals {refusals or '-'}; first 1013 at "
+            f"+{g['first_1013_s']} s; resumed {g['resumed']}, live at end {g['live_at_end']}, "
+            f"new sessions {g['started_anew']}",
+        ]
+    lines.append(row("recovery", "high", figures["recovery"]["high"]))
+    lines.append(f"CPU during the overload (% of a core): {figures['cpu_pct_overload']}")
+    lines.append("shedding:   " + ("\n            ".join(figures["shedding"]) or "none"))
+    lines += [f"events:     {name:9} {events}" for name, events in figures["events"].items()]
+    lines.append(f"result:     {'FAIL: ' + '; '.join(problems) if problems else 'PASS'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="tokend-overload-"))
+    began = time.monotonic()
+    try:
+        figures = asyncio.run(run(args, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    figures |= {"wall_s": round(time.monotonic() - began, 1), "workdir": str(workdir)}
+    problems = verdict(figures)
+    print(report(figures, problems))
+    if args.json:
+        args.json.write_text(json.dumps({**figures, "problems": problems}, indent=2))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

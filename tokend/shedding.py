@@ -1,0 +1,131 @@
+"""Load shedding: a node that falls behind refuses its least important sessions first.
+
+A node is overloaded when its event loop runs late (the mean lateness of a timer,
+sampled every :data:`TICK` over a :data:`WINDOW`, above the ``shed_lag`` setting) or
+when more heartbeats wait than one Redis round trip takes (``heartbeat_batch``).
+While it is, it sheds one more class of the sessions it holds per window, in the
+order of :func:`tokend.clocks.serving_rank` from the worst: lowest ``prio`` first,
+sessions in WARN before every ACTIVE one. It never sheds the best-ranked class it
+holds: shedding protects the sessions that matter most, it does not stop serving. A
+node whose sessions all rank alike (every token at the default ``prio``) therefore
+sheds nothing but sessions in WARN.
+
+What is shed is answered with close 1013 (try again later): the next heartbeat of a
+shed session that comes faster than the cadence (or at all, for a session in WARN),
+and a HELLO whose token ranks among the shed classes (the session, if it exists, is
+not touched; the client resumes it after its backoff). A client that keeps its
+cadence costs one heartbeat per interval: it is never shed while ACTIVE, so shedding
+never expires it. Handshakes go
+on while some class is still served below the best: their HELLO decides, by the
+token's ``prio``, so that the clients of classes not shed get back in. Once every
+class but the best is shed and the node is still overloaded, new handshakes get HTTP
+503 with Retry-After too (the token, and so its ``prio``, comes only after the
+handshake; answering 503 costs less than a handshake and a token check). After calm
+windows for :data:`CALM_FOR`, the last class shed is served again, and so on back up.
+
+The decision is an input of the session core (``Session.receive(frame, shed_from)``);
+this module only decides where ``shed_from`` stands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+import structlog
+
+from tokend.clocks import RANKS, shed_classes
+
+log = structlog.get_logger("tokend.shedding")
+
+# How often the loop's lateness is sampled, and how many seconds of samples decide
+# one step: a single long iteration (a GC pass) does not make a node shed.
+TICK = 0.01
+WINDOW = 0.2
+# Calm (mean lateness under half of shed_lag, no heartbeat backlog) for this long
+# before a shed class is served again.
+CALM_FOR = 1.0
+
+
+class Shedder:
+    """Where a node's shedding stands: sessions ranked ``shed_from`` or worse are shed.
+
+    ``ranks`` gives the rank of every session the node holds (read only when a step
+    down is decided); ``backlogged`` tells whether heartbeats wait beyond one batch.
+    """
+
+    def __init__(
+        self,
+        shed_lag: float,
+        ranks: Callable[[], Iterable[int]],
+        backlogged: Callable[[], bool],
+        node: str,
+    ) -> None:
+        self.shed_lag = shed_lag
+        self.ranks = ranks
+        self.backlogged = backlogged
+        self.shed_from = RANKS
+        # Every class but the best is shed, and the node was overloaded still.
+        self.saturated = False
+        self._steps: list[int] = []  # the levels stepped down from, to go back up
+        self.log = log.bind(node=node)
+
+    @property
+    def active(self) -> bool:
+        return self.shed_from < RANKS
+
+    async def run(self, running: Callable[[], bool]) -> None:
+        """Sample the loop's lateness and step the shedding level, while ``running()``."""
+        loop = asyncio.get_running_loop()
+        late, samples = 0.0, 0
+        window_end = loop.time() + WINDOW
+        calm_since: float | None = None
+        while running():
+            expected = loop.time() + TICK
+            await asyncio.sleep(TICK)
+            now = loop.time()
+            late += max(0.0, now - expected)
+            samples += 1
+            if now < window_end:
+                continue
+            lag = late / samples
+            late, samples, window_end = 0.0, 0, now + WINDOW
+            if lag > self.shed_lag or self.backlogged():
+                calm_since = None
+                self.step_down(lag)
+            elif lag > self.shed_lag / 2:
+                calm_since = None
+            elif calm_since is None:
+                calm_since = now
+            elif now - calm_since >= CALM_FOR and self._steps:
+                calm_since = now
+                self.step_up()
+
+    def step_down(self, lag: float) -> None:
+        """Shed the worst-ranked class held that is not shed yet, unless it is the best."""
+        held = set(self.ranks())
+        if not held:
+            return
+        best = min(held)
+        worse = [rank for rank in held if best < rank < self.shed_from]
+        if not worse:
+            if self.active and not self.saturated:
+                self.saturated = True
+                self.log.warning("overloaded: refusing new handshakes", lag_ms=round(lag * 1000))
+            return
+        self._steps.append(self.shed_from)
+        self.shed_from = max(worse)
+        self.log.warning(
+            "overloaded: shedding sessions",
+            shed=shed_classes(self.shed_from),
+            lag_ms=round(lag * 1000),
+        )
+
+    def step_up(self) -> None:
+        """Serve the class shed last again (and new handshakes)."""
+        self.saturated = False
+        self.shed_from = self._steps.pop()
+        if self.active:
+            self.log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
+        else:
+            self.log.info("shedding ended")
