@@ -26,7 +26,6 @@ from redis import asyncio as aioredis
 from bench.common import (
     BenchError,
     Context,
-    CpuMeter,
     Row,
     client_pool,
     open_all,
@@ -35,6 +34,7 @@ from bench.common import (
     redis_server,
     tokend_server,
 )
+from testkit.procs import CpuMeter
 from tokend.store import Keyspace
 
 LAG_TARGET_MS = 100

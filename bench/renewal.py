@@ -24,7 +24,6 @@ import redis
 
 from bench.common import (
     Context,
-    CpuMeter,
     Row,
     client_pool,
     cpu_us_per_op,
@@ -34,6 +33,7 @@ from bench.common import (
     redis_server,
     tokend_server,
 )
+from testkit.procs import CpuMeter
 from tokend.store import Keyspace
 
 RATE_TARGET = 20_000  # renewals/s

@@ -63,12 +63,12 @@ from bench.common import (  # noqa: E402
     QUICK,
     ClientPool,
     Context,
-    CpuMeter,
     client_pool,
     open_all,
     split,
     tokend_server,
 )
+from testkit.procs import CpuMeter  # noqa: E402
 
 P99_GOAL_RATIO = 4.0
 # Heartbeat intervals into the overload at which the WARN group starts flooding (5 s at

@@ -58,17 +58,14 @@ from bench.common import (  # noqa: E402
     Child,
     ClientPool,
     Context,
-    CpuMeter,
     client_pool,
-    fd_limit,
     latency_summary,
     max_sessions,
     open_all,
     percentile,
-    proc_children,
-    proc_rss,
     tokend_child,
 )
+from testkit.procs import CpuMeter, fd_limit, proc_children, proc_rss  # noqa: E402
 from tokend.embedded import socket_url  # noqa: E402
 from tokend.store import Keyspace  # noqa: E402
 

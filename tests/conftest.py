@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from redis import asyncio as aioredis
 
-from tests.support import EventLog, RedisProcess
+from testkit.events import EventLog
+from testkit.redis_servers import RedisProcess
 from tokend import config, logs
 from tokend.config import Settings
 from tokend.server import App

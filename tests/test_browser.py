@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from websockets.asyncio.server import ServerConnection
 
-from tests.support import LOOPBACK, EventLog, RawClient
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.net import LOOPBACK
 from tests.test_client import _welcome_for, fake_server, url_of
 from tokend import protocol as p
 from tokend.server import App

@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from tests.support import RawClient, TokendProcess, http_get
+from testkit.clients import RawClient
+from testkit.net import http_get
+from testkit.tokend_process import TokendProcess
+from testkit.waiting import eventually
 from tokend import config
 from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
@@ -221,12 +224,12 @@ async def test_events_group_delivers_each_event_once(home: dict[str, str], redis
 
     client = redis_lib.Redis.from_url(redis_server.url)
 
-    async def pending() -> int:
+    async def acknowledged() -> bool:
         total = 0
         for stream in Keyspace("cligroup").streams():
             with contextlib.suppress(redis_lib.ResponseError):  # no group on it yet
                 total += (await asyncio.to_thread(client.xpending, stream, "audit"))["pending"]
-        return total
+        return total == 0
 
     async def next_event_of_a_fresh_reader() -> dict:
         reader = await asyncio.create_subprocess_exec(
@@ -244,11 +247,9 @@ async def test_events_group_delivers_each_event_once(home: dict[str, str], redis
         )
         assert reader.stdout is not None
         try:
-            async with asyncio.timeout(15):
-                line = await reader.stdout.readline()
-                # Acknowledged once the reader asks for the next one: wait for XACK.
-                while await pending():  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            line = await asyncio.wait_for(reader.stdout.readline(), 15)
+            # Acknowledged once the reader asks for the next one: wait for XACK.
+            await eventually(acknowledged, 15, interval=0.05)
         finally:
             reader.kill()
             await reader.wait()

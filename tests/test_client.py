@@ -17,7 +17,10 @@ import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from tests.support import LOOPBACK, EventLog, RedisProcess, free_port
+from testkit.events import EventLog
+from testkit.net import LOOPBACK, free_port
+from testkit.redis_servers import RedisProcess
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.client import (
     AuthError,
@@ -65,12 +68,6 @@ class Recorder:
 
     def kinds(self) -> list[Change]:
         return [change.kind for change in self.seen]
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():  # noqa: ASYNC110 - stats counters have no event to await
-            await asyncio.sleep(0.01)
 
 
 # Pure parts

@@ -16,7 +16,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from tests.support import RedisProcess
+from testkit.redis_servers import RedisProcess
 from tokend import node as node_module
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer

@@ -13,20 +13,11 @@ import jwt
 import pytest
 import redis as redis_lib
 
-from tests.support import (
-    CALM_CLOCKS,
-    EventLog,
-    RawClient,
-    RedisProcess,
-    TokendProcess,
-    after_a_full_sweep,
-    http_get,
-    http_request,
-    left_to_judge,
-    node_env,
-    stream_events,
-    tid_of,
-)
+from testkit.clients import RawClient, tid_of
+from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
+from testkit.net import http_get, http_request
+from testkit.redis_servers import RedisProcess
+from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from tokend import protocol as p
 from tokend.server import App
 from tokend.store import Store, connect
@@ -113,7 +104,7 @@ async def test_silence_expires_once(app: App, tokens: TokenService, events: Even
     assert expired[0]["reason"] == "heartbeat_timeout"
     await after_a_full_sweep(app.admin.port)  # no sweep has a duplicate left to write
     assert await left_to_judge(redis, app.settings.key_prefix, [tid]) == []
-    stream = [e for e in await stream_events(redis, app.settings.key_prefix) if e["tid"] == tid]
+    stream = [e for e in await read_events(redis, app.settings.key_prefix) if e["tid"] == tid]
     assert [e["type"] for e in stream] == ["SESSION_STARTED", "SESSION_WARN", "TOKEN_EXPIRED"]
 
 

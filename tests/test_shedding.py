@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
 from tokend.clocks import RANKS, serving_rank
@@ -43,13 +43,6 @@ def heartbeat_key(session: Session) -> p.Welcome:
     frame = p.decode(out)
     assert isinstance(frame, p.Welcome)
     return frame
-
-
-async def eventually(condition: Callable[[], bool], timeout: float) -> None:
-    """Wait until ``condition()``: the shedder's level offers nothing to await."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 - nothing to await instead
-            await asyncio.sleep(WINDOW / 4)
 
 
 def test_a_heartbeat_ranked_among_the_shed_is_refused_with_1013(
@@ -182,10 +175,10 @@ async def test_a_late_loop_makes_the_node_shed_and_a_calm_one_stop() -> None:
 
     try:
         hog()
-        await eventually(lambda: shedder.active, 20 * WINDOW)
+        await eventually(lambda: shedder.active, 20 * WINDOW, interval=WINDOW / 4)
         assert shedder.shed_from == serving_rank(0, False)
         busy = False
-        await eventually(lambda: not shedder.active, 10 * CALM_FOR)
+        await eventually(lambda: not shedder.active, 10 * CALM_FOR, interval=WINDOW / 4)
     finally:
         running = busy = False
         await task
@@ -198,7 +191,7 @@ async def test_a_heartbeat_backlog_makes_the_node_shed() -> None:
     running = True
     task = asyncio.create_task(shedder.run(lambda: running))
     try:
-        await eventually(lambda: shedder.active, 20 * WINDOW)
+        await eventually(lambda: shedder.active, 20 * WINDOW, interval=WINDOW / 4)
     finally:
         running = False
         await task
