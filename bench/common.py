@@ -32,6 +32,8 @@ from tokend.protocol import WS_PATH
 from tokend.tokens import DEFAULT_PRIO, KeyRing, TokenService
 
 ROOT = Path(__file__).resolve().parent.parent
+# The key prefix of every tokend the harness starts (and so of its streams).
+KEY_PREFIX = "bench"
 # Descriptors a server keeps besides its connections (listener, Redis pool, logs...).
 FD_HEADROOM = 500
 
@@ -417,7 +419,7 @@ def tokend_child(ctx: Context, redis_url: str, **settings: float | int | str) ->
         "TOKEND_REDIS_URL": redis_url,
         "TOKEND_KEYS_DIR": str(ctx.keys_dir),
         "TOKEND_DATA_DIR": str(directory),
-        "TOKEND_KEY_PREFIX": "bench",
+        "TOKEND_KEY_PREFIX": KEY_PREFIX,
         "TOKEND_NODE_NAME": "bench",
         "TOKEND_ADMIN_PORT": "0",  # ephemeral: never collide with another server's
         "TOKEND_LOG_FORMAT": "json",
@@ -585,6 +587,22 @@ async def client_pool(
         yield pool
     finally:
         await pool.stop()
+
+
+def storm_pool(
+    ctx: Context, server: Child, tokens: TokenPool
+) -> contextlib.AbstractAsyncContextManager[ClientPool]:
+    """The clients of a storm (renewal, expiry): ``storm_sessions`` tokend sessions over
+    ``clients`` processes."""
+    return client_pool(
+        ctx,
+        "tokend",
+        url=server.url,
+        proto="tokend",
+        total=ctx.sizes.storm_sessions,
+        procs=ctx.sizes.clients,
+        tokens=tokens,
+    )
 
 
 async def open_all(pool: ClientPool, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:
