@@ -26,10 +26,11 @@ from typing import Any
 from testkit.net import LOOPBACK, free_port
 from testkit.procs import cpu_split, fd_limit, pin, terminate
 from testkit.redis_servers import RedisProcess
+from testkit.tokens import minter_in
 from testkit.waiting import eventually_sync
 from tokend import config
 from tokend.protocol import WS_PATH
-from tokend.tokens import DEFAULT_PRIO, KeyRing, TokenService
+from tokend.tokens import DEFAULT_PRIO
 
 ROOT = Path(__file__).resolve().parent.parent
 # The key prefix of every tokend the harness starts (and so of its streams).
@@ -327,8 +328,7 @@ class Context:
         # The server under test on one CPU, Redis and the load generators on the others.
         self.server_cpus, self.other_cpus = cpu_split() if pin else (None, None)
         self.keys_dir = workdir / "keys"
-        settings = config.load({"keys_dir": str(self.keys_dir)}, environ={})
-        self.minter = TokenService(settings, KeyRing.open(self.keys_dir))
+        self.minter = minter_in(self.keys_dir)
         self._pools: dict[tuple[int, int], TokenPool] = {}
         # Measurements shared by scenarios of the same repetition (e.g. socketio reuses
         # heartbeat's tokend figures); cleared between repetitions.

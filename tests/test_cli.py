@@ -19,12 +19,13 @@ import redis as redis_lib
 from testkit.clients import RawClient
 from testkit.net import http_get
 from testkit.tokend_process import TokendProcess
+from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend import config
 from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
 from tokend.store import Keyspace
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import TokenService
 
 # The environment a newcomer has: no TOKEND_* settings at all.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
@@ -49,7 +50,7 @@ def home(tmp_path: Path) -> dict[str, str]:
 
 def verifier(data_dir: Path) -> TokenService:
     settings = config.load({"data_dir": str(data_dir)}, environ={})
-    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    return minter(settings)
 
 
 def test_issue_prints_only_a_verifiable_token(home: dict[str, str], tmp_path: Path):

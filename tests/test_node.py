@@ -17,6 +17,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from testkit.redis_servers import RedisProcess
+from testkit.tokens import minter
 from tokend import node as node_module
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer
@@ -24,7 +25,7 @@ from tokend.config import Settings
 from tokend.node import HeartbeatBatcher, HelloBatcher
 from tokend.session import Ask, Cadence, Session
 from tokend.store import HeartbeatRequest, Store, connect
-from tokend.tokens import Claims, KeyRing, TokenService
+from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
 
@@ -98,7 +99,7 @@ class Waiter:
 
 @pytest.fixture
 def host(settings: Settings) -> Host:
-    return Host(TokenService(settings, KeyRing.open(settings.resolved_keys_dir)))
+    return Host(minter(settings))
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_eve
 from testkit.net import http_get, http_request
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
+from testkit.tokens import minter
 from tokend import protocol as p
 from tokend.server import App
 from tokend.store import Store, connect
@@ -166,9 +167,8 @@ async def test_invalid_token(app: App, token: str):
 
 
 async def test_token_from_other_keys_is_invalid(app: App, tmp_path, settings):
-    from tokend.tokens import KeyRing
 
-    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    stranger = minter(settings, tmp_path / "other-keys").mint("mallory")
     assert await refused_at_hello(app.port, stranger) == (p.CloseCode.INVALID_TOKEN, "unknown_kid")
 
 

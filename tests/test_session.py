@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tokend import config
+from testkit.tokens import minter_in
 from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.clocks import serving_rank
 from tokend.session import Ask, Cadence, Close, Phase, Session
-from tokend.tokens import Claims, KeyRing, TokenService
+from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(heartbeat_ms=1_000, warn_ms=3_000, expire_ms=4_000, max_frame_rate=5)
 IAT_S = int(time.time())
@@ -56,8 +56,7 @@ class Host:
 
 @pytest.fixture
 def tokens(tmp_path: Path) -> TokenService:
-    settings = config.load({"keys_dir": str(tmp_path / "keys")}, environ={})
-    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    return minter_in(tmp_path / "keys")
 
 
 @pytest.fixture
