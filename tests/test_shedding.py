@@ -21,6 +21,7 @@ from .test_session import (
     CADENCE,
     EXP_MS,
     IAT_S,
+    SESSION_S,
     FakeClock,
     Host,
     clock,
@@ -75,7 +76,7 @@ def test_a_heartbeat_on_cadence_is_stored_before_floods_of_better_ranked_session
     host: Host, tokens: TokenService, clock: FakeClock
 ) -> None:
     low = Session(host, CADENCE, "node-a/1", clock)
-    assert low.receive(p.Hello(tokens.mint("bob", ttl_s=600, iat=IAT_S, prio=0))) is Ask.START
+    assert low.receive(p.Hello(tokens.mint("bob", ttl_s=SESSION_S, iat=IAT_S, prio=0))) is Ask.START
     w = heartbeat_key(low)
     high = Session(host, CADENCE, "node-a/2", clock)
     h = welcome(high, tokens)  # prio 5
@@ -114,10 +115,10 @@ def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
 ) -> None:
     shed_from = serving_rank(4, False)  # ACTIVE sessions of prio 4 and below, every WARN
     low = Session(host, CADENCE, "node-a/1", time.monotonic)
-    hello = p.Hello(tokens.mint("bob", ttl_s=600, iat=IAT_S, prio=4))
+    hello = p.Hello(tokens.mint("bob", ttl_s=SESSION_S, iat=IAT_S, prio=4))
     assert low.receive(hello, shed_from) == SHED
     high = Session(host, CADENCE, "node-a/2", time.monotonic)
-    hello = p.Hello(tokens.mint("carol", ttl_s=600, iat=IAT_S, prio=5))
+    hello = p.Hello(tokens.mint("carol", ttl_s=SESSION_S, iat=IAT_S, prio=5))
     assert high.receive(hello, shed_from) is Ask.START
 
 
