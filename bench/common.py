@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from testkit.net import LOOPBACK, free_port
-from testkit.procs import cpu_split, fd_limit, pin, terminate
+from testkit.procs import cpu_split, fd_limit, pin, proc_rss, terminate
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter_in
 from testkit.waiting import eventually_sync
@@ -267,6 +267,9 @@ class Child:
             self.stop()
             raise
         pin(self.pid, self.cpus)  # threads started meanwhile
+
+    def rss(self) -> int:
+        return proc_rss(self.pid)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
