@@ -23,7 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench.common import FULL, QUICK, BenchError, Context, Row, fd_limit, format_table
+from bench.common import FULL, QUICK, BenchError, Context, Row, format_table
+from testkit.procs import fd_limit
 from tokend import config
 
 SCENARIOS = {
@@ -196,7 +197,7 @@ async def run_all(
             module = importlib.import_module(SCENARIOS[name])
             try:
                 rows = await module.run(ctx)
-            except BenchError as exc:
+            except (BenchError, TimeoutError) as exc:
                 ok = False
                 rows = [Row(name, "FAILED", None, "", "-", False, note=str(exc))]
             took = time.monotonic() - began

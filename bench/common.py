@@ -13,8 +13,6 @@ import contextlib
 import json
 import math
 import os
-import resource
-import signal
 import subprocess
 import sys
 import time
@@ -25,23 +23,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support import LOOPBACK, RedisProcess, free_port
+from testkit.net import LOOPBACK, free_port
+from testkit.procs import cpu_split, fd_limit, pin, proc_rss, terminate
+from testkit.redis_servers import RedisProcess
+from testkit.tokens import minter_in
+from testkit.waiting import eventually_sync
 from tokend import config
 from tokend.protocol import WS_PATH
-from tokend.tokens import DEFAULT_PRIO, KeyRing, TokenService
+from tokend.tokens import DEFAULT_PRIO
 
 ROOT = Path(__file__).resolve().parent.parent
+# The key prefix of every tokend the harness starts (and so of its streams).
+KEY_PREFIX = "bench"
 # Descriptors a server keeps besides its connections (listener, Redis pool, logs...).
 FD_HEADROOM = 500
 
 
 class BenchError(RuntimeError):
-    """A scenario could not be measured (a process failed or a step timed out)."""
-
-
-def fd_limit() -> int:
-    """The soft open-file limit each process (server or client) has here."""
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    """A scenario could not be measured: a process failed (a step that timed out raises
+    TimeoutError, which fails the scenario alike)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,85 +212,6 @@ def format_table(rows: Sequence[Row]) -> str:
 # Processes
 
 
-def proc_rss(pid: int) -> int:
-    """Resident set size of a live process, in bytes (``VmRSS``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise BenchError(f"no VmRSS for pid {pid}")
-
-
-def proc_children(pid: int) -> list[int]:
-    """The live child processes of a process (empty if it has gone).
-
-    Each thread lists the children it started (tokend starts its embedded Redis from a
-    worker thread), so all threads are read.
-    """
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # a thread (or the process) may end meanwhile
-            children += [int(c) for c in (task / "children").read_text().split()]
-    return children
-
-
-def proc_cpu(pid: int, *, children: bool = True) -> float:
-    """User + system CPU seconds a live process (and its live children) have used so far.
-
-    (The children count for ``tokend serve --workers N``, whose workers do the work.)
-    """
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    after_name = stat.rpartition(")")[2].split()
-    own = (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
-    for child_pid in proc_children(pid) if children else ():
-        with contextlib.suppress(OSError):  # it may have exited meanwhile
-            own += proc_cpu(child_pid)
-    return own
-
-
-def pin(pid: int, cpus: frozenset[int] | None) -> None:
-    """Restrict every thread of a process to these CPUs (no-op when ``cpus`` is None)."""
-    if cpus is None:
-        return
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(task.name), cpus)
-
-
-def cpu_split() -> tuple[frozenset[int] | None, frozenset[int] | None]:
-    """(server CPUs, everything else): the server under test gets a core to itself.
-
-    On one CPU nothing is pinned.
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None, None
-    return frozenset(cpus[:1]), frozenset(cpus[1:])
-
-
-class CpuMeter:
-    """CPU use of some processes over a window, as a percentage of one core.
-
-    ``own`` names the processes measured without their children.
-    """
-
-    def __init__(self, pids: dict[str, int], own: frozenset[str] = frozenset()) -> None:
-        self.pids = pids
-        self.own = own
-        self._start: tuple[float, dict[str, float]] | None = None
-
-    def _cpu(self, name: str) -> float:
-        return proc_cpu(self.pids[name], children=name not in self.own)
-
-    def start(self) -> None:
-        self._start = (time.monotonic(), {n: self._cpu(n) for n in self.pids})
-
-    def stop(self) -> dict[str, float]:
-        assert self._start is not None
-        began, cpu = self._start
-        wall = max(time.monotonic() - began, 1e-9)
-        return {n: round(100 * (self._cpu(n) - cpu[n]) / wall, 1) for n in self.pids}
-
-
 class Child:
     """A server process the harness started and must stop; output goes to a log file."""
 
@@ -333,30 +254,27 @@ class Child:
                 cwd=ROOT,
             )
         pin(self.pid, self.cpus)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+        process = self.process
+
+        def is_ready() -> bool:
+            if process.poll() is not None:
                 raise BenchError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            if self.log.read_text(errors="replace").count(ready) >= times:
-                pin(self.pid, self.cpus)  # threads started meanwhile
-                return
-            time.sleep(0.02)
-        self.stop()
-        raise BenchError(f"{self.name} did not become ready in {timeout} s")
+            return self.log.read_text(errors="replace").count(ready) >= times
+
+        try:
+            eventually_sync(is_ready, timeout, what=f"{self.name} logging {ready} x{times}")
+        except TimeoutError:
+            self.stop()
+            raise
+        pin(self.pid, self.cpus)  # threads started meanwhile
 
     def rss(self) -> int:
         return proc_rss(self.pid)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        if self.process is not None:
+            terminate(self.process, timeout)
 
 
 @contextlib.contextmanager
@@ -413,8 +331,7 @@ class Context:
         # The server under test on one CPU, Redis and the load generators on the others.
         self.server_cpus, self.other_cpus = cpu_split() if pin else (None, None)
         self.keys_dir = workdir / "keys"
-        settings = config.load({"keys_dir": str(self.keys_dir)}, environ={})
-        self.minter = TokenService(settings, KeyRing.open(self.keys_dir))
+        self.minter = minter_in(self.keys_dir)
         self._pools: dict[tuple[int, int], TokenPool] = {}
         # Measurements shared by scenarios of the same repetition (e.g. socketio reuses
         # heartbeat's tokend figures); cleared between repetitions.
@@ -469,23 +386,12 @@ def redis_server(ctx: Context) -> Iterator[RedisProcess]:
             )
             replica.start()
             pin(redis_pid(replica), ctx.other_cpus)
-            wait_in_sync(server)
+            server.wait_replicas(1, timeout=30)
         yield server
     finally:
         if replica is not None:
             replica.stop()
         server.stop()
-
-
-def wait_in_sync(server: RedisProcess, timeout: float = 30.0) -> None:
-    client = server.client()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = client.info("replication")
-        if info["connected_slaves"] and info["slave0"]["state"] == "online":
-            return
-        time.sleep(0.05)
-    raise BenchError("the replica did not sync")
 
 
 def redis_pid(server: RedisProcess) -> int:
@@ -516,7 +422,7 @@ def tokend_child(ctx: Context, redis_url: str, **settings: float | int | str) ->
         "TOKEND_REDIS_URL": redis_url,
         "TOKEND_KEYS_DIR": str(ctx.keys_dir),
         "TOKEND_DATA_DIR": str(directory),
-        "TOKEND_KEY_PREFIX": "bench",
+        "TOKEND_KEY_PREFIX": KEY_PREFIX,
         "TOKEND_NODE_NAME": "bench",
         "TOKEND_ADMIN_PORT": "0",  # ephemeral: never collide with another server's
         "TOKEND_LOG_FORMAT": "json",
@@ -684,6 +590,22 @@ async def client_pool(
         yield pool
     finally:
         await pool.stop()
+
+
+def storm_pool(
+    ctx: Context, server: Child, tokens: TokenPool
+) -> contextlib.AbstractAsyncContextManager[ClientPool]:
+    """The clients of a storm (renewal, expiry): ``storm_sessions`` tokend sessions over
+    ``clients`` processes."""
+    return client_pool(
+        ctx,
+        "tokend",
+        url=server.url,
+        proto="tokend",
+        total=ctx.sizes.storm_sessions,
+        procs=ctx.sizes.clients,
+        tokens=tokens,
+    )
 
 
 async def open_all(pool: ClientPool, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:

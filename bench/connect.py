@@ -18,7 +18,6 @@ from typing import Any
 from bench.common import (
     Child,
     Context,
-    CpuMeter,
     Row,
     bare_server,
     client_pool,
@@ -29,6 +28,7 @@ from bench.common import (
     redis_server,
     tokend_server,
 )
+from testkit.procs import CpuMeter
 
 RATE_TARGET = 1.0  # x bare handshake + HELLO with its signature checked
 

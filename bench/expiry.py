@@ -24,17 +24,19 @@ from typing import Any
 from redis import asyncio as aioredis
 
 from bench.common import (
+    KEY_PREFIX,
     BenchError,
     Context,
-    CpuMeter,
     Row,
-    client_pool,
     open_all,
     percentile,
     redis_pid,
     redis_server,
+    storm_pool,
     tokend_server,
 )
+from testkit.events import read_events
+from testkit.procs import CpuMeter
 from tokend.store import Keyspace
 
 LAG_TARGET_MS = 100
@@ -89,13 +91,8 @@ async def last_heartbeats(client: aioredis.Redis, tids: list[uuid.UUID]) -> dict
 
 async def stream_counts(client: aioredis.Redis) -> Counter[str]:
     """TOKEN_EXPIRED events per tid in the durable stream shards."""
-    counts: Counter[str] = Counter()
-    for stream in Keyspace("bench").streams():
-        for _, fields in await client.xrange(stream):
-            event = json.loads(fields["event"])
-            if event["type"] == "TOKEN_EXPIRED":
-                counts[event["tid"]] += 1
-    return counts
+    events = await read_events(client, KEY_PREFIX)
+    return Counter(e["tid"] for e in events if e["type"] == "TOKEN_EXPIRED")
 
 
 def lags(events: list[dict[str, Any]], deadlines: dict[str, int]) -> list[int]:
@@ -117,15 +114,7 @@ async def storm(ctx: Context) -> dict[str, Any]:
         events = Events(client, "bench:events", len(tids))
         try:
             await events.start()
-            async with client_pool(
-                ctx,
-                "tokend",
-                url=server.url,
-                proto="tokend",
-                total=sizes.storm_sessions,
-                procs=sizes.clients,
-                tokens=tokens,
-            ) as pool:
+            async with storm_pool(ctx, server, tokens) as pool:
                 opened = await open_all(pool, sizes.concurrency)
                 if opened["seconds"] >= clocks["warn_after"]:
                     raise BenchError(

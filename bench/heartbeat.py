@@ -22,7 +22,6 @@ from bench.common import (
     BenchError,
     ClientPool,
     Context,
-    CpuMeter,
     Row,
     bare_server,
     client_pool,
@@ -34,6 +33,7 @@ from bench.common import (
     redis_server,
     tokend_server,
 )
+from testkit.procs import CpuMeter
 
 THROUGHPUT_TARGET = 1.0  # x bare ACKs/s
 P99_TARGET = 1.0  # x bare p99

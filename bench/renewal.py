@@ -24,16 +24,16 @@ import redis
 
 from bench.common import (
     Context,
-    CpuMeter,
     Row,
-    client_pool,
     cpu_us_per_op,
     open_all,
     ratio,
     redis_pid,
     redis_server,
+    storm_pool,
     tokend_server,
 )
+from testkit.procs import CpuMeter
 from tokend.store import Keyspace
 
 RATE_TARGET = 20_000  # renewals/s
@@ -95,15 +95,7 @@ async def tokend_storms(ctx: Context) -> dict[str, Any]:
         redis_server(ctx) as store,
         tokend_server(ctx, store.url, token_ttl=TOKEN_TTL_S, renew_window=RENEW_WINDOW_S) as server,
     ):
-        async with client_pool(
-            ctx,
-            "tokend",
-            url=server.url,
-            proto="tokend",
-            total=sizes.storm_sessions,
-            procs=sizes.clients,
-            tokens=tokens,
-        ) as pool:
+        async with storm_pool(ctx, server, tokens) as pool:
             await open_all(pool, sizes.concurrency)
             meter = CpuMeter({"tokend": server.pid, "redis": redis_pid(store)})
             for n in range(sizes.renew_rounds):

@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import heartbeat, idle_memory
-from bench.common import BenchError, Child, Context, Row, child, free_port, ratio
+from bench.common import BenchError, Child, Context, Row, child, ratio
+from testkit.net import free_port
 
 PACKAGES = ("socket.io", "socket.io-client")
 MAJOR = "4"

@@ -34,9 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -48,27 +46,21 @@ from typing import Any
 from redis import asyncio as aioredis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script from a checkout: bench/ and tests/
-
-from soak import (  # noqa: E402
-    heartbeat_figures,
-    latency_line,
-    merged,
-    pool_redis,
-    read_events,
-    sources,
-)
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: testkit/, bench/, load_tests/
 
 from bench.common import (  # noqa: E402
+    KEY_PREFIX,
     QUICK,
     ClientPool,
     Context,
-    CpuMeter,
     client_pool,
     open_all,
     split,
     tokend_server,
 )
+from load_tests import common  # noqa: E402
+from testkit.events import read_events  # noqa: E402
+from testkit.procs import CpuMeter  # noqa: E402
 
 P99_GOAL_RATIO = 4.0
 # Heartbeat intervals into the overload at which the WARN group starts flooding (5 s at
@@ -126,7 +118,7 @@ async def pools(
     tids of each group."""
     taken: Counter[int] = Counter()  # tokens of each prio handed out so far
     tids: dict[str, set[str]] = {}
-    addresses = iter(sources(64))
+    addresses = iter(common.sources(64))
     async with contextlib.AsyncExitStack() as stack:
         made: dict[str, ClientPool] = {}
         for group in GROUPS:
@@ -168,8 +160,8 @@ async def storm(args: argparse.Namespace, pool: ClientPool) -> list[dict[str, An
 def group_figures(replies: Sequence[dict[str, Any]], since: float) -> dict[str, Any]:
     first = [r["first_close"].get("1013") for r in replies if r["first_close"].get("1013")]
     return {
-        **heartbeat_figures(replies),
-        "refusals": merged(replies, "refusals"),
+        **common.heartbeat_figures(replies),
+        "refusals": common.merged(replies, "refusals"),
         "first_1013_s": round(min(first) - since, 2) if first else None,
         "resumed": sum(sum(r["resumed_at"].values()) for r in replies),
         "live_at_end": sum(r["live"] for r in replies),
@@ -200,7 +192,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     warn_delay = WARN_DELAY * args.heartbeat
     figures: dict[str, Any] = {"sizes": sizes}
     with tokend_server(ctx, "", **clocks) as server:
-        redis: aioredis.Redis = pool_redis(server)
+        redis: aioredis.Redis = common.pool_redis(server)
         began_ms = int(time.time() * 1000)
         async with pools(ctx, server.url, sizes) as (groups, tids):
             for name in HELD:
@@ -211,7 +203,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 *(groups[n].ask("soak", **soak_args(args, baseline_s)) for n in soaking)
             )
             figures["baseline"] = {
-                n: heartbeat_figures(r) for n, r in zip(soaking, baseline, strict=True)
+                n: common.heartbeat_figures(r) for n, r in zip(soaking, baseline, strict=True)
             }
             cpu = CpuMeter({"tokend": server.pid, **{f"{n}": groups[n].pids[0] for n in groups}})
             cpu.start()
@@ -256,7 +248,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             )
             flooded = {n: await task for n, task in floods.items()}
             stormed = {n: await task for n, task in storms.items()}
-        events = await read_events(redis, began_ms)
+        events = await read_events(redis, KEY_PREFIX, began_ms)
         await redis.aclose()
         figures["shedding"] = shedding_steps(server.log, start)
     figures["overload"] = {"high": group_figures(high_overload, start)}
@@ -300,8 +292,9 @@ def verdict(figures: dict[str, Any]) -> list[str]:
 
 
 def row(window: str, name: str, g: dict[str, Any]) -> str:
-    return f"{window:11} {name:9} {g['sent']:>8,} sent {g['acks']:>8,} ACKed  " + latency_line(
-        g["ack_latency"]
+    return (
+        f"{window:11} {name:9} {g['sent']:>8,} sent {g['acks']:>8,} ACKed  "
+        + common.latency_line(g["ack_latency"])
     )
 
 
@@ -326,18 +319,12 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="tokend-overload-"))
     began = time.monotonic()
-    try:
+    with common.scratch("tokend-overload-") as workdir:
         figures = asyncio.run(run(args, workdir))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     figures |= {"wall_s": round(time.monotonic() - began, 1), "workdir": str(workdir)}
     problems = verdict(figures)
-    print(report(figures, problems))
-    if args.json:
-        args.json.write_text(json.dumps({**figures, "problems": problems}, indent=2))
-    return 1 if problems else 0
+    return common.finish(figures, problems, report(figures, problems), args.json)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ or expired and the server stopped on SIGTERM; 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import csv
@@ -31,24 +32,25 @@ import json
 import math
 import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
+from redis import asyncio as aioredis
 
-from tokend.embedded import socket_url
-from tokend.store import Keyspace
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: testkit/, bench/, load_tests/
 
-LOOPBACK = "127.0.0.1"
+from load_tests.common import scratch  # noqa: E402
+from testkit.events import read_events  # noqa: E402
+from testkit.net import LOOPBACK, free_port  # noqa: E402
+from testkit.procs import terminate  # noqa: E402
+from testkit.waiting import eventually_sync  # noqa: E402
+from tokend.embedded import socket_url  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
@@ -78,12 +80,6 @@ class Plan:
         return 4 * self.heartbeat
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
-
 def server_env(plan: Plan, data_dir: Path, port: int) -> dict[str, str]:
     """The settings of the server and of locust's token minting: no inherited TOKEND_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
@@ -110,51 +106,31 @@ def server_env(plan: Plan, data_dir: Path, port: int) -> dict[str, str]:
 def wait_ready(port: int, server: subprocess.Popen[bytes]) -> None:
     """Until ``/readyz`` answers 200; raises if the server exits or takes too long."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if server.poll() is not None:
             raise RuntimeError(f"tokend serve exited with {server.returncode}")
         with (
             contextlib.suppress(OSError, urllib.error.URLError),
             opener.open(f"http://{LOOPBACK}:{port}/readyz", timeout=1) as reply,
         ):
-            if reply.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"tokend serve not ready within {START_TIMEOUT:g} s")
+            return bool(reply.status == 200)
+        return False
+
+    eventually_sync(ready, START_TIMEOUT, interval=0.1, what="tokend serve ready")
 
 
 def count_events(data_dir: Path) -> collections.Counter[str]:
     """Events per type in the server's streams (the embedded Redis, default prefix)."""
-    client = redis.Redis.from_url(socket_url(data_dir), decode_responses=True)
-    counts: collections.Counter[str] = collections.Counter()
-    try:
-        for stream in Keyspace("tokend").streams():
-            start = "-"
-            while True:
-                entries = client.xrange(stream, start, "+", count=10_000)
-                for _, fields in entries:
-                    counts[json.loads(fields["event"])["type"]] += 1
-                if len(entries) < 10_000:
-                    break
-                start = "(" + entries[-1][0]
-    finally:
-        client.close()
-    return counts
 
+    async def count() -> collections.Counter[str]:
+        client = aioredis.from_url(socket_url(data_dir), decode_responses=True)
+        try:
+            return collections.Counter(e["type"] for e in await read_events(client, "tokend"))
+        finally:
+            await client.aclose()
 
-def stop(process: subprocess.Popen[bytes], timeout: float) -> bool:
-    """SIGTERM, then SIGKILL after ``timeout``; True if it stopped on SIGTERM."""
-    if process.poll() is not None:
-        return True
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        return False
+    return asyncio.run(count())
 
 
 @dataclass(frozen=True)
@@ -171,59 +147,58 @@ class Outcome:
 def run(plan: Plan) -> Outcome:
     """Server, then locust; then stop the server and remove the temporary directory."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="tokend-load-"))
-    data_dir = workdir / "data"
-    port = free_port()
-    env = server_env(plan, data_dir, port)
-    server: subprocess.Popen[bytes] | None = None
-    locust: subprocess.Popen[bytes] | None = None
-    try:
-        with (plan.out / "server.log").open("wb") as server_log:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "tokend", "serve"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=server_log,
-                stderr=subprocess.STDOUT,
-            )
-        wait_ready(port, server)
-        if plan.dashboard_port:
-            print(
-                f"dashboard: http://{LOOPBACK}:{plan.dashboard_port}/dashboard"
-                f"#token={env['TOKEND_ADMIN_TOKEN']}",
-                flush=True,
-            )
-        command = [
-            sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"),
-            "--headless", "--users", str(plan.users), "--spawn-rate", str(plan.spawn_rate),
-            "--run-time", f"{plan.duration}s", "--stop-timeout", "5",
-            "--host", f"ws://{LOOPBACK}:{port}",
-            "--csv", str(plan.out / "locust"), "--csv-full-history",
-            "--json-file", str(plan.out / "locust_final"),
-            "--only-summary", "--loglevel", "WARNING",
-        ]  # fmt: skip
-        if plan.processes > 1:
-            command += ["--processes", str(plan.processes)]
-        with (plan.out / "locust.log").open("wb") as locust_log:
-            locust = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=locust_log,
-                stderr=subprocess.STDOUT,
-            )
+    with scratch("tokend-load-") as workdir:
+        data_dir = workdir / "data"
+        port = free_port()
+        env = server_env(plan, data_dir, port)
+        server: subprocess.Popen[bytes] | None = None
+        locust: subprocess.Popen[bytes] | None = None
         try:
-            locust.wait(timeout=plan.duration + 120)
-        except subprocess.TimeoutExpired:
-            stop(locust, 10)
-            raise RuntimeError("locust did not finish in time") from None
-        events = count_events(data_dir)
-        return Outcome(events, stop(server, STOP_TIMEOUT), port, server.pid, workdir)
-    finally:
-        for process in (locust, server):
-            if process is not None:
-                stop(process, 10)
-        shutil.rmtree(workdir, ignore_errors=True)
+            with (plan.out / "server.log").open("wb") as server_log:
+                server = subprocess.Popen(
+                    [sys.executable, "-m", "tokend", "serve"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=server_log,
+                    stderr=subprocess.STDOUT,
+                )
+            wait_ready(port, server)
+            if plan.dashboard_port:
+                print(
+                    f"dashboard: http://{LOOPBACK}:{plan.dashboard_port}/dashboard"
+                    f"#token={env['TOKEND_ADMIN_TOKEN']}",
+                    flush=True,
+                )
+            command = [
+                sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"),
+                "--headless", "--users", str(plan.users), "--spawn-rate", str(plan.spawn_rate),
+                "--run-time", f"{plan.duration}s", "--stop-timeout", "5",
+                "--host", f"ws://{LOOPBACK}:{port}",
+                "--csv", str(plan.out / "locust"), "--csv-full-history",
+                "--json-file", str(plan.out / "locust_final"),
+                "--only-summary", "--loglevel", "WARNING",
+            ]  # fmt: skip
+            if plan.processes > 1:
+                command += ["--processes", str(plan.processes)]
+            with (plan.out / "locust.log").open("wb") as locust_log:
+                locust = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=locust_log,
+                    stderr=subprocess.STDOUT,
+                )
+            try:
+                locust.wait(timeout=plan.duration + 120)
+            except subprocess.TimeoutExpired:
+                terminate(locust, 10)
+                raise RuntimeError("locust did not finish in time") from None
+            events = count_events(data_dir)
+            return Outcome(events, terminate(server, STOP_TIMEOUT), port, server.pid, workdir)
+        finally:
+            for process in (locust, server):
+                if process is not None:
+                    terminate(process, 10)
 
 
 @dataclass(frozen=True)

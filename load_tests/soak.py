@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -51,32 +49,37 @@ from typing import Any
 from redis import asyncio as aioredis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script from a checkout: bench/ and tests/
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: testkit/, bench/, load_tests/
 
 from bench.common import (  # noqa: E402
+    KEY_PREFIX,
     QUICK,
     Child,
     ClientPool,
     Context,
-    CpuMeter,
     client_pool,
-    fd_limit,
-    latency_summary,
     max_sessions,
     open_all,
     percentile,
-    proc_children,
-    proc_rss,
     tokend_child,
 )
-from tokend.embedded import socket_url  # noqa: E402
+from load_tests.common import (  # noqa: E402
+    finish,
+    heartbeat_figures,
+    latency_line,
+    merged,
+    pool_redis,
+    scratch,
+    sources,
+)
+from testkit.events import READ_CHUNK, read_events  # noqa: E402
+from testkit.procs import CpuMeter, fd_limit, proc_children, proc_rss  # noqa: E402
 from tokend.store import Keyspace  # noqa: E402
 
 PER_CLIENT_PROCESS = 5000  # sessions per load-generator process (well under its fd limit)
 CONNECT_CONCURRENCY = 50  # handshakes in flight per load-generator process
 RSS_EVERY_S = 5.0  # how often RSS is sampled during the hold
 MB = 1 << 20
-PREFIX = "bench"  # the key prefix bench.common gives the server
 # Seconds of ordinary heartbeats before the supervisor is signalled, in the restart phase.
 RESTART_AFTER_S = 2.0
 STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
@@ -85,7 +88,6 @@ EXPIRY_LAG_GOAL_MS = 250
 # After the last deadline, how long the expire phase waits for stragglers.
 EXPIRY_GRACE_S = 30.0
 STREAM_POLL_S = 2.0
-READ_CHUNK = 5000  # Redis reads per pipeline or XRANGE call
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -127,11 +129,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def sources(count: int) -> list[str]:
-    """Loopback source addresses, one per client process: 127.0.0.2, 127.0.0.3, ..."""
-    return [f"127.0.{(2 + i) // 256}.{(2 + i) % 256}" for i in range(count)]
-
-
 def processes(server: Child, workers: int) -> dict[str, int]:
     """The server's processes by role: supervisor, worker-1.., redis (if embedded)."""
     roles: dict[str, int] = {}
@@ -161,38 +158,6 @@ async def used_memory(redis: aioredis.Redis) -> int:
     return int((await redis.info("memory"))["used_memory"])
 
 
-async def read_events(
-    redis: aioredis.Redis, since_ms: int, last: dict[str, str] | None = None
-) -> list[dict[str, Any]]:
-    """Events in the stream shards from ``since_ms`` (Redis time); with ``last``, only
-    those after the ids it holds, which it then advances (incremental reading)."""
-    events = []
-    for stream in Keyspace(PREFIX).streams():
-        start = f"({last[stream]}" if last and stream in last else f"{since_ms}-0"
-        while entries := await redis.xrange(stream, start, "+", count=READ_CHUNK):
-            events += [json.loads(fields["event"]) for _, fields in entries]
-            start = f"({entries[-1][0]}"
-            if last is not None:
-                last[stream] = entries[-1][0]
-    return events
-
-
-def merged(replies: Sequence[dict[str, Any]], key: str) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for reply in replies:
-        total.update(reply[key])
-    return dict(total)
-
-
-def heartbeat_figures(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "sent": sum(r["sent"] for r in replies),
-        "acks": sum(r["acks"] for r in replies),
-        "closes": merged(replies, "closes"),
-        "ack_latency": latency_summary([x for r in replies for x in r["latencies_us"]]),
-    }
-
-
 # Phases
 
 
@@ -219,7 +184,7 @@ async def hold(
         peak = {k: max(v, rss(roles)[k]) for k, v in peak.items()}
     replies = task.result()
     cpu = meter.stop()
-    events = Counter(e["type"] for e in await read_events(redis, began_ms))
+    events = Counter(e["type"] for e in await read_events(redis, KEY_PREFIX, began_ms))
     sessions = sum(r["connections"] for r in replies)
     clients_cpu = sum(v for k, v in cpu.items() if k.startswith("client-"))
     return {
@@ -295,14 +260,9 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
 RECONNECT_CODES = {"1001", "1011", "1013", "4008", "4029", "ConnectionError"}
 
 
-def pool_redis(server: Child) -> aioredis.Redis:
-    """A client of the embedded Redis of ``server`` (its data directory's socket)."""
-    return aioredis.from_url(socket_url(server.log.parent), decode_responses=True)
-
-
 async def last_heartbeats(redis: aioredis.Redis, tids: Sequence[uuid.UUID]) -> dict[str, int]:
     """Each live session's last heartbeat (``hb``, Redis time, ms); absent ones left out."""
-    keys = Keyspace(PREFIX)
+    keys = Keyspace(KEY_PREFIX)
     found: dict[str, int] = {}
     for start in range(0, len(tids), READ_CHUNK):
         chunk = tids[start : start + READ_CHUNK]
@@ -340,7 +300,7 @@ async def expire(
     warn_lags, expiry_lags = [], []
     positions: dict[str, str] = {}
     while True:
-        for event in await read_events(redis, killed_ms, positions):
+        for event in await read_events(redis, KEY_PREFIX, killed_ms, positions):
             tid = event["tid"]
             if tid not in heartbeats:
                 continue
@@ -415,7 +375,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 if not args.redis:  # the embedded Redis restarted with the server
                     await redis.aclose()
                     redis = pool_redis(server)
-                events = await read_events(redis, restart_figures.pop("began_ms"))
+                events = await read_events(redis, KEY_PREFIX, restart_figures.pop("began_ms"))
                 restart_figures["events"] = dict(Counter(e["type"] for e in events))
             if args.expire:
                 figures["expire"] = await expire(args, pool, redis, tids)
@@ -455,13 +415,6 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
         if expire["expiry_lag_ms"]["p99"] > EXPIRY_LAG_GOAL_MS:
             problems.append(f"expire: lag p99 {expire['expiry_lag_ms']['p99']} ms")
     return problems
-
-
-def latency_line(latency: dict[str, float]) -> str:
-    return (
-        f"p50 {latency['p50_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms, "
-        f"max {latency['max_ms']:.2f} ms"
-    )
 
 
 def report(figures: dict[str, Any], problems: list[str]) -> str:
@@ -514,17 +467,13 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--overload" in argv:  # another run, of one worker: load_tests/overload.py
-        import overload
+        from load_tests import overload
 
         return overload.main([a for a in argv if a != "--overload"])
     args = parse(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="tokend-soak-"))
     began = time.monotonic()
-    try:
+    with scratch("tokend-soak-", keep=args.keep) as workdir:
         figures = asyncio.run(run(args, workdir))
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     figures |= {
         "duration_s": args.duration,
         "heartbeat_s": args.heartbeat,
@@ -532,10 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "workdir": str(workdir),  # removed (unless --keep), with everything started in it
     }
     problems = verdict(figures, args.sessions)
-    print(report(figures, problems))
-    if args.json:
-        args.json.write_text(json.dumps({**figures, "problems": problems}, indent=2))
-    return 1 if problems else 0
+    return finish(figures, problems, report(figures, problems), args.json)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 from redis import asyncio as aioredis
 
-from tests.support import EventLog, RedisProcess
+from testkit.events import EventLog
+from testkit.redis_servers import RedisProcess
+from testkit.tokens import minter
 from tokend import config, logs
 from tokend.config import Settings
 from tokend.server import App
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import TokenService
 
 logs.configure("console", "warning")
 
@@ -84,7 +86,7 @@ def settings(make_settings: Callable[..., Settings]) -> Settings:
 
 @pytest.fixture
 def tokens(settings: Settings) -> TokenService:
-    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    return minter(settings)
 
 
 @pytest.fixture

@@ -14,15 +14,12 @@ from typing import Any
 import pytest
 from redis import asyncio as aioredis
 
-from tests.support import (
-    EventLog,
-    HttpReply,
-    RawClient,
-    RedisProcess,
-    TokendProcess,
-    eventually,
-    http_request,
-)
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.net import HttpReply, http_request
+from testkit.redis_servers import RedisProcess
+from testkit.tokend_process import TokendProcess
+from testkit.waiting import eventually
 from tokend import cli as tokend_cli
 from tokend import protocol as p
 from tokend.config import Settings

@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from websockets.asyncio.server import ServerConnection
 
-from tests.support import LOOPBACK, EventLog, RawClient
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.net import LOOPBACK
+from testkit.tokens import minter
 from tests.test_client import _welcome_for, fake_server, url_of
 from tokend import protocol as p
 from tokend.server import App
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import TokenService
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage, BrowserTools, StaticSite
@@ -347,7 +350,7 @@ async def test_a_server_breaking_the_protocol_is_left_with_4503(
 async def test_a_bad_token_is_refused_with_4501(
     page: BrowserPage, app: App, settings: Any, tmp_path: Path
 ):
-    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys"))
+    stranger = minter(settings, tmp_path / "other-keys")
     outcome = await open_session(page, app.port, stranger.mint("mallory"), backoff=FAST_BACKOFF)
     assert outcome == "AuthError"
     ended = await wait_change(page, "ended")

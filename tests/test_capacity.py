@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tests.support import EventLog
+from testkit.events import EventLog
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
 from tokend.session import Ask, Close, Session

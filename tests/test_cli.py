@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from tests.support import RawClient, TokendProcess, http_get
+from testkit.clients import RawClient
+from testkit.net import http_get
+from testkit.tokend_process import TokendProcess
+from testkit.tokens import minter
+from testkit.waiting import eventually
 from tokend import config
 from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
 from tokend.store import Keyspace
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import TokenService
 
 # The environment a newcomer has: no TOKEND_* settings at all.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
@@ -46,7 +50,7 @@ def home(tmp_path: Path) -> dict[str, str]:
 
 def verifier(data_dir: Path) -> TokenService:
     settings = config.load({"data_dir": str(data_dir)}, environ={})
-    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    return minter(settings)
 
 
 def test_issue_prints_only_a_verifiable_token(home: dict[str, str], tmp_path: Path):
@@ -221,12 +225,12 @@ async def test_events_group_delivers_each_event_once(home: dict[str, str], redis
 
     client = redis_lib.Redis.from_url(redis_server.url)
 
-    async def pending() -> int:
+    async def acknowledged() -> bool:
         total = 0
         for stream in Keyspace("cligroup").streams():
             with contextlib.suppress(redis_lib.ResponseError):  # no group on it yet
                 total += (await asyncio.to_thread(client.xpending, stream, "audit"))["pending"]
-        return total
+        return total == 0
 
     async def next_event_of_a_fresh_reader() -> dict:
         reader = await asyncio.create_subprocess_exec(
@@ -244,11 +248,9 @@ async def test_events_group_delivers_each_event_once(home: dict[str, str], redis
         )
         assert reader.stdout is not None
         try:
-            async with asyncio.timeout(15):
-                line = await reader.stdout.readline()
-                # Acknowledged once the reader asks for the next one: wait for XACK.
-                while await pending():  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            line = await asyncio.wait_for(reader.stdout.readline(), 15)
+            # Acknowledged once the reader asks for the next one: wait for XACK.
+            await eventually(acknowledged, 15, interval=0.05)
         finally:
             reader.kill()
             await reader.wait()

@@ -17,7 +17,11 @@ import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from tests.support import LOOPBACK, EventLog, RedisProcess, free_port
+from testkit.events import EventLog
+from testkit.net import LOOPBACK, free_port
+from testkit.redis_servers import RedisProcess
+from testkit.tokens import minter
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.client import (
     AuthError,
@@ -36,7 +40,7 @@ from tokend.client import (
 )
 from tokend.protocol import CloseCode, SessionState
 from tokend.server import App
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens import TokenService
 
 FAST = Backoff(base=0.05, cap=0.5)
 StartApp = Callable[..., Awaitable[App]]
@@ -65,12 +69,6 @@ class Recorder:
 
     def kinds(self) -> list[Change]:
         return [change.kind for change in self.seen]
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():  # noqa: ASYNC110 - stats counters have no event to await
-            await asyncio.sleep(0.01)
 
 
 # Pure parts
@@ -289,7 +287,7 @@ async def test_takeover_is_terminal_and_the_newcomer_gets_the_current_token(
 async def test_refused_tokens_end_without_retrying(
     app: App, tokens: TokenService, settings, tmp_path: Path
 ):
-    foreign = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    foreign = minter(settings, tmp_path / "other-keys").mint("mallory")
     expired = tokens.mint("late", ttl_s=10, iat=int(time.time()) - 100)
     cases = ((foreign, CloseCode.INVALID_TOKEN, "unknown_kid"), (expired, 4502, "expired"))
     for token, code, reason in cases:
@@ -519,7 +517,7 @@ async def test_tokend_connect_prints_renewals_and_logs_out_on_ctrl_c(
 
 
 async def test_tokend_connect_prints_why_a_token_is_refused(app: App, settings, tmp_path: Path):
-    foreign = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    foreign = minter(settings, tmp_path / "other-keys").mint("mallory")
     async with ConnectCommand.run("--token", foreign, "--url", url_of(app.port)) as command:
         ended = await command.until("ended")
         assert "code=4501 reason=unknown_kid" in ended and "[AuthError]" in ended

@@ -22,21 +22,12 @@ from redis import asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
+from testkit.clients import RawClient, tid_of
+from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
+from testkit.net import LOOPBACK, free_port, http_get, is_ready
+from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.waiting import eventually, eventually_sync
 from tests import test_cli, test_events
-from tests.support import (
-    LOOPBACK,
-    EventLog,
-    RawClient,
-    RedisClusterProcess,
-    RedisProcess,
-    RedisSentinelProcess,
-    after_a_full_sweep,
-    eventually,
-    free_port,
-    http_get,
-    left_to_judge,
-    stream_events,
-)
 from tests.test_cli import (  # noqa: F401 - collected here, against the cluster
     CLEAN_ENV,
     test_unused_tid_revoked_is_barred,
@@ -45,7 +36,6 @@ from tests.test_cli import (  # noqa: F401 - collected here, against the cluster
 from tests.test_events import (  # noqa: F401 - collected here, against the cluster
     next_event,
     one_session,
-    poll,
     test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left,
     test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end,
     test_from_start_replays_what_the_streams_hold,
@@ -58,7 +48,6 @@ from tests.test_server import (  # noqa: F401 - collected here, against the clus
     test_silence_expires_once,
     test_takeover_closes_older_connection,
     test_warn_notice_then_recovery,
-    tid_of,
 )
 from tokend import events
 from tokend import protocol as p
@@ -135,7 +124,7 @@ async def test_live_hears_the_events_of_every_master(
         counts = await redis.pubsub_numsub(keys.events_channel, target_nodes=RedisCluster.ALL_NODES)
         return bool(counts[0][1])
 
-    await poll(subscribed)
+    await eventually(subscribed)
     masters: set[int] = set()
     expected = []
     for n in range(40):  # random tids: until their shards are on every master
@@ -311,7 +300,7 @@ async def test_two_sweeping_nodes_expire_a_session_exactly_once(
         await events.wait_for("TOKEN_EXPIRED", tid, timeout=5)
     await after_a_full_sweep(node_a.admin.port, node_b.admin.port)
     assert await left_to_judge(redis, node_a.settings.key_prefix, tids) == []
-    stream = await stream_events(redis, node_a.settings.key_prefix)
+    stream = await read_events(redis, node_a.settings.key_prefix)
     for kind in ("SESSION_WARN", "TOKEN_EXPIRED"):
         assert sorted(e["tid"] for e in stream if e["type"] == kind) == sorted(tids), kind
 
@@ -374,10 +363,9 @@ def replicated(tmp_path: Path) -> Iterator[tuple[RedisProcess, RedisProcess, Red
     watcher = RedisSentinelProcess(tmp_path / "sentinel", master)
     watcher.start()
     asking = sync_redis.Redis(host=LOOPBACK, port=watcher.port, decode_responses=True)
-    deadline = time.monotonic() + 20
-    while not asking.sentinel_slaves(watcher.service):  # learnt from the master's INFO
-        assert time.monotonic() < deadline, "the sentinel never saw the replica"
-        time.sleep(0.05)
+    eventually_sync(  # learnt from the master's INFO
+        lambda: asking.sentinel_slaves(watcher.service), 20, interval=0.05, what="replica seen"
+    )
     asking.close()
     yield master, replica, watcher
     watcher.stop()
@@ -407,9 +395,6 @@ async def test_the_control_subscription_retries_as_soon_as_sentinel_names_a_new_
         )
         return bool(named) and int(named[1]) == replica.port
 
-    async def ready() -> bool:
-        return (await http_get(app.port, "/readyz"))[0] == 200
-
     loop = asyncio.get_running_loop()
     try:
         dead = (LOOPBACK, master.port)
@@ -423,7 +408,7 @@ async def test_the_control_subscription_retries_as_soon_as_sentinel_names_a_new_
         await sentinel.execute_command("SENTINEL", "FAILOVER", watcher.service)
         await eventually(promoted, timeout=30)
         await asyncio.wait_for(waiting, 10)  # at once, not after its 60 s
-        await eventually(ready, timeout=10)
+        await eventually(lambda: is_ready(app.port), 10)
     finally:
         await sentinel.aclose()
 
@@ -471,7 +456,7 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
         assert len(set(exps)) == wins + 1  # each new exp came from exactly one win
         renewed = [
             e
-            for e in await stream_events(redis, settings.key_prefix)
+            for e in await read_events(redis, settings.key_prefix)
             if e["tid"] == str(tid) and e["type"] == "TOKEN_RENEWED"
         ]
         assert len(renewed) == wins

@@ -16,7 +16,10 @@ import pytest
 import yaml
 from redis import asyncio as aioredis
 
-from tests.support import CALM_CLOCKS, EventLog, RawClient, RoundRobinProxy, running_nodes
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.proxies import RoundRobinProxy
+from testkit.tokend_process import CALM_CLOCKS, running_nodes
 from tokend import config
 from tokend.cli import build_parser
 from tokend.config import Settings

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from redis import asyncio as aioredis
 
-from tests.support import LOOPBACK, EventLog, RawClient, eventually, free_port, http_request
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.net import LOOPBACK, free_port, http_request
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.client import connect
 from tokend.server import App

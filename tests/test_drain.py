@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests import support
-from tests.support import EventLog, RawClient, TokendProcess, http_request
+from testkit import tokend_process
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.net import http_request
+from testkit.tokend_process import TokendProcess
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.tokens import TokenService
@@ -27,7 +30,7 @@ EXIT_MARGIN = 3.0
 def node_env(make_settings: Callable[..., Settings], tmp_path: Path) -> dict[str, str]:
     """Settings of the tokend processes: the test Redis and keys; clocks long enough that
     a session survives the drain and its move, short enough that a lost one would expire."""
-    return support.node_env(
+    return tokend_process.node_env(
         make_settings(heartbeat_interval=1, warn_after=4, expire_after=8, drain_period=DRAIN_PERIOD)
     )
 

@@ -17,7 +17,12 @@ import pytest
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
-from tests.support import LOOPBACK, Closed, EventLog, RawClient, RedisProcess, node_env, tid_of
+from testkit.clients import Closed, RawClient, tid_of
+from testkit.events import EventLog
+from testkit.net import LOOPBACK
+from testkit.redis_servers import RedisProcess
+from testkit.tokend_process import node_env
+from testkit.waiting import eventually
 from tokend import events
 from tokend import protocol as p
 from tokend.client import Backoff, connect
@@ -52,13 +57,6 @@ async def pending(redis: aioredis.Redis, keys: Keyspace, group: str) -> list[str
     return owners
 
 
-async def poll(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Until ``check()`` holds: for Redis state, which has no event to await."""
-    async with asyncio.timeout(timeout):
-        while not await check():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-
-
 async def group_created(redis: aioredis.Redis, keys: Keyspace, group: str) -> None:
     async def created() -> bool:
         for stream in keys.streams():
@@ -66,7 +64,7 @@ async def group_created(redis: aioredis.Redis, keys: Keyspace, group: str) -> No
                 return False
         return True
 
-    await poll(created)
+    await eventually(created)
 
 
 @pytest.fixture
@@ -84,7 +82,7 @@ async def test_live_yields_events_published_while_subscribed(
     async def subscribed() -> bool:
         return (await redis.pubsub_numsub(keys.events_channel))[0][1] > subscribers
 
-    await poll(subscribed)
+    await eventually(subscribed)
     tid = await one_session(app, tokens, "watched")
     started = await first
     assert (started["type"], started["tid"], started["sub"]) == ("SESSION_STARTED", tid, "watched")

@@ -24,20 +24,12 @@ import pytest
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
-from tests.support import (
-    LOOPBACK,
-    Closed,
-    EventLog,
-    RawClient,
-    RedisClusterProcess,
-    RedisProcess,
-    RedisSentinelProcess,
-    eventually,
-    http_request,
-    stream_events,
-)
+from testkit.clients import Closed, RawClient, tid_of
+from testkit.events import EventLog, read_events
+from testkit.net import LOOPBACK, http_request
+from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.waiting import eventually, eventually_sync
 from tests.test_cli import tokend
-from tests.test_server import tid_of
 from tokend import config
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
@@ -239,25 +231,13 @@ def replicated(tmp_path: Path) -> Iterator[tuple[RedisProcess, RedisProcess]]:
     )
     try:
         replica.start()
-        wait_in_sync(master, replicas=1)
+        master.wait_replicas(1)
         yield master, replica
     finally:
         if replica.process is not None:
             replica.process.send_signal(signal.SIGCONT)
         replica.kill()
         master.kill()
-
-
-def wait_in_sync(master: RedisProcess, replicas: int, timeout: float = 10) -> None:
-    client = master.client()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = client.info("replication")
-        online = [info[f"slave{n}"] for n in range(info["connected_slaves"])]
-        if len([r for r in online if r["state"] == "online"]) == replicas:
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"{replicas} replicas not in sync: {client.info('replication')}")
 
 
 async def test_auto_waits_for_the_connected_replica_of_a_plain_master(
@@ -314,7 +294,7 @@ async def test_revocations_lost_by_a_failover_are_written_again(
                 assert (await client.expect_close()).code == p.CloseCode.TOKEN_REVOKED
             # Every node heard them (end.lua tells them all).
             known = app.node.revocations
-            await until(lambda: known.knows(live_tid) and known.knows(unused_tid))
+            await eventually(lambda: known.knows(live_tid) and known.knows(unused_tid))
             # A failover that lost two of them: one's session is back as it was before.
             lost = [live_tid, unused_tid]
             for tid in lost:
@@ -335,15 +315,6 @@ async def test_revocations_lost_by_a_failover_are_written_again(
             assert len(events.of("TOKEN_REVOKED", kept_tid)) == 1
     finally:
         await redis.aclose()
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Until ``condition()`` holds: for state of this process (a node's memory)."""
-
-    async def check() -> bool:
-        return condition()
-
-    await eventually(check, timeout)
 
 
 # Settings --------------------------------------------------------------------------------------
@@ -409,7 +380,9 @@ class Topology:
         self.replica.process.send_signal(signal.SIGSTOP)
         master = self.master.client()
         master.execute_command("CLIENT", "KILL", "TYPE", "replica")
-        wait_for(lambda: not master.info("replication")["connected_slaves"], "link cut")
+        eventually_sync(
+            lambda: not master.info("replication")["connected_slaves"], 20, what="link cut"
+        )
 
     def fail_over(self) -> None:
         """SIGKILL the master, wake the stale replica, return once it serves as the master."""
@@ -426,15 +399,6 @@ class Topology:
         longer counts as a replica to wait for (docs/scaling.md)."""
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = 20) -> None:
-    """Poll state in other processes (Redis, sentinels) until ``condition()`` holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not reached in {timeout} s: {what}")
-        time.sleep(0.02)
-
-
 @dataclass
 class SentinelTopology(Topology):
     sentinels: list[RedisSentinelProcess]
@@ -442,14 +406,17 @@ class SentinelTopology(Topology):
     def promote(self) -> None:
         """Sentinel does it: the master down for 300 ms, two of three agree, one leads."""
         clients = [s.client() for s in self.sentinels]
-        wait_for(
+        eventually_sync(
             lambda: all(
                 c.sentinel_get_master_addr_by_name("tokend")[1] == self.replica.port
                 for c in clients
             ),
-            "sentinels promote the replica",
+            20,
+            what="sentinels promote the replica",
         )
-        wait_for(lambda: self.replica.client().info("replication")["role"] == "master", "role")
+        eventually_sync(
+            lambda: self.replica.client().info("replication")["role"] == "master", 20, what="role"
+        )
 
     def forget_the_old_master(self) -> None:
         # The sentinels list the dead master as a replica of the new one until it is back
@@ -474,9 +441,10 @@ class ClusterTopology(Topology):
         """CLUSTER FAILOVER FORCE on the replica: the two live masters vote it in."""
         self.replica.client().execute_command("CLUSTER", "FAILOVER", "FORCE")
         others = [n.client() for n in self.cluster.nodes[1:]]
-        wait_for(
+        eventually_sync(
             lambda: all(_owner_of_slot_0(c) == self.replica.port for c in others),
-            "the other masters see the replica serve master 0's slots",
+            20,
+            what="the other masters see the replica serve master 0's slots",
         )
 
 
@@ -500,16 +468,17 @@ def sentinel_topology(tmp_path: Path) -> Iterator[SentinelTopology]:
     try:
         master.start()
         replica.start()
-        wait_in_sync(master, replicas=1)
+        master.wait_replicas(1)
         for sentinel in sentinels:
             sentinel.start()
         clients = [s.client() for s in sentinels]
-        wait_for(
+        eventually_sync(
             lambda: all(
                 len(c.sentinel_slaves("tokend")) == 1 and len(c.sentinel_sentinels("tokend")) == 2
                 for c in clients
             ),
-            "sentinels know the replica and each other",
+            20,
+            what="sentinels know the replica and each other",
         )
         hosts = ",".join(f"{LOOPBACK}:{s.port}" for s in sentinels)
         yield SentinelTopology(master, replica, f"redis+sentinel://{hosts}/tokend/0", sentinels)
@@ -630,7 +599,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
         await leaving.client.send(p.encode(p.Bye()))
         closed = await leaving.client.expect_close()
         assert (closed.code, closed.reason) == (1013, "bye_not_confirmed")
-        await until(lambda: all(map(app.node.revocations.knows, revoked)))
+        await eventually(lambda: all(map(app.node.revocations.knows, revoked)))
         for holder in holders:
             if holder.tid in revoked:
                 assert await holder.task == p.CloseCode.TOKEN_REVOKED  # wherever it was held
@@ -653,7 +622,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
             await eventually(lambda t=tid: on_the_new_master(t), timeout=20)
         for holder in holding:
             acked = holder.acks
-            await until(lambda h=holder, n=acked: h.acks > n)  # answered by the new master
+            await eventually(lambda h=holder, n=acked: h.acks > n)  # answered by the new master
             assert holder.closed is None, f"{holder.tid} closed with {holder.closed}"
         for tid in (*revoked, str(early_tid)):
             client = await stack.enter_async_context(RawClient.connect(app.port))
@@ -674,7 +643,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
 
         # Events: what was published on the old master alone is missing from the streams;
         # what is there is consistent.
-        stream = await stream_events(fresh, settings.key_prefix)
+        stream = await read_events(fresh, settings.key_prefix)
         in_stream = [(e["type"], e["tid"]) for e in stream]
         for _, tid in window[1:3]:
             assert ("SESSION_STARTED", tid) in [(e["type"], e["tid"]) for e in live.events]

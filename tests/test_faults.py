@@ -10,18 +10,13 @@ from pathlib import Path
 
 from redis import asyncio as aioredis
 
-from tests.support import (
-    EventLog,
-    LatencyProxy,
-    RawClient,
-    RedisProcess,
-    TokendProcess,
-    after_a_full_sweep,
-    http_get,
-    left_to_judge,
-    node_env,
-    stream_events,
-)
+from testkit.clients import RawClient
+from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
+from testkit.net import http_get, is_ready
+from testkit.proxies import LatencyProxy
+from testkit.redis_servers import RedisProcess
+from testkit.tokend_process import TokendProcess, node_env
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.tokens import TokenService
 
@@ -62,9 +57,7 @@ async def test_redis_outage_and_restart(start_app, tokens: TokenService, own_red
 
         redis_proc.start()  # same port, same AOF
         # readyz is what an operator polls; poll it the same way, bounded.
-        async with asyncio.timeout(10):
-            while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
-                await asyncio.sleep(0.1)
+        await eventually(lambda: is_ready(app.port), 10, interval=0.1)
         ack = await held.heartbeat()
         assert ack.exp_ms == welcome.exp_ms
     # The session survived in the AOF and is still live: a new connection resumes it.
@@ -72,7 +65,7 @@ async def test_redis_outage_and_restart(start_app, tokens: TokenService, own_red
         assert (await again.hello(tokens.mint("olga", tid=uuid.UUID(tid)))).resumed
     history = [
         e["type"]
-        for e in await stream_events(client_redis, app.settings.key_prefix)
+        for e in await read_events(client_redis, app.settings.key_prefix)
         if e["tid"] == tid
     ]
     await client_redis.aclose()
@@ -101,7 +94,7 @@ async def test_two_nodes_emit_each_event_once(
             await events.wait_for("TOKEN_EXPIRED", count=sessions, timeout=10)
             await after_a_full_sweep(*(node.admin_port for node in nodes))
             assert await left_to_judge(redis, base.key_prefix, tids) == []
-            history = await stream_events(redis, base.key_prefix)
+            history = await read_events(redis, base.key_prefix)
             for kind in ("SESSION_STARTED", "SESSION_WARN", "TOKEN_EXPIRED"):
                 assert sorted(e["tid"] for e in history if e["type"] == kind) == sorted(tids), kind
             assert {e["node"] for e in events.of("SESSION_STARTED")} == {"node-a", "node-b"}
@@ -127,7 +120,9 @@ async def test_scripts_flushed_mid_session(app, tokens: TokenService, redis, eve
 
 async def test_readyz_reports_a_dead_background_task(app):
     assert app.node is not None
-    sweeper = next(t for t in app.node._tasks if t.get_name() == "sweeper")
+    # The app runs in this loop: its node's sweeper is found by name (tests/test_node.py
+    # holds Node.failed_task to naming it).
+    [sweeper] = [t for t in asyncio.all_tasks() if t.get_name() == "sweeper"]
     sweeper.cancel()  # stands in for a task that crashed
     with contextlib.suppress(asyncio.CancelledError):
         await sweeper
@@ -165,9 +160,7 @@ async def test_redis_unavailable_for_30_s(start_app, tokens: TokenService, own_r
         assert len(acks) >= OUTAGE_S / OUTAGE_CLOCKS["heartbeat_interval"] / 2
         assert all(ack.exp_ms == welcome.exp_ms for ack in acks)
         # The node recovers by itself; readyz is what an operator polls.
-        async with asyncio.timeout(10):
-            while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
-                await asyncio.sleep(0.1)
+        await eventually(lambda: is_ready(app.port), 10, interval=0.1)
         # Held past expire_after after recovery: the session goes on, never expired.
         await heartbeat_until(loop.time() + OUTAGE_CLOCKS["expire_after"] + 1)
         async with RawClient.connect(app.port) as later:
@@ -175,7 +168,7 @@ async def test_redis_unavailable_for_30_s(start_app, tokens: TokenService, own_r
     client_redis = aioredis.from_url(own_redis.url, decode_responses=True)
     history = [
         e["type"]
-        for e in await stream_events(client_redis, app.settings.key_prefix)
+        for e in await read_events(client_redis, app.settings.key_prefix)
         if e["tid"] == tid
     ]
     await client_redis.aclose()
@@ -230,13 +223,12 @@ async def test_slow_redis_fails_fast(start_app, tokens: TokenService, redis_serv
             assert max(waits) < SLOW_TIMEOUT + 1.0, max(waits)
             # Nothing accumulates: one heartbeat entry per connection, tasks back to before.
             assert most_waiting <= 1
-            async with asyncio.timeout(SLOW_TIMEOUT * 2):  # the last closes finish
-                while server_tasks() > baseline_tasks:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            # The last closes finish.
+            await eventually(
+                lambda: server_tasks() <= baseline_tasks, SLOW_TIMEOUT * 2, interval=0.05
+            )
             proxy.delay = 0.0
-            async with asyncio.timeout(10):
-                while (await http_get(app.port, "/readyz"))[0] != 200:  # noqa: ASYNC110
-                    await asyncio.sleep(0.1)
+            await eventually(lambda: is_ready(app.port), 10, interval=0.1)
             await held.heartbeat()
             async with RawClient.connect(app.port) as newcomer:
                 await newcomer.hello(tokens.mint("patient"))

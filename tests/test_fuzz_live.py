@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from websockets.frames import Frame, Opcode
 
-from tests.support import RawClient, WireClient
+from testkit.clients import RawClient, WireClient
 from tokend import protocol as p
 from tokend.server import App
 from tokend.tokens import TokenService

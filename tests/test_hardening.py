@@ -14,17 +14,12 @@ from structlog.testing import CapturingLogger
 from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
 
-from bench.common import proc_cpu
-from tests.support import (
-    CALM_CLOCKS,
-    LOOPBACK,
-    EventLog,
-    RawClient,
-    TokendProcess,
-    WireClient,
-    http_get,
-    node_env,
-)
+from testkit.clients import RawClient, WireClient
+from testkit.events import EventLog
+from testkit.net import LOOPBACK, http_get
+from testkit.procs import proc_cpu
+from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
+from testkit.waiting import eventually
 from tokend import client, connection, store
 from tokend import protocol as p
 from tokend.server import App
@@ -32,13 +27,6 @@ from tokend.tokens import TokenService
 
 SEND_TIMEOUT = 1.0
 PINGS = [Frame(Opcode.PING, bytes(125))] * 20
-
-
-async def until(condition: Callable[[], bool], timeout: float) -> None:
-    """Wait (bounded) for a condition of the in-process server to hold."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 - server state, no event to await
-            await asyncio.sleep(0.02)
 
 
 class BindCapturingLogger(CapturingLogger):
@@ -84,7 +72,7 @@ async def test_a_client_that_stops_reading_is_dropped(
                     hb = p.make_heartbeat(welcome.session_key, welcome.tid, seq, 1)
                     # Pings of the largest size, answered by pongs: more to write.
                     await client.send(Frame(Opcode.BINARY, p.encode(hb)), *PINGS)
-        await until(lambda: not app.node.sessions, 5)
+        await eventually(lambda: not app.node.sessions, 5)
         client.close()
         # The session is not ended: the client may come back and resume it.
         async with RawClient.connect(app.port) as again:
@@ -150,9 +138,7 @@ async def test_descriptors_exhausted(make_settings, tokens: TokenService, tmp_pa
             await client.hello(tokens.mint("after"))
             assert isinstance(await client.heartbeat(), p.HeartbeatAck)
     finally:
-        assert node.stop() == 0
-    while node.read_log(0.1) is not None:
-        pass
+        assert node.stop() == 0  # its log read to the end
     events = [line["event"] for line in node.log_lines]
     assert "handshake refused: near the open-file limit" in events
 

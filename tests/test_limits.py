@@ -8,7 +8,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.support import LOOPBACK, RawClient
+from testkit.clients import RawClient
+from testkit.net import LOOPBACK
 from tokend import protocol as p
 from tokend.tokens import TokenService
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import LOOPBACK
+from testkit.net import LOOPBACK
 
 RUN = Path(__file__).resolve().parent.parent / "load_tests" / "run.py"
 SOAK = RUN.with_name("soak.py")

@@ -6,7 +6,9 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import EventLog, RawClient, http_request
+from testkit.clients import RawClient
+from testkit.events import EventLog
+from testkit.net import http_request
 from tokend import protocol as p
 from tokend.metrics import CONTENT_TYPE, STAGE_SAMPLE_EVERY, Window
 from tokend.server import App

@@ -7,8 +7,12 @@ methods the batchers call, which record what they were given.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +20,16 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from tests.support import RedisProcess
+from testkit.redis_servers import RedisProcess
+from testkit.tokens import minter
 from tokend import node as node_module
 from tokend import protocol as p
 from tokend.answers import HeartbeatAnswer, HelloAnswer
 from tokend.config import Settings
-from tokend.node import HeartbeatBatcher, HelloBatcher
+from tokend.node import HeartbeatBatcher, HelloBatcher, Node
 from tokend.session import Ask, Cadence, Session
 from tokend.store import HeartbeatRequest, Store, connect
-from tokend.tokens import Claims, KeyRing, TokenService
+from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
 
@@ -46,9 +51,11 @@ class Host:
 class Waiter:
     """A connection as the batchers see it; records what they hand it."""
 
-    def __init__(self, host: Host, store: Store, name: str, prio: int = 5) -> None:
+    def __init__(
+        self, host: Host, store: Store, name: str, prio: int = 5, sub: str | None = None
+    ) -> None:
         self.session = Session(host, CADENCE, f"node-a/{name}", time.monotonic)
-        self.token = host.tokens.mint(name, prio=prio)
+        self.token = host.tokens.mint(sub or name, prio=prio)
         self.store = store
         self.heartbeat_request: HeartbeatRequest | None = None
         self.calls: list[tuple[str, Any]] = []
@@ -98,7 +105,7 @@ class Waiter:
 
 @pytest.fixture
 def host(settings: Settings) -> Host:
-    return Host(TokenService(settings, KeyRing.open(settings.resolved_keys_dir)))
+    return Host(minter(settings))
 
 
 @pytest.fixture
@@ -109,13 +116,18 @@ async def store(settings: Settings) -> AsyncIterator[Store]:
 
 
 async def started(
-    host: Host, store: Store, names: list[str], prios: list[int] | None = None
+    host: Host,
+    store: Store,
+    names: list[str],
+    prios: list[int] | None = None,
+    subs: list[str] | None = None,
 ) -> list[Waiter]:
-    """Waiters whose sessions HELLO started, through one HelloBatcher flush."""
+    """Waiters whose sessions HELLO started, through one HelloBatcher flush (the sub of
+    each is its name, unless ``subs`` says)."""
     hellos = HelloBatcher(store)
     waiters = [
-        Waiter(host, store, name, prio)
-        for name, prio in zip(names, prios or [5] * len(names), strict=True)
+        Waiter(host, store, name, prio, sub)
+        for name, prio, sub in zip(names, prios or [5] * len(names), subs or names, strict=True)
     ]
     for waiter in waiters:
         waiter.hello()
@@ -246,3 +258,60 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
         assert not batcher.unstored
     finally:
         await client.aclose()
+
+
+# The node itself: its background tasks and its bookkeeping of the sessions it holds.
+
+
+@pytest.fixture
+async def node(make_settings: Callable[..., Settings]) -> AsyncIterator[Node]:
+    """A node on the test Redis, not started; stopped (if started) at teardown."""
+    settings = make_settings(max_sessions_per_sub=2)
+    client = connect(settings.redis_url, settings)
+    made = Node(settings, client, minter(settings))
+    yield made
+    if made.running:
+        await made.stop()
+    await client.aclose()
+
+
+async def test_a_started_node_is_subscribed_and_names_a_background_task_that_ended(
+    node: Node,
+) -> None:
+    await node.start()
+    assert node.subscribed.is_set() and node.failed_task() is None
+    # Found by its name, the one failed_task() reports (and /readyz shows).
+    [sweeper] = [t for t in asyncio.all_tasks() if t.get_name() == "sweeper"]
+    sweeper.cancel()  # stands in for a task that crashed
+    with contextlib.suppress(asyncio.CancelledError):
+        await sweeper
+    assert node.failed_task() == "sweeper"
+
+
+async def test_connection_ids_are_unique_and_name_the_node(node: Node) -> None:
+    assert [node.new_conn_id() for _ in range(3)] == ["node-a/1", "node-a/2", "node-a/3"]
+
+
+async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Node) -> None:
+    host = Host(node.tokens)
+    alice_1, alice_2, bob = await started(
+        host, node.store, ["alice-1", "alice-2", "bob"], subs=["alice", "alice", "bob"]
+    )
+    for waiter in (alice_1, alice_2, bob):
+        node.attach(waiter)  # type: ignore[arg-type]
+    alice_2.session.warn()
+    assert node.sessions_by_state() == {"ACTIVE": 2, "WARN": 1}
+    claims = alice_1.session.claims
+    assert claims is not None
+    # Alice holds two sessions here: at the cap of 2 for a third, not for a resume of one.
+    assert node.other_sessions_of("alice", uuid.uuid4()) == 2
+    assert node.other_sessions_of("alice", claims.tid) == 1
+    assert node.sub_is_full(replace(claims, tid=uuid.uuid4()))
+    assert not node.sub_is_full(claims)
+    node.detach(alice_1)  # type: ignore[arg-type]
+    node.detach(alice_1)  # twice: a connection ends once, whatever calls it
+    assert node.other_sessions_of("alice", uuid.uuid4()) == 1
+    assert node.sessions_by_state() == {"ACTIVE": 1, "WARN": 1}
+    node.detach(alice_2)  # type: ignore[arg-type]
+    node.detach(bob)  # type: ignore[arg-type]
+    assert node.sessions == {} and node.sub_sessions == {}

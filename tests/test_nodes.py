@@ -19,19 +19,10 @@ import psutil
 import pytest
 from redis import asyncio as aioredis
 
-from tests.support import (
-    CALM_CLOCKS,
-    LOOPBACK,
-    EventLog,
-    RawClient,
-    TokendProcess,
-    after_a_full_sweep,
-    left_to_judge,
-    node_env,
-    running_nodes,
-    stream_events,
-    tid_of,
-)
+from testkit.clients import RawClient, tid_of
+from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
+from testkit.net import LOOPBACK
+from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env, running_nodes
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
 from tokend.embedded import socket_url
@@ -85,7 +76,7 @@ async def test_session_hops_three_nodes_then_revocation_finds_it(
                 assert await refused_with(node.port, token) == p.CloseCode.TOKEN_REVOKED
             await events.wait_for("TOKEN_REVOKED", tid)
     history = [
-        (e["type"], e["node"], e.get("by")) for e in await stream_events(redis, settings.key_prefix)
+        (e["type"], e["node"], e.get("by")) for e in await read_events(redis, settings.key_prefix)
     ]
     # node: the node holding the session; by: who revoked it (the command, on this host).
     assert history == [
@@ -188,7 +179,7 @@ async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
             await after_a_full_sweep(survivor.admin_port)
             assert await left_to_judge(redis, settings.key_prefix, sorted(left)) == []
 
-    history = await stream_events(redis, settings.key_prefix)
+    history = await read_events(redis, settings.key_prefix)
     counts = Counter((e["tid"], e["type"]) for e in history)
     for tid in resumed:
         assert counts[tid, "SESSION_STARTED"] == 1, tid

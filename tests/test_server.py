@@ -13,20 +13,12 @@ import jwt
 import pytest
 import redis as redis_lib
 
-from tests.support import (
-    CALM_CLOCKS,
-    EventLog,
-    RawClient,
-    RedisProcess,
-    TokendProcess,
-    after_a_full_sweep,
-    http_get,
-    http_request,
-    left_to_judge,
-    node_env,
-    stream_events,
-    tid_of,
-)
+from testkit.clients import RawClient, tid_of
+from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
+from testkit.net import http_get, http_request
+from testkit.redis_servers import RedisProcess
+from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
+from testkit.tokens import minter
 from tokend import protocol as p
 from tokend.server import App
 from tokend.store import Store, connect
@@ -113,7 +105,7 @@ async def test_silence_expires_once(app: App, tokens: TokenService, events: Even
     assert expired[0]["reason"] == "heartbeat_timeout"
     await after_a_full_sweep(app.admin.port)  # no sweep has a duplicate left to write
     assert await left_to_judge(redis, app.settings.key_prefix, [tid]) == []
-    stream = [e for e in await stream_events(redis, app.settings.key_prefix) if e["tid"] == tid]
+    stream = [e for e in await read_events(redis, app.settings.key_prefix) if e["tid"] == tid]
     assert [e["type"] for e in stream] == ["SESSION_STARTED", "SESSION_WARN", "TOKEN_EXPIRED"]
 
 
@@ -175,9 +167,8 @@ async def test_invalid_token(app: App, token: str):
 
 
 async def test_token_from_other_keys_is_invalid(app: App, tmp_path, settings):
-    from tokend.tokens import KeyRing
 
-    stranger = TokenService(settings, KeyRing.open(tmp_path / "other-keys")).mint("mallory")
+    stranger = minter(settings, tmp_path / "other-keys").mint("mallory")
     assert await refused_at_hello(app.port, stranger) == (p.CloseCode.INVALID_TOKEN, "unknown_kid")
 
 

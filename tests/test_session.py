@@ -14,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from tokend import config
+from testkit.tokens import minter_in
 from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.clocks import serving_rank
 from tokend.session import Ask, Cadence, Close, Phase, Session
-from tokend.tokens import Claims, KeyRing, TokenService
+from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(heartbeat_ms=1_000, warn_ms=3_000, expire_ms=4_000, max_frame_rate=5)
-IAT_S = int(time.time())
-EXP_MS = (IAT_S + 600) * 1000  # the session's exp, as the store says it
+IAT_S = int(time.time())  # at import: a whole run later, tokens minted then are still valid
+SESSION_S = 3600
+EXP_MS = (IAT_S + SESSION_S) * 1000  # the session's exp, as the store says it
 OK = HeartbeatOutcome.OK
 
 
@@ -56,8 +57,7 @@ class Host:
 
 @pytest.fixture
 def tokens(tmp_path: Path) -> TokenService:
-    settings = config.load({"keys_dir": str(tmp_path / "keys")}, environ={})
-    return TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    return minter_in(tmp_path / "keys")
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def closed(out: object, code: p.CloseCode, reason: str) -> None:
 
 
 def welcome(
-    session: Session, tokens: TokenService, *, resumed: bool = False, ttl_s: int = 600
+    session: Session, tokens: TokenService, *, resumed: bool = False, ttl_s: int = SESSION_S
 ) -> p.Welcome:
     """HELLO with a fresh token for "alice" (its exp the session's unless ``ttl_s`` says
     otherwise), the store's answer; the WELCOME sent."""
@@ -342,8 +342,8 @@ def test_a_client_with_a_stale_exp_gets_the_token_again(
 def test_a_resume_with_an_older_token_gets_the_current_one(
     session: Session, tokens: TokenService
 ) -> None:
-    # The token's exp (300 s) is older than the session's (600 s): the first ACK re-sends.
-    w = welcome(session, tokens, resumed=True, ttl_s=300)
+    # The token's exp is older than the session's: the first ACK re-sends.
+    w = welcome(session, tokens, resumed=True, ttl_s=SESSION_S // 2)
     session.receive(heartbeat(w, 1, EXP_MS))
     [ack] = store_one(session, stored())
     assert ack.resent and ack.token

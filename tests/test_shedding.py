@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
 from tokend.clocks import RANKS, serving_rank
@@ -21,6 +21,7 @@ from .test_session import (
     CADENCE,
     EXP_MS,
     IAT_S,
+    SESSION_S,
     FakeClock,
     Host,
     clock,
@@ -43,13 +44,6 @@ def heartbeat_key(session: Session) -> p.Welcome:
     frame = p.decode(out)
     assert isinstance(frame, p.Welcome)
     return frame
-
-
-async def eventually(condition: Callable[[], bool], timeout: float) -> None:
-    """Wait until ``condition()``: the shedder's level offers nothing to await."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 - nothing to await instead
-            await asyncio.sleep(WINDOW / 4)
 
 
 def test_a_heartbeat_ranked_among_the_shed_is_refused_with_1013(
@@ -82,7 +76,7 @@ def test_a_heartbeat_on_cadence_is_stored_before_floods_of_better_ranked_session
     host: Host, tokens: TokenService, clock: FakeClock
 ) -> None:
     low = Session(host, CADENCE, "node-a/1", clock)
-    assert low.receive(p.Hello(tokens.mint("bob", ttl_s=600, iat=IAT_S, prio=0))) is Ask.START
+    assert low.receive(p.Hello(tokens.mint("bob", ttl_s=SESSION_S, iat=IAT_S, prio=0))) is Ask.START
     w = heartbeat_key(low)
     high = Session(host, CADENCE, "node-a/2", clock)
     h = welcome(high, tokens)  # prio 5
@@ -121,10 +115,10 @@ def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
 ) -> None:
     shed_from = serving_rank(4, False)  # ACTIVE sessions of prio 4 and below, every WARN
     low = Session(host, CADENCE, "node-a/1", time.monotonic)
-    hello = p.Hello(tokens.mint("bob", ttl_s=600, iat=IAT_S, prio=4))
+    hello = p.Hello(tokens.mint("bob", ttl_s=SESSION_S, iat=IAT_S, prio=4))
     assert low.receive(hello, shed_from) == SHED
     high = Session(host, CADENCE, "node-a/2", time.monotonic)
-    hello = p.Hello(tokens.mint("carol", ttl_s=600, iat=IAT_S, prio=5))
+    hello = p.Hello(tokens.mint("carol", ttl_s=SESSION_S, iat=IAT_S, prio=5))
     assert high.receive(hello, shed_from) is Ask.START
 
 
@@ -182,10 +176,10 @@ async def test_a_late_loop_makes_the_node_shed_and_a_calm_one_stop() -> None:
 
     try:
         hog()
-        await eventually(lambda: shedder.active, 20 * WINDOW)
+        await eventually(lambda: shedder.active, 20 * WINDOW, interval=WINDOW / 4)
         assert shedder.shed_from == serving_rank(0, False)
         busy = False
-        await eventually(lambda: not shedder.active, 10 * CALM_FOR)
+        await eventually(lambda: not shedder.active, 10 * CALM_FOR, interval=WINDOW / 4)
     finally:
         running = busy = False
         await task
@@ -198,7 +192,7 @@ async def test_a_heartbeat_backlog_makes_the_node_shed() -> None:
     running = True
     task = asyncio.create_task(shedder.run(lambda: running))
     try:
-        await eventually(lambda: shedder.active, 20 * WINDOW)
+        await eventually(lambda: shedder.active, 20 * WINDOW, interval=WINDOW / 4)
     finally:
         running = False
         await task

@@ -13,7 +13,9 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from tests.support import EventLog, RedisProcess, free_port
+from testkit.events import EventLog
+from testkit.net import free_port
+from testkit.redis_servers import RedisProcess
 from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
 from tokend.packing import FASTER, HiredisConnection, HiredisPacking

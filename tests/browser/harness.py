@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import LOOPBACK
+from testkit.net import LOOPBACK
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

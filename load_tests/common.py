@@ -1,0 +1,75 @@
+"""What soak.py and overload.py share: client source addresses, the embedded Redis of
+the server under test, heartbeat figures, and how a run ends (report, JSON, status)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from redis import asyncio as aioredis
+
+from bench.common import Child, latency_summary
+from tokend.embedded import socket_url
+
+
+def sources(count: int) -> list[str]:
+    """Loopback source addresses, one per client process: 127.0.0.2, 127.0.0.3, ..."""
+    return [f"127.0.{(2 + i) // 256}.{(2 + i) % 256}" for i in range(count)]
+
+
+def pool_redis(server: Child) -> aioredis.Redis:
+    """A client of the embedded Redis of ``server`` (its data directory's socket)."""
+    return aioredis.from_url(socket_url(server.log.parent), decode_responses=True)
+
+
+def merged(replies: Sequence[dict[str, Any]], key: str) -> dict[str, int]:
+    """The load generators' counters under ``key``, summed."""
+    total: Counter[str] = Counter()
+    for reply in replies:
+        total.update(reply[key])
+    return dict(total)
+
+
+def heartbeat_figures(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Heartbeats sent and ACKed, closes and ACK latency over the load generators' replies
+    to ``soak``."""
+    return {
+        "sent": sum(r["sent"] for r in replies),
+        "acks": sum(r["acks"] for r in replies),
+        "closes": merged(replies, "closes"),
+        "ack_latency": latency_summary([x for r in replies for x in r["latencies_us"]]),
+    }
+
+
+def latency_line(latency: dict[str, float]) -> str:
+    return (
+        f"p50 {latency['p50_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms, "
+        f"max {latency['max_ms']:.2f} ms"
+    )
+
+
+@contextlib.contextmanager
+def scratch(prefix: str, *, keep: bool = False) -> Iterator[Path]:
+    """A temporary directory for everything a run starts (data, logs), removed at the end
+    unless ``keep``: once it is gone, so is every process that ran in it."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def finish(figures: dict[str, Any], problems: list[str], report: str, to: Path | None) -> int:
+    """Print the report, write the figures (and problems) as JSON to ``to`` if given; the
+    exit status: 0 when nothing failed."""
+    print(report)
+    if to:
+        to.write_text(json.dumps({**figures, "problems": problems}, indent=2))
+    return 1 if problems else 0

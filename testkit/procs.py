@@ -1,0 +1,111 @@
+"""Processes seen from ``/proc``: their RSS, CPU time and children, CPU pinning, and
+stopping one for good."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def fd_limit() -> int:
+    """The soft open-file limit each process (server or client) has here."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def proc_rss(pid: int) -> int:
+    """Resident set size of a live process, in bytes (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ProcessLookupError(f"no VmRSS for pid {pid}")
+
+
+def proc_children(pid: int) -> list[int]:
+    """The live child processes of a process (empty if it has gone).
+
+    Each thread lists the children it started (tokend starts its embedded Redis from a
+    worker thread), so all threads are read.
+    """
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread (or the process) may end meanwhile
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def proc_cpu(pid: int, *, children: bool = True) -> float:
+    """User + system CPU seconds a live process (and its live children) have used so far.
+
+    (The children count for ``tokend serve --workers N``, whose workers do the work.)
+    """
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    after_name = stat.rpartition(")")[2].split()
+    own = (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+    for child_pid in proc_children(pid) if children else ():
+        with contextlib.suppress(OSError):  # it may have exited meanwhile
+            own += proc_cpu(child_pid)
+    return own
+
+
+def pin(pid: int, cpus: frozenset[int] | None) -> None:
+    """Restrict every thread of a process to these CPUs (no-op when ``cpus`` is None)."""
+    if cpus is None:
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def cpu_split() -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(server CPUs, everything else): the server under test gets a core to itself.
+
+    On one CPU nothing is pinned.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return frozenset(cpus[:1]), frozenset(cpus[1:])
+
+
+class CpuMeter:
+    """CPU use of some processes over a window, as a percentage of one core.
+
+    ``own`` names the processes measured without their children.
+    """
+
+    def __init__(self, pids: dict[str, int], own: frozenset[str] = frozenset()) -> None:
+        self.pids = pids
+        self.own = own
+        self._start: tuple[float, dict[str, float]] | None = None
+
+    def _cpu(self, name: str) -> float:
+        return proc_cpu(self.pids[name], children=name not in self.own)
+
+    def start(self) -> None:
+        self._start = (time.monotonic(), {n: self._cpu(n) for n in self.pids})
+
+    def stop(self) -> dict[str, float]:
+        assert self._start is not None
+        began, cpu = self._start
+        wall = max(time.monotonic() - began, 1e-9)
+        return {n: round(100 * (self._cpu(n) - cpu[n]) / wall, 1) for n in self.pids}
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float) -> bool:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``; True if it ended
+    on SIGTERM (or had ended already)."""
+    if process.poll() is not None:
+        return True
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+        return False

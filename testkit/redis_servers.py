@@ -1,0 +1,244 @@
+"""Private redis-servers on loopback ports (never the machine's shared one): one alone,
+a cluster of three masters, a sentinel. The binary is ``redis-server`` on PATH or the
+embedded extra's Valkey (:func:`tokend.embedded.find_server_binary`)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import redis
+from redis.cluster import key_slot
+
+from testkit.net import LOOPBACK, free_port
+from testkit.waiting import eventually_sync
+from tokend.embedded import find_server_binary
+
+
+def _until_answering(
+    process: subprocess.Popen[bytes], log: Path, probe: Callable[[], object], timeout: float
+) -> None:
+    """Until ``probe()`` (a command to the new server) answers truthy; the server's log
+    as the error if it exits first."""
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(log.read_text())
+        with contextlib.suppress(redis.RedisError):
+            return bool(probe())
+        return False
+
+    eventually_sync(answers, timeout, what=f"{log.stem} answering")
+
+
+class RedisProcess:
+    """A private redis-server on a loopback port, never the machine's shared one."""
+
+    def __init__(
+        self, directory: Path, *, aof: bool = False, extra_args: Sequence[str] = ()
+    ) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.aof = aof
+        self.extra_args = extra_args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [
+                find_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                LOOPBACK,
+                "--dir",
+                str(self.directory),
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.aof else "no",
+                "--appendfsync",
+                "always",
+                "--logfile",
+                str(self.directory / "redis.log"),
+                *self.extra_args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
+        _until_answering(self.process, self.directory / "redis.log", client.ping, 10)
+
+    def wait_replicas(self, count: int = 1, timeout: float = 10) -> None:
+        """Until ``count`` replicas are connected and online (in sync) with this master."""
+        client = self.client()
+
+        def in_sync() -> bool:
+            info = client.info("replication")
+            online = [info[f"slave{n}"] for n in range(info["connected_slaves"])]
+            return len([r for r in online if r["state"] == "online"]) == count
+
+        eventually_sync(in_sync, timeout, what=f"{count} replica(s) in sync")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=10)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
+
+
+class RedisClusterProcess:
+    """Three cluster-enabled masters on loopback ports, no replicas, all slots assigned."""
+
+    SLOTS = 16384
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.directory = directory
+        self.bus_ports = [free_port() for _ in range(masters)]
+        self.nodes = [self._node(f"node-{n}", self.bus_ports[n]) for n in range(masters)]
+        self.replicas: list[RedisProcess] = []
+
+    def _node(self, name: str, bus_port: int) -> RedisProcess:
+        return RedisProcess(
+            self.directory / name,
+            # An explicit bus port: the default (port + 10000) may be taken or too high.
+            extra_args=(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                str(bus_port),
+                "--cluster-node-timeout",
+                "5000",
+                # A new replica's first sync starts at once, not 5 s later.
+                "--repl-diskless-sync-delay",
+                "0",
+            ),
+        )
+
+    def master_of(self, key: str) -> int:
+        """Which node (index) serves ``key``'s slot, as :meth:`start` assigned them."""
+        share = self.SLOTS // len(self.nodes)
+        return min(key_slot(key.encode()) // share, len(self.nodes) - 1)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"{LOOPBACK}:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 20) -> None:
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]
+        share = self.SLOTS // len(self.nodes)  # the split master_of() assumes
+        for n, client in enumerate(clients):
+            last = self.SLOTS - 1 if n == len(clients) - 1 else (n + 1) * share - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, last)
+            client.execute_command(
+                "CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.bus_ports[0]
+            )
+        eventually_sync(
+            lambda: all(c.cluster("INFO")["cluster_state"] == "ok" for c in clients),
+            timeout,
+            interval=0.05,
+            what="redis cluster at cluster_state:ok",
+        )
+
+    def add_replica(self, master: int, timeout: float = 20) -> RedisProcess:
+        """A new node replicating ``self.nodes[master]``, returned once it is in sync and
+        every master lists it as that master's replica."""
+        replica = self._node(f"replica-{len(self.replicas)}", free_port())
+        self.replicas.append(replica)
+        replica.start()
+        client = redis.Redis(host=LOOPBACK, port=replica.port, socket_timeout=2)
+        masters = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]
+        master_id = masters[master].execute_command("CLUSTER", "MYID").decode()
+        client.execute_command("CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.bus_ports[0])
+
+        def replicating() -> bool:
+            with contextlib.suppress(redis.ResponseError):  # the master is not known yet
+                client.execute_command("CLUSTER", "REPLICATE", master_id)
+                return True
+            return False
+
+        # Each master's node table names it as this master's replica (gossip takes a moment).
+        row = b" slave " + master_id.encode() + b" "
+
+        def listed() -> bool:
+            synced = client.info("replication").get("master_link_status") == "up"
+            return synced and all(row in m.execute_command("CLUSTER", "NODES") for m in masters)
+
+        eventually_sync(replicating, timeout, interval=0.05, what="CLUSTER REPLICATE accepted")
+        eventually_sync(listed, timeout, interval=0.05, what="cluster replica in sync")
+        return replica
+
+    def stop(self) -> None:
+        for node in self.nodes + self.replicas:
+            node.stop()
+
+
+class RedisSentinelProcess:
+    """A redis-server in sentinel mode watching ``master`` as service ``service``."""
+
+    def __init__(
+        self,
+        directory: Path,
+        master: RedisProcess,
+        service: str = "tokend",
+        *,
+        quorum: int = 1,
+        options: dict[str, int] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.master = master
+        self.service = service
+        self.quorum = quorum
+        # Per-service settings: down-after-milliseconds, failover-timeout...
+        self.options = options or {}
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://{LOOPBACK}:{self.port}/{self.service}/0"
+
+    def start(self, timeout: float = 10) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        conf = self.directory / "sentinel.conf"  # sentinel rewrites its config file
+        conf.write_text(
+            f"port {self.port}\nbind {LOOPBACK}\ndir {self.directory}\n"
+            f"logfile {self.directory / 'sentinel.log'}\n"
+            f"sentinel monitor {self.service} {LOOPBACK} {self.master.port} {self.quorum}\n"
+            + "".join(f"sentinel {k} {self.service} {v}\n" for k, v in self.options.items())
+        )
+        self.process = subprocess.Popen(
+            [find_server_binary(), str(conf), "--sentinel"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
+        _until_answering(
+            self.process,
+            self.directory / "sentinel.log",
+            lambda: client.sentinel_get_master_addr_by_name(self.service),
+            timeout,
+        )
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
