@@ -34,6 +34,7 @@ import structlog
 from redis import exceptions as rexc
 
 from tokend import events, health
+from tokend.answers import EndOutcome
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokend.node import Node
 from tokend.store import NotConfirmed, StoreUnavailable
@@ -58,6 +59,11 @@ DASHBOARD_TYPES = {
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
 _STATES = ("ACTIVE", "WARN")
+_REVOKE_RESULTS = {
+    EndOutcome.ENDED: "revoked",
+    EndOutcome.BARRED: "barred",
+    EndOutcome.ALREADY_ENDED: "already_ended",
+}
 
 
 class HTTPError(Exception):
@@ -402,7 +408,7 @@ class AdminServer:
                 "wanted": exc.wanted,
             }
             return Response.json(http.HTTPStatus.GATEWAY_TIMEOUT, body)
-        result = {1: "revoked", 2: "barred", 0: "already_ended"}[outcome]
+        result = _REVOKE_RESULTS[outcome]
         return Response.json(http.HTTPStatus.OK, {"tid": str(tid), "result": result})
 
     async def _list(self, request: Request, params: dict[str, str]) -> Response:

@@ -195,6 +195,7 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
     if tid is None:
         return 2
 
+    from tokend.answers import EndOutcome
     from tokend.store import NotConfirmed
 
     async def revoke(store: Store) -> int:
@@ -208,7 +209,11 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
             )
             return EXIT_NOT_CONFIRMED
         print(
-            {1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result]
+            {
+                EndOutcome.ENDED: "revoked live session",
+                EndOutcome.BARRED: "revoked (no live session)",
+                EndOutcome.ALREADY_ENDED: "already ended",
+            }[result]
         )
         return 0
 

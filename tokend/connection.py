@@ -36,7 +36,7 @@ from websockets.streams import StreamReader
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
-from tokend.answers import HeartbeatAnswer, HelloAnswer
+from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
 from tokend.store import Known, NotConfirmed, StoreUnavailable
 
@@ -484,7 +484,7 @@ class Connection(asyncio.Protocol):
                 session.claims.tid,
                 conn=session.conn,
                 event="SESSION_CLOSED",
-                tomb="closed",
+                tomb=Ended.CLOSED,
                 code=None,
             )
         except NotConfirmed:

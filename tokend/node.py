@@ -30,6 +30,7 @@ import structlog
 from redis import exceptions as rexc
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from tokend.answers import Swept
 from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
@@ -403,11 +404,11 @@ class Node:
         # Logged by the one node whose script made them: each WARN (the spec asks for
         # it), the expiries of a sweep in one line.
         for tid, what, conn in await self.store.transitions(claimed):
-            if what == "gone":
+            if what is Swept.GONE:
                 # Only when no node swept for expire_after past the token's exp: the
                 # script dropped the orphaned deadline entry.
                 vanished += 1
-            elif what == "warn":
+            elif what is Swept.WARN:
                 self.log.warning("session warn", tid=tid)
                 if conn:
                     self._act("notice", tid, conn, None)

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
+from enum import Enum
 from importlib import resources
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
@@ -43,10 +44,20 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
-from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
+from tokend.answers import (
+    Ended,
+    EndOutcome,
+    HeartbeatAnswer,
+    HeartbeatOutcome,
+    HelloAnswer,
+    HelloOutcome,
+    Swept,
+)
+from tokend.clocks import ExpiryReason, State
 from tokend.config import ConfigError, Settings
 from tokend.durability import known_replicas, then_wait
 from tokend.packing import pack_with_hiredis
+from tokend.protocol import CloseCode
 
 log = structlog.get_logger("tokend.store")
 
@@ -87,11 +98,46 @@ class NotConfirmed(StoreUnavailable):
     """The master made the change, but fewer replicas than ``durable_replicas`` acknowledged
     it within ``durable_timeout``: a failover may still undo it."""
 
-    def __init__(self, outcome: int, acknowledged: int, wanted: int, timeout: float) -> None:
+    def __init__(self, outcome: EndOutcome, acknowledged: int, wanted: int, timeout: float) -> None:
         super().__init__(f"{acknowledged} of {wanted} replicas acknowledged it within {timeout} s")
         self.outcome = outcome
         self.acknowledged = acknowledged
         self.wanted = wanted
+
+
+# The session hash's fields (docs/protocol.md "Store layout"); the scripts read them by
+# these names only (load_session in _prelude.lua).
+SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since")
+
+# The Python values the scripts use, as Lua tables of the same names: a close code, a
+# state or an outcome is spelt in one place, and a reply is one of the enum's values.
+LUA_CONSTANTS: dict[str, type[Enum]] = {
+    "CLOSE": CloseCode,
+    "STATE": State,
+    "EXPIRY": ExpiryReason,
+    "ENDED": Ended,
+    "HELLO_OUTCOME": HelloOutcome,
+    "HEARTBEAT_OUTCOME": HeartbeatOutcome,
+    "END_OUTCOME": EndOutcome,
+    "SWEPT": Swept,
+}
+
+
+def _lua_value(value: object) -> str:
+    if isinstance(value, int):
+        return str(value)
+    assert isinstance(value, str) and value.isidentifier(), value
+    return f"'{value}'"
+
+
+def lua_constants() -> str:
+    """The Lua that declares :data:`LUA_CONSTANTS` and :data:`SESSION_FIELDS`."""
+    lines = [
+        f"local {name} = {{" + ", ".join(f"{m.name} = {_lua_value(m.value)}" for m in enum) + "}"
+        for name, enum in LUA_CONSTANTS.items()
+    ]
+    lines.append("local SESSION_FIELDS = {" + ", ".join(map(_lua_value, SESSION_FIELDS)) + "}")
+    return "\n".join(lines) + "\n"
 
 
 def _source(name: str) -> str:
@@ -99,11 +145,11 @@ def _source(name: str) -> str:
 
 
 class Script:
-    """One Lua script (prelude + body), called by SHA and reloaded on NOSCRIPT."""
+    """One Lua script (constants, prelude, body), called by SHA and reloaded on NOSCRIPT."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = _source("_prelude.lua") + _source(f"{name}.lua")
+        self.source = lua_constants() + _source("_prelude.lua") + _source(f"{name}.lua")
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
 
@@ -714,11 +760,11 @@ class Store:
         conn: str,
         event: str,
         tomb: str,
-        code: int | None,
+        code: CloseCode | None,
         by: str = "",
-    ) -> int:
-        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code 4506, ``by``
-        who asked).
+    ) -> EndOutcome:
+        """BYE (``conn`` set, no code) or revocation (``conn`` empty, code TOKEN_REVOKED,
+        ``by`` who asked).
 
         Returns end.lua's outcome once ``durable_replicas`` replicas hold it; raises
         :class:`NotConfirmed` when they did not acknowledge it in time (a BYE that
@@ -729,7 +775,7 @@ class Store:
         reply, acknowledged, wanted = await self._eval_durably(
             END, self.keys.script_keys(tid), args
         )
-        outcome = int(reply)
+        outcome = EndOutcome(reply)
         if acknowledged < wanted and not (conn and not outcome):
             raise NotConfirmed(outcome, acknowledged, wanted, self.durable_timeout)
         return outcome
@@ -749,13 +795,12 @@ class Store:
             min(upcoming, default=None),
         )
 
-    async def transitions(self, claimed: Sequence[Sequence[str]]) -> list[tuple[str, str, str]]:
+    async def transitions(self, claimed: Sequence[Sequence[str]]) -> list[tuple[str, Swept, str]]:
         """Judge the claimed sessions (tids by shard) and make the transitions due.
 
         One script call per shard (transition.lua), all in one round trip. Returns the
-        transitions made, as (tid, what, conn): ``what`` is "warn", an expiry reason,
-        or "gone" for a session that vanished unswept; ``conn`` is the connection of
-        this node to warn or close (the script sends no control message for it), or "".
+        transitions made, as (tid, what, conn): ``conn`` is the connection of this node
+        to warn or close (the script sends no control message for it), or "".
         """
         calls, tids = [], []
         for shard, shard_tids in enumerate(claimed):
@@ -768,20 +813,25 @@ class Store:
         made = []
         replies = (reply for shard in await self._eval_many(calls) for reply in shard)
         for tid, reply in zip(tids, replies, strict=True):
-            if reply == -1:
-                made.append((tid, "gone", ""))
-            elif reply:
-                made.append((tid, *reply))
+            if reply:
+                made.append((tid, Swept(reply[0]), reply[1]))
         return made
 
-    async def revoke(self, tid: uuid.UUID, by: str) -> int:
-        """Revoke a token: its session ends wherever it is (close 4506) and it is barred.
+    async def revoke(self, tid: uuid.UUID, by: str) -> EndOutcome:
+        """Revoke a token: its session ends wherever it is (close TOKEN_REVOKED) and it is
+        barred.
 
-        ``by`` names who asked, in the TOKEN_REVOKED event (docs/events.md). Returns 1
-        when a live session was ended, 2 when only the bar was written, 0 when the token
-        had already ended; raises :class:`NotConfirmed` as :meth:`end` does.
+        ``by`` names who asked, in the TOKEN_REVOKED event (docs/events.md). Raises
+        :class:`NotConfirmed` as :meth:`end` does.
         """
-        return await self.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506, by=by)
+        return await self.end(
+            tid,
+            conn="",
+            event="TOKEN_REVOKED",
+            tomb=Ended.REVOKED,
+            code=CloseCode.TOKEN_REVOKED,
+            by=by,
+        )
 
     async def replication_ids(self) -> dict[str, str]:
         """Each master's replication id, by node name on a Cluster ("" for the one master).
@@ -891,12 +941,12 @@ _REVOKED = HelloAnswer(HelloOutcome.ENDED, ended=Ended.REVOKED)
 
 
 def _hello_answer(reply: list[Any]) -> HelloAnswer:
-    outcome = reply[0]
-    if outcome in ("started", "resumed"):
-        return HelloAnswer(HelloOutcome(outcome), int(reply[1]), int(reply[2]), int(reply[3]))
-    if outcome == "tomb":
-        return HelloAnswer(HelloOutcome.ENDED, ended=_ended(reply[1]))
-    return HelloAnswer(HelloOutcome(outcome))
+    outcome = HelloOutcome(reply[0])
+    if outcome is HelloOutcome.STARTED or outcome is HelloOutcome.RESUMED:
+        return HelloAnswer(outcome, int(reply[1]), int(reply[2]), int(reply[3]))
+    if outcome is HelloOutcome.ENDED:
+        return HelloAnswer(outcome, ended=_ended(reply[1]))
+    return HelloAnswer(outcome)
 
 
 _TAKEN = HeartbeatAnswer(HeartbeatOutcome.TAKEN)
@@ -907,9 +957,9 @@ def _heartbeat_answer(reply: int | list[Any]) -> HeartbeatAnswer:
     if type(reply) is int:  # stored; only the exp, and iat unchanged (heartbeat.lua)
         return HeartbeatAnswer(_OK, False, False, reply)
     assert isinstance(reply, list)
-    if reply[0] == "ok":
+    if reply[0] == _OK:
         return HeartbeatAnswer(_OK, bool(reply[1]), bool(reply[2]), int(reply[3]), int(reply[4]))
-    if reply[0] == "gone":
+    if reply[0] == HeartbeatOutcome.GONE:
         return HeartbeatAnswer(HeartbeatOutcome.GONE, ended=_ended(reply[1]))
     return _TAKEN
 

@@ -1,17 +1,19 @@
 -- End a session on request: BYE (SESSION_CLOSED) or revocation (TOKEN_REVOKED).
--- KEYS[3] session hash, KEYS[4] tombstone.
--- ARGV: tid, conn ('' = whichever holds it), event type, tombstone, close code
--- ('' = do not close the connection), tombstone ttl (ms) when no session is live,
--- who asked ('' = nobody named; the event's `by`).
--- Returns 1 when a live session was ended, 2 when only a tombstone was written, 0 when the
--- session had already ended (or, for BYE, is no longer this connection's).
+-- KEYS: the shard's deadline set and event stream, the session hash, its tombstone.
+-- ARGV: tid, conn ('' = whichever holds it), event type, tombstone (an ENDED value),
+-- close code ('' = do not close the connection; else a CLOSE value), tombstone ttl (ms)
+-- when no session is live, who asked ('' = nobody named; the event's `by`).
+-- Returns an END_OUTCOME: ENDED when a live session was ended, BARRED when only a
+-- tombstone was written, ALREADY_ENDED when the session had already ended (or, for BYE,
+-- is no longer this connection's).
 local skey, tkey = KEYS[3], KEYS[4]
-local tid, conn, kind, tomb = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local code = tonumber(ARGV[9])
-local by = ARGV[11] ~= '' and ARGV[11] or nil
+local tid, conn, kind, tomb = ARGV[OWN + 1], ARGV[OWN + 2], ARGV[OWN + 3], ARGV[OWN + 4]
+local code, tomb_ttl_ms = tonumber(ARGV[OWN + 5]), tonumber(ARGV[OWN + 6])
+local by = ARGV[OWN + 7] ~= '' and ARGV[OWN + 7] or nil
+
 -- A client closes its session with BYE and only so.
 local reason = kind == 'SESSION_CLOSED' and 'bye' or nil
-local s = redis.call('HMGET', skey, 'sub', 'exp', 'conn')
+local s = load_session(skey)
 local now = now_ms()
 
 -- A revocation is told to every node (on CONTROL itself, no node named): each keeps it
@@ -25,25 +27,26 @@ local function revoked(outcome)
   return outcome
 end
 
-if not s[1] then
+if not s then
   if conn ~= '' then
-    return 0
+    return END_OUTCOME.ALREADY_ENDED
   end
   -- Revoking a token whose session is not live still bars it from starting one.
-  if redis.call('SET', tkey, tomb, 'PX', tonumber(ARGV[10]), 'NX') then
+  if redis.call('SET', tkey, tomb, 'PX', tomb_ttl_ms, 'NX') then
     emit(kind, tid, nil, now, nil, reason, by)
-    return revoked(2)
+    return revoked(END_OUTCOME.BARRED)
   end
   -- Ended already: the tombstone is written again, unchanged, so that a WAIT after this
   -- script confirms that the replicas have it too.
   redis.call('SET', tkey, redis.call('GET', tkey), 'KEEPTTL')
-  return revoked(0)
+  return revoked(END_OUTCOME.ALREADY_ENDED)
 end
-if conn ~= '' and conn ~= s[3] then
-  return 0
+if conn ~= '' and conn ~= s.conn then
+  return END_OUTCOME.ALREADY_ENDED
 end
-finish(skey, tkey, tid, s[1], tonumber(s[2]), s[3], now, kind, reason, tomb, code, by)
+finish({skey = skey, tkey = tkey, tid = tid, session = s, now = now, event = kind,
+        reason = reason, tomb = tomb, code = code, by = by})
 if code then
-  return revoked(1)
+  return revoked(END_OUTCOME.ENDED)
 end
-return 1
+return END_OUTCOME.ENDED
