@@ -35,7 +35,7 @@ from bench.common import (
     redis_server,
     tokend_server,
 )
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 
 LAG_TARGET_MS = 100
 EXTRA_WAIT_S = 30

@@ -46,7 +46,7 @@ from pathlib import Path
 import redis
 
 from tokend.embedded import socket_url
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 
 LOOPBACK = "127.0.0.1"
 HERE = Path(__file__).resolve().parent

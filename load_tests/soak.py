@@ -70,7 +70,7 @@ from bench.common import (  # noqa: E402
     tokend_child,
 )
 from tokend.embedded import socket_url  # noqa: E402
-from tokend.store import Keyspace  # noqa: E402
+from tokend.store.keyspace import Keyspace  # noqa: E402
 
 PER_CLIENT_PROCESS = 5000  # sessions per load-generator process (well under its fd limit)
 CONNECT_CONCURRENCY = 50  # handshakes in flight per load-generator process

@@ -36,7 +36,8 @@ from tokend import config
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.embedded import find_server_binary
-from tokend.store import Client, Keyspace, subscription
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import Client, subscription
 
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from tests.support import RawClient, TokendProcess, http_get
 from tokend import config
 from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 from tokend.tokens import KeyRing, TokenService
 
 # The environment a newcomer has: no TOKEND_* settings at all.

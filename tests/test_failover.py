@@ -42,7 +42,10 @@ from tokend import config
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
 from tokend.server import App
-from tokend.store import Keyspace, Known, NotConfirmed, Store, connect
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import open_client
+from tokend.store.sessions import Known, Store
+from tokend.store.unavailable import NotConfirmed
 from tokend.tokens import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
@@ -169,7 +172,7 @@ async def store_of() -> AsyncIterator[Callable[[App], Store]]:
     clients: list[Any] = []
 
     def make(app: App) -> Store:
-        client = connect(app.settings.redis_url, app.settings)
+        client = open_client(app.settings.redis_url, app.settings)
         clients.append(client)
         return Store(client, app.settings, "test")
 
@@ -265,7 +268,7 @@ async def test_auto_waits_for_the_connected_replica_of_a_plain_master(
 ):
     master, replica = replicated
     settings = make_settings(redis_url=master.url, durable_timeout=0.2)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     store = Store(client, settings, "test")
     try:
         assert await store.revoke(uuid.uuid4(), by="test") == 2  # the replica acknowledged it
@@ -578,7 +581,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
     app = await start_app(redis_url=topology.url, **FAILOVER_SETTINGS)
     settings = app.settings
     admin_port = app.admin.port if app.admin else 0
-    redis = connect(settings.redis_url, settings)
+    redis = open_client(settings.redis_url, settings)
     operator = Store(redis, settings, "operator")
     async with contextlib.AsyncExitStack() as stack:
         live = await stack.enter_async_context(EventLog(redis, f"{settings.key_prefix}:events"))
@@ -640,7 +643,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
 
         # After: Redis lost the window. Each session still held is restored by its node,
         # each revocation is written again, and no client that did nothing wrong is closed.
-        fresh = connect(settings.redis_url, settings)
+        fresh = open_client(settings.redis_url, settings)
         stack.push_async_callback(fresh.aclose)
 
         async def on_the_new_master(tid: str) -> bool:
@@ -714,7 +717,7 @@ async def test_on_a_cluster_wait_follows_the_script_on_its_masters_connection(
     connection that ran the script counts 0 of 1; on any other connection (or node) it
     would count what that one wrote before, and confirm."""
     settings = make_settings(redis_url=cluster_topology.url, durable_timeout=0.2)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     store = Store(client, settings, "test")
     replica = cluster_topology.replica.process
     assert replica is not None

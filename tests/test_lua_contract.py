@@ -21,13 +21,15 @@ from redis.asyncio import Redis
 
 from tokend.answers import Ended, HeartbeatOutcome, HelloOutcome
 from tokend.clocks import ExpiryReason, State, due_transition
-from tokend.store import SCRIPTS, SESSION_FIELDS, Keyspace, Store, lua_constants
+from tokend.store.keyspace import SESSION_FIELDS, Keyspace
+from tokend.store.scripts import SCRIPTS, lua_constants
+from tokend.store.sessions import Store
 
 from .test_store import CLOCKS, EXPIRE_MS, WARN_MS, redis_ms, store
 
 __all__ = ["store"]  # a fixture
 
-LUA = resources.files("tokend") / "lua"
+LUA = resources.files("tokend.store") / "lua"
 PRELUDE = "_prelude.lua"
 # Commands whose reply holds a hash's fields by position.
 HASH_READS = re.compile(r"'(HMGET|HGETALL|HVALS)'", re.IGNORECASE)
@@ -81,7 +83,7 @@ def test_no_close_code_is_written_as_a_number() -> None:
     """Close codes come from tokend.protocol.CloseCode (the generated CLOSE table)."""
     for name, text in _sources().items():
         assert not re.findall(r"\b4\d{3}\b", _code(text)), name
-    for path in (resources.files("tokend") / "store.py",):
+    for path in (p for p in resources.files("tokend.store").iterdir() if p.name.endswith(".py")):
         code = "\n".join(line.partition("#")[0] for line in path.read_text().splitlines())
         assert not re.findall(r"\b4\d{3}\b", code), path.name
 

@@ -23,7 +23,8 @@ from tokend.answers import HeartbeatAnswer, HelloAnswer
 from tokend.config import Settings
 from tokend.node import HeartbeatBatcher, HelloBatcher
 from tokend.session import Ask, Cadence, Session
-from tokend.store import HeartbeatRequest, Store, connect
+from tokend.store.redis_client import open_client
+from tokend.store.sessions import HeartbeatRequest, Store
 from tokend.tokens import Claims, KeyRing, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
@@ -103,7 +104,7 @@ def host(settings: Settings) -> Host:
 
 @pytest.fixture
 async def store(settings: Settings) -> AsyncIterator[Store]:
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     yield Store(client, settings, "node-a")
     await client.aclose()
 
@@ -134,7 +135,7 @@ async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: S
         [(what, answer)] = waiter.calls
         assert what == "hello_answered" and answer.outcome == "started"
         assert waiter.session.claims is not None
-        view = await store.session(waiter.session.claims.tid)
+        view = await store.queries.session(waiter.session.claims.tid)
         assert view is not None and view.conn == waiter.session.conn
 
 
@@ -143,7 +144,7 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
 ) -> None:
     gone = RedisProcess(tmp_path / "gone")
     settings = make_settings(redis_url=gone.url, redis_timeout=0.3)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     try:
         dead = Store(client, settings, "node-a")
         hellos = HelloBatcher(dead)
@@ -217,7 +218,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = make_settings(redis_url=own_redis.url, redis_timeout=0.3)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     try:
         outage_store = Store(client, settings, "node-a")
         waiters = await started(host, outage_store, ["o-1", "o-2"])

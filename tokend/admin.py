@@ -37,7 +37,7 @@ from tokend import events, health
 from tokend.answers import EndOutcome
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokend.node import Node
-from tokend.store import NotConfirmed, StoreUnavailable
+from tokend.store.unavailable import NotConfirmed, StoreUnavailable
 from tokend.tokens import DEFAULT_PRIO, PRIO_RANGE
 
 log = structlog.get_logger("tokend.admin")
@@ -378,7 +378,7 @@ class AdminServer:
     async def _show(self, request: Request, params: dict[str, str]) -> Response:
         """GET /v1/sessions/{tid}: the live session, or its tombstone (state ENDED)."""
         tid = _tid(params["tid"])
-        view = await self.node.store.session(tid)
+        view = await self.node.store.queries.session(tid)
         if view is None:
             raise HTTPError(http.HTTPStatus.NOT_FOUND, "session_not_found", f"no session {tid}")
         return Response.json(http.HTTPStatus.OK, view.as_json())
@@ -418,7 +418,7 @@ class AdminServer:
             raise _invalid(f"state: one of {', '.join(_STATES)}")
         limit = _query_int(request, "limit", DEFAULT_PAGE, range(1, MAX_PAGE + 1))
         try:
-            page, cursor = await self.node.store.sessions(
+            page, cursor = await self.node.store.queries.sessions(
                 state, request.query.get("cursor", ""), limit
             )
         except ValueError as exc:
@@ -429,7 +429,7 @@ class AdminServer:
 
     async def _stats(self, request: Request, params: dict[str, str]) -> Response:
         """GET /v1/stats: the dashboard's feed (docs/operations.md)."""
-        total = await self.node.store.count_sessions()
+        total = await self.node.store.queries.count_sessions()
         return Response.json(http.HTTPStatus.OK, self.node.metrics.stats(self.node.name, total))
 
     async def _events(self, request: Request, params: dict[str, str]) -> Response:

@@ -38,13 +38,14 @@ from websockets.typing import Subprotocol
 from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
-from tokend.store import Known, NotConfirmed, StoreUnavailable
+from tokend.store.sessions import Known
+from tokend.store.unavailable import NotConfirmed, StoreUnavailable
 
 if TYPE_CHECKING:
     from tokend.config import Settings
     from tokend.node import Node
     from tokend.session import Cadence
-    from tokend.store import HeartbeatRequest
+    from tokend.store.sessions import HeartbeatRequest
 
 _log = structlog.get_logger("tokend.connection")
 # websockets logs each connection opened and closed at info through the standard library.
@@ -460,7 +461,7 @@ class Connection(asyncio.Protocol):
 
     def known(self) -> Known | None:
         """What this connection knows of its session, to restore it with should Redis have
-        lost it (tokend.store.Known); None before WELCOME."""
+        lost it (tokend.store.sessions.Known); None before WELCOME."""
         session = self.session
         if session is None or session.claims is None or not session.since_ms:
             return None

@@ -3,7 +3,7 @@ consumed through a consumer group.
 
 Every event is a JSON object (spec "Events"), published on ``<prefix>:events``
 and appended, in the same atomic step, to the stream shard of its session (16
-shards, :meth:`tokend.store.Keyspace.streams`; one field, ``event``).
+shards, :meth:`tokend.store.keyspace.Keyspace.streams`; one field, ``event``).
 
 * :func:`live` - pub/sub, **at-most-once**: what is published while you are
   subscribed, nothing from before, nothing while disconnected. For dashboards,
@@ -17,10 +17,10 @@ shards, :meth:`tokend.store.Keyspace.streams`; one field, ``event``).
   must not miss an event (audit, billing, revocation lists); handlers must
   tolerate seeing an event twice.
 
-All three want a client made by :func:`tokend.store.connect` (or any with
+All three want a client made by :func:`tokend.store.redis_client.open_client` (or any with
 ``decode_responses=True``): one Redis, a Redis Cluster or a Sentinel-named master.
 On a Cluster the shards live in different slots, so the stream readers send one
-read per slot (:func:`tokend.store.slot_groups`) instead of one for all 16, and
+read per slot (:func:`tokend.store.redis_client.slot_groups`) instead of one for all 16, and
 keep each in flight until it answers (:class:`_Reads`). Plain PUBLISH reaches
 every Cluster node, so :func:`live` subscribes on any one. See ``docs/events.md``
 and ``docs/scaling.md``.
@@ -36,7 +36,8 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from tokend.store import Client, Keyspace, slot_groups, subscription
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import Client, slot_groups, subscription
 
 # Waits between attempts while Redis is unreachable (durable consumer).
 _RETRY_FIRST = 0.1

@@ -37,7 +37,9 @@ from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
 from tokend.shedding import Shedder
-from tokend.store import Client, Store, StoreUnavailable, subscription
+from tokend.store.redis_client import Client, subscription
+from tokend.store.sessions import Store
+from tokend.store.unavailable import StoreUnavailable
 from tokend.tokens import Claims, TokenService
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Revocations a node heard, written again after a Redis failover: the second line of defence.
 
 A revocation is reported done once the replicas acknowledged it (``durable_replicas``,
-:mod:`tokend.durability`); when they did not, ``tokend revoke`` says it is not confirmed,
+:mod:`tokend.store.durability`); when they did not, ``tokend revoke`` says it is not confirmed,
 and a failover may still lose the tombstone. So every node keeps the revocations it hears
 (end.lua tells every node, on the revocations channel) until their tombstones would have
 expired, and
@@ -25,14 +25,9 @@ from collections.abc import Callable
 import structlog
 from redis import exceptions as rexc
 
-from tokend.store import (
-    Client,
-    NotConfirmed,
-    Store,
-    StoreUnavailable,
-    close_quietly,
-    subscription,
-)
+from tokend.store.redis_client import Client, close_quietly, subscription
+from tokend.store.sessions import Store
+from tokend.store.unavailable import NotConfirmed, StoreUnavailable
 
 log = structlog.get_logger("tokend.revocations")
 
@@ -97,7 +92,7 @@ class Revocations:
         """See whether a master changed since the last check; if so (or if the last
         re-assertion did not finish), revoke again every token kept."""
         try:
-            seen = await self.store.replication_ids()
+            seen = await self.store.queries.replication_ids()
         except StoreUnavailable:
             return
         except Exception:  # a bug, or a Cluster in a state redis-py does not expect: retry

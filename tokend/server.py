@@ -30,7 +30,7 @@ from tokend.embedded import EmbeddedRedis
 from tokend.logs import redact_url
 from tokend.node import Node
 from tokend.session import Cadence
-from tokend.store import connect
+from tokend.store.redis_client import open_client
 from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
@@ -106,7 +106,7 @@ class App:
             self.embedded = EmbeddedRedis(settings.resolved_data_dir)
             await asyncio.to_thread(self.embedded.start)
             url = self.embedded.url
-        self.node = Node(settings, connect(url, settings), tokens)
+        self.node = Node(settings, open_client(url, settings), tokens)
         self.node.metrics.connections = lambda: len(self.connections)
         await self.node.start()
         if settings.admin_port >= 0:
