@@ -16,14 +16,12 @@ connection per flush).
 from __future__ import annotations
 
 import asyncio
-import http
-import json
 import logging
 import struct
 import sys
 import time
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 from websockets.datastructures import Headers
@@ -37,6 +35,7 @@ from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
+from tokend.http_answer import HttpAnswer
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
 from tokend.store.sessions import Known
 from tokend.store.unavailable import NotConfirmed, StoreUnavailable
@@ -65,14 +64,6 @@ HEARTBEAT_FRAME_LENGTH = 2 + 4 + p.HEARTBEAT_LENGTH
 # pauses until the store answers: a client keeps one out at a time, and one that sends
 # faster than the store answers is held back as TCP holds back a slow reader.
 READ_PAUSE_AT = 16
-
-
-class HttpAnswer(NamedTuple):
-    """A plain HTTP answer given instead of (or before) the WebSocket handshake."""
-
-    status: http.HTTPStatus
-    body: Any  # JSON
-    headers: Sequence[tuple[str, str]] = ()
 
 
 class Gate(Protocol):
@@ -291,7 +282,7 @@ class Connection(asyncio.Protocol):
         elif isinstance(answer, HttpAnswer):
             self.ws.send_response(_response(answer))
         else:
-            self.gate.node.spawn(self._answer_later(answer))
+            self.gate.node.background.spawn(self._answer_later(answer))
 
     async def _answer_later(self, answer: Awaitable[HttpAnswer]) -> None:
         response = _response(await answer)
@@ -376,7 +367,7 @@ class Connection(asyncio.Protocol):
             # The store must answer within hello_timeout, or 1013 (Session.hello_timed_out).
             self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
         elif outcome is Ask.BYE:
-            self.gate.node.spawn(self._bye())
+            self.gate.node.background.spawn(self._bye())
         elif outcome is not None:
             self._close(outcome)
 
@@ -653,10 +644,5 @@ _DATA = frozenset({Opcode.BINARY, Opcode.CONT, Opcode.TEXT})
 
 
 def _response(answer: HttpAnswer) -> Response:
-    body = json.dumps(answer.body).encode()
-    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-    for name, value in answer.headers:
-        headers[name] = value
-    if "Cache-Control" not in headers:
-        headers["Cache-Control"] = "no-store"
-    return Response(answer.status.value, answer.status.phrase, headers, body)
+    headers, body = answer.encoded()
+    return Response(answer.status.value, answer.status.phrase, Headers(headers), body)

@@ -38,11 +38,7 @@ from redis import exceptions as rexc
 
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, slot_groups, subscription
-
-# Waits between attempts while Redis is unreachable (durable consumer).
-_RETRY_FIRST = 0.1
-_RETRY_MAX = 2.0
-_RETRYABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
+from tokend.store.unavailable import UNAVAILABLE, Retry
 
 Event = dict[str, Any]
 # (stream, entry id, fields or None when the entry was trimmed away), as read
@@ -151,7 +147,7 @@ async def durable(
     groups = await slot_groups(redis, streams)
     own_pending = True
     next_claim = 0.0
-    backoff = _RETRY_FIRST
+    retry = Retry()
     new_entries = _Reads(
         groups,
         lambda group_streams: _read(redis, group_streams, group, consumer, ">", count, block_ms),
@@ -175,19 +171,18 @@ async def durable(
                     else:
                         batch = await new_entries.next()
                     _honour_cancellation()
-                    backoff = _RETRY_FIRST
+                    retry.succeeded()
                     for stream, entry_id, event in batch:
                         if event is not None:
                             yield event
                         await redis.xack(stream, group, entry_id)
                         _honour_cancellation()
-            except _RETRYABLE:
+            except UNAVAILABLE:
                 # Reads still in flight may have taken entries: they are this
                 # consumer's pending entries now, read again first.
                 await new_entries.aclose()
                 own_pending = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _RETRY_MAX)
+                await retry.wait()
             except rexc.ResponseError as exc:
                 if "NOGROUP" not in str(exc):  # the streams were lost (Redis without persistence)
                     raise

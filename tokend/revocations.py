@@ -23,15 +23,12 @@ import uuid
 from collections.abc import Callable
 
 import structlog
-from redis import exceptions as rexc
 
 from tokend.store.redis_client import Client, close_quietly, subscription
 from tokend.store.sessions import Store
-from tokend.store.unavailable import NotConfirmed, StoreUnavailable
+from tokend.store.unavailable import UNAVAILABLE, NotConfirmed, Retry, StoreUnavailable
 
 log = structlog.get_logger("tokend.revocations")
-
-MAX_BACKOFF = 2.0
 
 
 class Revocations:
@@ -65,13 +62,13 @@ class Revocations:
     async def run(self, running: Callable[[], bool]) -> None:
         """Hear revocations and watch for failovers while ``running()``."""
         loop = asyncio.get_running_loop()
-        backoff = 0.1
+        retry = Retry()
         while running():
             pubsub = None
             try:
                 pubsub = await subscription(self.redis)
                 await pubsub.subscribe(self.store.keys.revocations_channel)
-                backoff = 0.1
+                retry.succeeded()
                 next_check = loop.time()  # at once: the subscription may be new after a failover
                 while running():
                     if loop.time() >= next_check:
@@ -81,12 +78,11 @@ class Revocations:
                     message = await pubsub.get_message(timeout=wait)
                     if message is not None:
                         self.heard(message["data"])
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            except UNAVAILABLE as exc:
                 self.log.warning("revocations subscription lost", error=type(exc).__name__)
             if pubsub is not None:
                 await close_quietly(pubsub)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF)
+            await retry.wait()
 
     async def check(self) -> None:
         """See whether a master changed since the last check; if so (or if the last

@@ -25,8 +25,9 @@ from tokend import health
 from tokend import protocol as p
 from tokend.admin import AdminServer
 from tokend.config import Settings
-from tokend.connection import CLOSE_TIMEOUT, Connection, HttpAnswer
+from tokend.connection import CLOSE_TIMEOUT, Connection
 from tokend.embedded import EmbeddedRedis
+from tokend.http_answer import HttpAnswer
 from tokend.logs import redact_url
 from tokend.node import Node
 from tokend.session import Cadence
@@ -171,9 +172,9 @@ class App:
                 return BUSY
             return None
         if path == "/healthz":
-            return HttpAnswer(*health.liveness(self.node))
+            return health.liveness(self.node)
         if path == "/readyz":
-            return self._readiness()
+            return health.readiness(self.node, self.draining)
         if path == "/.well-known/jwks.json":
             tokens = self.node.tokens
             return HttpAnswer(
@@ -182,9 +183,6 @@ class App:
                 (("Cache-Control", tokens.jwks_cache_control),),
             )
         return HttpAnswer(http.HTTPStatus.NOT_FOUND, {"error": "not_found", "path": path})
-
-    async def _readiness(self) -> HttpAnswer:
-        return HttpAnswer(*await health.readiness(self.node, self.draining))
 
     # Shutdown
 

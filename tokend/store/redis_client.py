@@ -167,6 +167,20 @@ async def close_quietly(pubsub: PubSub) -> None:
             await pubsub.aclose()
 
 
+def through_sentinel(redis: Client) -> bool:
+    """Whether ``redis`` reaches its master through Sentinel."""
+    return isinstance(getattr(redis, "connection_pool", None), SentinelConnectionPool)
+
+
+async def master_named(redis: Client) -> tuple[str, int] | None:
+    """The master Sentinel names now, when ``redis`` reaches Redis through Sentinel."""
+    pool = getattr(redis, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+    address: tuple[str, int] = await pool.sentinel_manager.discover_master(pool.service_name)
+    return address
+
+
 async def slot_groups(redis: Client, keys: Sequence[str]) -> list[list[str]]:
     """``keys`` in groups that one multi-key command (XREAD) may name together.
 

@@ -63,3 +63,30 @@ class Deadline:
                 return await make()
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from None
+
+
+class Retry:
+    """The wait before the next attempt while Redis is unavailable: ``first``, doubled after
+    each failure up to ``most``, and ``first`` again once an attempt succeeds.
+
+    Every loop that waits Redis out (the sweeper, the subscriptions, the event readers)
+    paces itself with one, so that they back off alike.
+    """
+
+    def __init__(self, first: float = 0.1, most: float = 2.0) -> None:
+        self.first = min(first, most)
+        self.most = most
+        self.delay = self.first
+
+    def succeeded(self) -> None:
+        self.delay = self.first
+
+    def failed(self) -> float:
+        """How long to wait now; the next failure waits twice as long (up to ``most``)."""
+        delay = self.delay
+        self.delay = min(delay * 2, self.most)
+        return delay
+
+    async def wait(self) -> None:
+        """Wait after a failed attempt."""
+        await asyncio.sleep(self.failed())
