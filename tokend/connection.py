@@ -150,7 +150,7 @@ class Connection(asyncio.Protocol):
         """This connection's logger, built per line rather than kept: an idle session
         should cost little more than its socket (docs/performance.md, idle memory)."""
         session = self.session
-        fields = {"node": self.gate.node.name, "peer": self.peer}
+        fields = {"peer": self.peer}
         if session is not None:
             fields["conn"] = session.conn
             if session.claims is not None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from tokend import logs
 from tokend.answers import Swept
 from tokend.clocks import State
 from tokend.config import Settings
@@ -261,7 +262,6 @@ class Node:
             settings.shed_lag,
             lambda: (c.session.rank for c in self.sessions.values()),  # type: ignore[union-attr]
             lambda: len(self.heartbeats.waiting) > settings.heartbeat_batch,
-            self.name,
         )
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
@@ -273,15 +273,15 @@ class Node:
         self.running = False
         # Its own tasks (those of _tasks among them), cancelled when it stops.
         self.background = Background()
-        self.log = log.bind(node=self.name)
 
     # Lifecycle
 
     async def start(self) -> None:
+        logs.serving_as(self.name)
         try:
             await self.store.load_scripts()
         except StoreUnavailable:
-            self.log.warning("redis unavailable at start; scripts load on first use")
+            log.warning("redis unavailable at start; scripts load on first use")
         self.running = True
         spawn = self.background.spawn
         lanes = self.settings.flush_lanes
@@ -381,10 +381,10 @@ class Node:
                     pause = await self._sweep_once(lease_ms, interval)
                 retry.succeeded()
             except StoreUnavailable as exc:
-                self.log.warning("sweep skipped: store unavailable", error=str(exc))
+                log.warning("sweep skipped: store unavailable", error=str(exc))
                 pause = retry.failed()
             except Exception:
-                self.log.exception("sweep failed")
+                log.exception("sweep failed")
             if pause:
                 await asyncio.sleep(pause)
 
@@ -424,7 +424,7 @@ class Node:
                 # script dropped the orphaned deadline entry.
                 vanished += 1
             elif what is Swept.WARN:
-                self.log.warning("session warn", tid=tid)
+                log.warning("session warn", tid=tid)
                 if conn:
                     self._act("notice", tid, conn, None)
             else:
@@ -433,9 +433,9 @@ class Node:
                 if conn:
                     self._act("close", tid, conn, CloseCode.SESSION_EXPIRED)
         if vanished:
-            self.log.warning("sessions vanished unswept", count=vanished)
+            log.warning("sessions vanished unswept", count=vanished)
         if expired:
-            self.log.info("sessions expired", count=expired.total(), reasons=dict(expired))
+            log.info("sessions expired", count=expired.total(), reasons=dict(expired))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""
@@ -455,7 +455,7 @@ class Node:
                         self._control(message["data"])
             except UNAVAILABLE as exc:
                 self.subscribed.clear()
-                self.log.warning("control subscription lost", error=type(exc).__name__)
+                log.warning("control subscription lost", error=type(exc).__name__)
             # Not in a finally: on cancellation (stop) the pool's aclose() reclaims the
             # connection, and awaiting pubsub.aclose() while cancelled can block.
             if pubsub is not None:
@@ -484,7 +484,7 @@ class Node:
             message = json.loads(data)
             op, tid, conn = message["op"], message["tid"], message["conn"]
         except (ValueError, KeyError, TypeError):
-            self.log.warning("malformed control message")
+            log.warning("malformed control message")
             return
         self._act(op, tid, conn, message.get("code"))
 

@@ -42,7 +42,6 @@ class Revocations:
         # Each master's replication id as last seen (None: not yet seen).
         self.replication_ids: dict[str, str] | None = None
         self.pending = False  # a failover was seen; not every revocation written again yet
-        self.log = log.bind(node=store.node)
         # Who asks, in the TOKEN_REVOKED of a revocation written again (docs/events.md).
         self.by = f"failover:{store.node}"
         store.known_revoked = self.knows
@@ -57,7 +56,7 @@ class Revocations:
             if message["op"] == "revoked":
                 self.known[str(uuid.UUID(message["tid"]))] = int(message["expires"])
         except (ValueError, KeyError, TypeError):
-            self.log.warning("malformed revocation message")
+            log.warning("malformed revocation message")
 
     async def run(self, running: Callable[[], bool]) -> None:
         """Hear revocations and watch for failovers while ``running()``."""
@@ -79,7 +78,7 @@ class Revocations:
                     if message is not None:
                         self.heard(message["data"])
             except UNAVAILABLE as exc:
-                self.log.warning("revocations subscription lost", error=type(exc).__name__)
+                log.warning("revocations subscription lost", error=type(exc).__name__)
             if pubsub is not None:
                 await close_quietly(pubsub)
             await retry.wait()
@@ -92,10 +91,10 @@ class Revocations:
         except StoreUnavailable:
             return
         except Exception:  # a bug, or a Cluster in a state redis-py does not expect: retry
-            self.log.exception("failover check failed")
+            log.exception("failover check failed")
             return
         if self.replication_ids is not None and seen != self.replication_ids:
-            self.log.warning("redis failover or restart seen", masters=len(seen))
+            log.warning("redis failover or restart seen", masters=len(seen))
             self.pending = True
         self.replication_ids = seen
         if self.pending:
@@ -116,10 +115,10 @@ class Revocations:
             if isinstance(result, BaseException):
                 failed += 1
                 if not isinstance(result, StoreUnavailable):
-                    self.log.error("revocation failed", error=repr(result))
+                    log.error("revocation failed", error=repr(result))
             elif result:  # the tombstone was lost: written again
                 restored += 1
-        self.log.warning(
+        log.warning(
             "revocations written again", kept=len(results), restored=restored, failed=failed
         )
         return not failed

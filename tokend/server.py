@@ -126,7 +126,6 @@ class App:
             "listening",
             host=settings.host,
             port=self.port,
-            node=self.node.name,
             redis=redact_url(url),
             max_connections=self.max_open_connections,
         )
@@ -200,10 +199,10 @@ class App:
         period = self.settings.drain_period
         n = len(connections)
         ticks = max(1, min(n, int(period / DRAIN_TICK)))
-        self.node.log.info("draining", connections=n, period=period)
+        log.info("draining", connections=n, period=period)
         for tick in range(ticks):
             if hurry.is_set():
-                self.node.log.warning("second signal: closing every connection now")
+                log.warning("second signal: closing every connection now")
             end = n if hurry.is_set() else (tick + 1) * n // ticks
             for connection in connections[tick * n // ticks : end]:
                 connection.close(p.CloseCode.GOING_AWAY, GOING_AWAY)
