@@ -211,7 +211,7 @@ async def drive_hello(store: Store) -> None:
 
 async def drive_heartbeat(store: Store) -> None:
     tids = await start_sessions(store)
-    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
     assert [r.outcome for r in results] == ["ok"] * SHARDS
 
 
@@ -264,7 +264,7 @@ async def test_scripts_reload_on_every_master_after_a_flush(store: Store, redis:
     """Each master has its own script cache: NOSCRIPT on any of them is recovered."""
     tids = await start_sessions(store)
     await redis.script_flush()  # on every primary
-    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
     assert [r.outcome for r in results] == ["ok"] * SHARDS
     assert await store.ready() is None
 
@@ -448,7 +448,7 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
         exps, expiries, wins = [now * 1000 + 2000], [await redis.pexpiretime(hash_key)], 0
         async with asyncio.timeout(10):
             while wins < 2:
-                replies = await asyncio.gather(*(s.heartbeats([request]) for s in stores))
+                replies = await asyncio.gather(*(s.record_heartbeats([request]) for s in stores))
                 results = [reply[0] for reply in replies]
                 assert [r.outcome for r in results] == ["ok", "ok"]
                 # Both win only when they straddle a second: then each moved exp to its own

@@ -121,7 +121,7 @@ async def test_a_lost_session_that_ended_or_expired_is_not_restored(
     now_ms = int(time.time() * 1000)
     past = Known("gone", 5, iat_s=now_ms // 1000 - 60, exp_ms=now_ms - 1000, since_ms=now_ms)
     request = store.heartbeat_request(tid, "node-a/9")
-    answers = await store.heartbeats([request], known=lambda i: past)
+    answers = await store.record_heartbeats([request], known=lambda i: past)
     assert [a.outcome for a in answers] == ["gone"]
     assert not await redis.exists(store.keys.session_keys(tid)[0])
 

@@ -187,7 +187,7 @@ async def test_a_heartbeat_expires_as_clocks_does(
     now = await redis_ms(store)
     cases = await _sessions(store, redis, now)
     tids = list(cases)
-    answers = await store.heartbeats(
+    answers = await store.record_heartbeats(
         [store.heartbeat_request(tid, f"node-z/{tid}") for tid in tids], [replayed] * len(tids)
     )
     reasons = await _expiry_reasons(store, redis)

@@ -193,7 +193,7 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     batcher = HeartbeatBatcher(store, batch_size=10)
     waiter.beat()
     batcher.submit(waiter)  # type: ignore[arg-type]
-    original = store.heartbeats
+    original = store.record_heartbeats
 
     async def beat_meanwhile(
         requests: list[HeartbeatRequest], replayed: Sequence[bool] = (), known: Any = None
@@ -202,9 +202,9 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
         batcher.submit(waiter)  # type: ignore[arg-type]
         return await original(requests, replayed, known)
 
-    store.heartbeats = beat_meanwhile  # type: ignore[method-assign]
+    store.record_heartbeats = beat_meanwhile  # type: ignore[method-assign]
     await batcher.flush()
-    store.heartbeats = original  # type: ignore[method-assign]
+    store.record_heartbeats = original  # type: ignore[method-assign]
     assert [ack.seq for ack in waiter.calls[-1][1]] == [1]
     assert list(batcher.waiting) == [waiter]
     await batcher.flush()

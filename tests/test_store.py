@@ -313,7 +313,7 @@ async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(
 
     await store.load_scripts()  # no NOSCRIPT retry to count
     before = await evalsha_calls()
-    results = await store.heartbeats(batch)
+    results = await store.record_heartbeats(batch)
     assert await evalsha_calls() == before + 1
     assert [r.outcome for r in results] == ["taken"] + ["ok"] * 39 + ["gone"]
     # Each answer is its own session's: every session's deadline moved to its new one.

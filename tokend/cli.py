@@ -137,7 +137,7 @@ def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     from websockets.exceptions import InvalidURI
 
-    from tokend import connect
+    from tokend import cli_connect
     from tokend.client import Backoff, TokendError
 
     token = args.token
@@ -154,7 +154,9 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     status: list[int] = []
 
     async def main() -> None:
-        status.append(await connect.run(args.url or connect.default_url(settings), token, backoff))
+        status.append(
+            await cli_connect.run(args.url or cli_connect.default_url(settings), token, backoff)
+        )
 
     try:
         _run(main())

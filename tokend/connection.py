@@ -359,11 +359,11 @@ class Connection(asyncio.Protocol):
 
     def _outcome(self, outcome: Ask | Close | None) -> None:
         if outcome is Ask.HEARTBEAT:
-            self.gate.node.heartbeats.submit(self)
+            self.gate.node.heartbeat_batcher.submit(self)
             if len(self.session.unanswered) >= READ_PAUSE_AT:  # type: ignore[union-attr]
                 self._pause_reading()
         elif outcome is Ask.START:
-            self.gate.node.hellos.submit(self)
+            self.gate.node.hello_batcher.submit(self)
             # The store must answer within hello_timeout, or 1013 (Session.hello_timed_out).
             self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
         elif outcome is Ask.BYE:
@@ -583,7 +583,7 @@ class Connection(asyncio.Protocol):
             return
         close = self.session.hello_timed_out()
         if close is not None:
-            self.gate.node.hellos.forget(self)  # not stored if not yet sent
+            self.gate.node.hello_batcher.forget(self)  # not stored if not yet sent
         self._close(close)
         self._write()
 

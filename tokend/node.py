@@ -203,7 +203,7 @@ class HeartbeatBatcher(Batcher):
         requests = [c.heartbeat_request for c in connections]
         replayed = [c in unstored for c in batch] + [True] * len(replays) if unstored else ()
         try:
-            answers = await self.store.heartbeats(
+            answers = await self.store.record_heartbeats(
                 requests,  # type: ignore[arg-type]
                 replayed,
                 lambda i: connections[i].known(),
@@ -251,8 +251,8 @@ class Node:
         self.redis = redis
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
-        self.heartbeats = HeartbeatBatcher(self.store, settings.heartbeat_batch)
-        self.hellos = HelloBatcher(self.store)
+        self.heartbeat_batcher = HeartbeatBatcher(self.store, settings.heartbeat_batch)
+        self.hello_batcher = HelloBatcher(self.store)
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
@@ -261,7 +261,7 @@ class Node:
         self.shedder = Shedder(
             settings.shed_lag,
             lambda: (c.session.rank for c in self.sessions.values()),  # type: ignore[union-attr]
-            lambda: len(self.heartbeats.waiting) > settings.heartbeat_batch,
+            lambda: len(self.heartbeat_batcher.waiting) > settings.heartbeat_batch,
         )
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
@@ -286,8 +286,8 @@ class Node:
         spawn = self.background.spawn
         lanes = self.settings.flush_lanes
         self._tasks = [
-            spawn(self.heartbeats.run(self, lanes), "heartbeats"),
-            spawn(self.hellos.run(self, lanes), "hellos"),
+            spawn(self.heartbeat_batcher.run(self, lanes), "heartbeats"),
+            spawn(self.hello_batcher.run(self, lanes), "hellos"),
             spawn(self._sweep(), "sweeper"),
             spawn(self._listen(), "control"),
             spawn(self.revocations.run(lambda: self.running), "revocations"),
@@ -339,8 +339,8 @@ class Node:
 
     def detach(self, connection: Connection) -> None:
         """A connection ended (whether or not it was WELCOMEd)."""
-        self.hellos.forget(connection)
-        self.heartbeats.forget(connection)
+        self.hello_batcher.forget(connection)
+        self.heartbeat_batcher.forget(connection)
         session = connection.session
         if session is None or self.sessions.get(session.conn) is not connection:
             return
@@ -373,10 +373,10 @@ class Node:
         while self.running:
             pause = interval
             try:
-                if self.heartbeats.unstored:
+                if self.heartbeat_batcher.unstored:
                     # Heartbeats held through an outage go in before any deadline is
                     # judged, or their sessions would be warned or expired wrongly.
-                    self.heartbeats.kick()
+                    self.heartbeat_batcher.kick()
                 else:
                     pause = await self._sweep_once(lease_ms, interval)
                 retry.succeeded()

@@ -140,7 +140,7 @@ class Store(ScriptRunner):
         tid_text = str(tid)
         return HeartbeatRequest(tid_text, conn, Keyspace.shard_of(tid_text))
 
-    async def heartbeats(
+    async def record_heartbeats(
         self,
         batch: Sequence[HeartbeatRequest],
         replayed: Sequence[bool] = (),
