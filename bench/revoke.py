@@ -37,7 +37,7 @@ async def revocations(ctx: Context, url: str, durable_replicas: str) -> dict[str
         async with in_flight:
             began = time.perf_counter()
             try:
-                await store.revoke(uuid.uuid4())
+                await store.revoke(uuid.uuid4(), by="bench")
             except NotConfirmed:
                 unconfirmed += 1
             latencies.append(round((time.perf_counter() - began) * 1e6))
