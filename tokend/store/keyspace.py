@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 SHARDS = 16
 
-# The session hash's fields; the scripts read them by these names only (load_session in
-# lua/_prelude.lua).
+# The session hash's fields, and which hold numbers; the scripts read them by these names
+# only (load_session in lua/_prelude.lua).
 SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since")
+NUMERIC_FIELDS = frozenset({"hb", "exp", "iat", "prio", "since"})
 
 
 @dataclass(frozen=True, slots=True)

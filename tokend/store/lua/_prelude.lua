@@ -2,7 +2,8 @@
 -- from Python, so that neither side spells the other's values: CLOSE (close codes,
 -- tokend.protocol.CloseCode), EXPIRY (tokend.clocks.ExpiryReason), ENDED (tombstones,
 -- tokend.answers.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME and
--- SWEPT (tokend.answers), and SESSION_FIELDS (the session hash's fields).
+-- SWEPT (tokend.answers), SESSION_FIELDS (the session hash's fields) and session_fields
+-- (an HMGET reply of those as a table by name).
 --
 -- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event stream; every
 -- other key is a session or tombstone key of the same shard, so all keys share one hash
@@ -29,22 +30,14 @@ if now_ms() > GIVEN_UP_AT then
   return false
 end
 
--- The session in hash `skey`, by field name (hb, exp, iat, prio and since as numbers),
--- or nil when there is none. The one read of a session hash: no script reads a field by
--- its position in a reply.
+-- The session in hash `skey`, by field name (hb, exp, iat, prio and since as numbers; a
+-- field the hash lacks is false, or nil if a number), or nil when there is none. The one
+-- read of a session hash: no script reads a field by its position in a reply.
 local function load_session(skey)
-  local values = redis.call('HMGET', skey, unpack(SESSION_FIELDS))
-  local s = {}
-  for i, name in ipairs(SESSION_FIELDS) do
-    if values[i] then
-      s[name] = values[i]
-    end
-  end
+  local s = session_fields(redis.call('HMGET', skey, unpack(SESSION_FIELDS)))
   if not s.sub then
     return nil
   end
-  s.hb, s.exp, s.iat = tonumber(s.hb), tonumber(s.exp), tonumber(s.iat)
-  s.prio, s.since = tonumber(s.prio), tonumber(s.since)
   return s
 end
 
