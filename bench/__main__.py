@@ -32,7 +32,7 @@ SCENARIOS = {
     "idle_memory": "bench.idle_memory",
     "renewal": "bench.renewal",
     "expiry": "bench.expiry",
-    "connect": "bench.connect",
+    "connect": "bench.connect_storm",
     "socketio": "bench.socketio",
     "revoke": "bench.revoke",
 }

@@ -37,7 +37,7 @@ from bench.common import (
 )
 from testkit.events import read_events
 from testkit.procs import CpuMeter
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 
 LAG_TARGET_MS = 100
 EXTRA_WAIT_S = 30

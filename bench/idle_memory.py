@@ -29,7 +29,7 @@ from bench.common import (
     redis_server,
     tokend_server,
 )
-from tokend.store import SHARDS, Keyspace
+from tokend.store.keyspace import SHARDS, Keyspace
 
 RSS_TARGET = 0.6  # x bare (websockets.asyncio) per-session RSS
 REDIS_TARGET = 512  # bytes per session

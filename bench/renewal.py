@@ -34,7 +34,7 @@ from bench.common import (
     tokend_server,
 )
 from testkit.procs import CpuMeter
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 
 RATE_TARGET = 20_000  # renewals/s
 TOKEN_TTL_S, RENEW_WINDOW_S, MINTED_TTL_S = 120, 119, 60

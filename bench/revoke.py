@@ -18,13 +18,15 @@ from typing import Any
 
 from bench.common import Context, Row, latency_summary, ratio, redis_server
 from tokend import config
-from tokend.store import NotConfirmed, Store, connect
+from tokend.store.redis_client import open_client
+from tokend.store.sessions import Store
+from tokend.store.unavailable import NotConfirmed
 
 
 async def revocations(ctx: Context, url: str, durable_replicas: str) -> dict[str, Any]:
     values = {**ctx.settings, "redis_url": url, "key_prefix": "bench"}
     settings = config.load({**values, "durable_replicas": durable_replicas}, environ={})
-    client = connect(url, settings)
+    client = open_client(url, settings)
     store = Store(client, settings, "bench")
     in_flight = asyncio.Semaphore(ctx.sizes.concurrency)
     latencies: list[int] = []

@@ -74,7 +74,7 @@ from load_tests.common import (  # noqa: E402
 )
 from testkit.events import READ_CHUNK, read_events  # noqa: E402
 from testkit.procs import CpuMeter, fd_limit, proc_children, proc_rss  # noqa: E402
-from tokend.store import Keyspace  # noqa: E402
+from tokend.store.keyspace import Keyspace  # noqa: E402
 
 PER_CLIENT_PROCESS = 5000  # sessions per load-generator process (well under its fd limit)
 CONNECT_CONCURRENCY = 50  # handshakes in flight per load-generator process

@@ -14,7 +14,8 @@ import redis
 
 from testkit.net import http_request
 from testkit.waiting import eventually
-from tokend.store import Client, Keyspace, subscription
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import Client, subscription
 
 READ_CHUNK = 5000  # stream entries per XRANGE call
 

@@ -8,7 +8,7 @@ from testkit.events import EventLog
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
 from tokend.session import Ask, Close, Session
-from tokend.store import Store
+from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
 from .test_session import CADENCE, EXP_MS, IAT_S, Host, host, tokens

@@ -24,7 +24,7 @@ from testkit.waiting import eventually
 from tokend import config
 from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 from tokend.tokens import TokenService
 
 # The environment a newcomer has: no TOKEND_* settings at all.

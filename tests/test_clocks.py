@@ -178,7 +178,7 @@ def test_clocks_accept_warn_just_below_expire() -> None:
 
 # --- the Lua scripts keep the same deadlines -------------------------------------------------
 
-LUA = Path(__file__).resolve().parent.parent / "tokend" / "lua"
+LUA = Path(__file__).resolve().parent.parent / "tokend" / "store" / "lua"
 ZADD_DEADLINE = re.compile(r"redis\.call\('ZADD', DUE, (math\.min\(.*\)), tid\)")
 
 

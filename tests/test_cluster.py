@@ -53,16 +53,9 @@ from tokend import events
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
 from tokend.server import App
-from tokend.store import (
-    SHARDS,
-    Client,
-    Keyspace,
-    Store,
-    _multi_host,
-    connect,
-    slot_groups,
-    subscription,
-)
+from tokend.store.keyspace import SHARDS, Keyspace
+from tokend.store.redis_client import Client, _multi_host, open_client, slot_groups, subscription
+from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
 # Fixtures of those modules, for the tests taken from them.
@@ -81,7 +74,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClus
 
 @pytest.fixture
 async def redis(settings: Settings) -> AsyncIterator[Client]:
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     yield client
     await client.aclose()
 
@@ -207,7 +200,7 @@ async def drive_hello(store: Store) -> None:
 
 async def drive_heartbeat(store: Store) -> None:
     tids = await start_sessions(store)
-    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
     assert [r.outcome for r in results] == ["ok"] * SHARDS
 
 
@@ -240,19 +233,19 @@ DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
 }
 LUA_SCRIPTS = sorted(
     Path(f.name).stem
-    for f in (resources.files("tokend") / "lua").iterdir()
+    for f in (resources.files("tokend.store") / "lua").iterdir()
     if f.name.endswith(".lua") and not f.name.startswith("_")
 )
 
 
 @pytest.mark.parametrize("script", LUA_SCRIPTS)
 async def test_every_script_runs_on_the_cluster_without_crossslot(store: Store, script: str):
-    """Each tokend/lua script, called through the Store for a session in every shard.
+    """Each tokend/store/lua script, called through the Store for a session in every shard.
 
     A new script fails here until it has a driver: a CROSSSLOT (keys of several
     slots in one call) would raise from the Store.
     """
-    assert script in DRIVERS, f"no cluster test drives tokend/lua/{script}.lua; add one"
+    assert script in DRIVERS, f"no cluster test drives tokend/store/lua/{script}.lua; add one"
     await DRIVERS[script](store)
 
 
@@ -260,7 +253,7 @@ async def test_scripts_reload_on_every_master_after_a_flush(store: Store, redis:
     """Each master has its own script cache: NOSCRIPT on any of them is recovered."""
     tids = await start_sessions(store)
     await redis.script_flush()  # on every primary
-    results = await store.heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
+    results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
     assert [r.outcome for r in results] == ["ok"] * SHARDS
     assert await store.ready() is None
 
@@ -336,7 +329,7 @@ async def test_serves_a_session_through_sentinel(
     status, body = await http_get(app.port, "/readyz")
     assert status == 200, body
     settings = app.settings
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     try:
         async with EventLog(client, f"{settings.key_prefix}:events") as events:
             async with RawClient.connect(app.port) as raw:
@@ -429,7 +422,7 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
     """
     # Renewed exps are whole seconds 3 s ahead; each is inside the window 0.5 s later.
     settings = make_settings(token_ttl=3, renew_window=2.5)
-    clients = [connect(settings.redis_url, settings) for _ in range(2)]
+    clients = [open_client(settings.redis_url, settings) for _ in range(2)]
     stores = [Store(client, settings, f"node-{n}") for n, client in enumerate(clients)]
     tid = tid_in_shard(3)
     hash_key = stores[0].keys.session_keys(tid)[0]
@@ -440,7 +433,7 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
         exps, expiries, wins = [now * 1000 + 2000], [await redis.pexpiretime(hash_key)], 0
         async with asyncio.timeout(10):
             while wins < 2:
-                replies = await asyncio.gather(*(s.heartbeats([request]) for s in stores))
+                replies = await asyncio.gather(*(s.record_heartbeats([request]) for s in stores))
                 results = [reply[0] for reply in replies]
                 assert [r.outcome for r in results] == ["ok", "ok"]
                 # Both win only when they straddle a second: then each moved exp to its own
@@ -511,7 +504,7 @@ def test_sentinel_url_names_its_service_and_db():
 )
 def test_an_unusable_url_is_a_configuration_error(url: str, problem: str, settings: Settings):
     with pytest.raises(ConfigError, match=f"^redis_url: .*{problem}"):
-        connect(url, settings)
+        open_client(url, settings)
 
 
 def test_cli_reports_an_unusable_url_in_one_line(home: dict[str, str]):
@@ -528,7 +521,7 @@ async def test_an_unreachable_cluster_is_an_outage_not_a_crash(
 ):
     """As with one Redis: /readyz says so, and the control listener's retry loop goes on."""
     settings = make_settings(redis_url=f"redis+cluster://{LOOPBACK}:{free_port()}")
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     try:
         problem = await Store(client, settings, "node-test").ready()
         assert problem is not None and problem.startswith("redis unreachable")

@@ -28,7 +28,7 @@ from tokend import protocol as p
 from tokend.client import Backoff, connect
 from tokend.config import Settings
 from tokend.server import App
-from tokend.store import Keyspace
+from tokend.store.keyspace import Keyspace
 from tokend.tokens import TokenService
 
 Event = dict[str, Any]

@@ -34,7 +34,10 @@ from tokend import config
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
 from tokend.server import App
-from tokend.store import Keyspace, Known, NotConfirmed, Store, connect
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import open_client
+from tokend.store.sessions import Known, Store
+from tokend.store.unavailable import NotConfirmed
 from tokend.tokens import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
@@ -110,7 +113,7 @@ async def test_a_lost_session_that_ended_or_expired_is_not_restored(
     now_ms = int(time.time() * 1000)
     past = Known("gone", 5, iat_s=now_ms // 1000 - 60, exp_ms=now_ms - 1000, since_ms=now_ms)
     request = store.heartbeat_request(tid, "node-a/9")
-    answers = await store.heartbeats([request], known=lambda i: past)
+    answers = await store.record_heartbeats([request], known=lambda i: past)
     assert [a.outcome for a in answers] == ["gone"]
     assert not await redis.exists(store.keys.session_keys(tid)[0])
 
@@ -161,7 +164,7 @@ async def store_of() -> AsyncIterator[Callable[[App], Store]]:
     clients: list[Any] = []
 
     def make(app: App) -> Store:
-        client = connect(app.settings.redis_url, app.settings)
+        client = open_client(app.settings.redis_url, app.settings)
         clients.append(client)
         return Store(client, app.settings, "test")
 
@@ -245,7 +248,7 @@ async def test_auto_waits_for_the_connected_replica_of_a_plain_master(
 ):
     master, replica = replicated
     settings = make_settings(redis_url=master.url, durable_timeout=0.2)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     store = Store(client, settings, "test")
     try:
         assert await store.revoke(uuid.uuid4(), by="test") == 2  # the replica acknowledged it
@@ -547,7 +550,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
     app = await start_app(redis_url=topology.url, **FAILOVER_SETTINGS)
     settings = app.settings
     admin_port = app.admin.port if app.admin else 0
-    redis = connect(settings.redis_url, settings)
+    redis = open_client(settings.redis_url, settings)
     operator = Store(redis, settings, "operator")
     async with contextlib.AsyncExitStack() as stack:
         live = await stack.enter_async_context(EventLog(redis, f"{settings.key_prefix}:events"))
@@ -609,7 +612,7 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
 
         # After: Redis lost the window. Each session still held is restored by its node,
         # each revocation is written again, and no client that did nothing wrong is closed.
-        fresh = connect(settings.redis_url, settings)
+        fresh = open_client(settings.redis_url, settings)
         stack.push_async_callback(fresh.aclose)
 
         async def on_the_new_master(tid: str) -> bool:
@@ -683,7 +686,7 @@ async def test_on_a_cluster_wait_follows_the_script_on_its_masters_connection(
     connection that ran the script counts 0 of 1; on any other connection (or node) it
     would count what that one wrote before, and confirm."""
     settings = make_settings(redis_url=cluster_topology.url, durable_timeout=0.2)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     store = Store(client, settings, "test")
     replica = cluster_topology.replica.process
     assert replica is not None

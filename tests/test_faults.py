@@ -217,7 +217,8 @@ async def test_slow_redis_fails_fast(start_app, tokens: TokenService, redis_serv
                 waits += await wave
                 most_waiting = max(
                     most_waiting,
-                    len(app.node.heartbeats.waiting) + len(app.node.heartbeats.unstored),
+                    len(app.node.heartbeat_batcher.waiting)
+                    + len(app.node.heartbeat_batcher.unstored),
                 )
             # Each HELLO waited one redis_timeout, not behind the others.
             assert max(waits) < SLOW_TIMEOUT + 1.0, max(waits)

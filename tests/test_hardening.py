@@ -20,9 +20,10 @@ from testkit.net import LOOPBACK, http_get
 from testkit.procs import proc_cpu
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
-from tokend import client, connection, store
+from tokend import client, connection
 from tokend import protocol as p
 from tokend.server import App
+from tokend.store.keyspace import Keyspace
 from tokend.tokens import TokenService
 
 SEND_TIMEOUT = 1.0
@@ -219,7 +220,7 @@ async def test_clocks_run_on_redis_time(app, tokens: TokenService, redis, events
         await client.heartbeat()
     tid = uuid.UUID(bytes=welcome.tid)
     [started] = await events.wait_for("SESSION_STARTED", str(tid))
-    hb = int(await redis.hget(store.Keyspace(app.settings.key_prefix).session_keys(tid)[0], "hb"))
+    hb = int(await redis.hget(Keyspace(app.settings.key_prefix).session_keys(tid)[0], "hb"))
     after = redis_ms(await redis.time())
     assert before <= started["at"] <= hb <= after
 

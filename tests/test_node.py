@@ -28,7 +28,8 @@ from tokend.answers import HeartbeatAnswer, HelloAnswer
 from tokend.config import Settings
 from tokend.node import HeartbeatBatcher, HelloBatcher, Node
 from tokend.session import Ask, Cadence, Session
-from tokend.store import HeartbeatRequest, Store, connect
+from tokend.store.redis_client import open_client
+from tokend.store.sessions import HeartbeatRequest, Store
 from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
@@ -110,7 +111,7 @@ def host(settings: Settings) -> Host:
 
 @pytest.fixture
 async def store(settings: Settings) -> AsyncIterator[Store]:
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     yield Store(client, settings, "node-a")
     await client.aclose()
 
@@ -146,7 +147,7 @@ async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: S
         [(what, answer)] = waiter.calls
         assert what == "hello_answered" and answer.outcome == "started"
         assert waiter.session.claims is not None
-        view = await store.session(waiter.session.claims.tid)
+        view = await store.queries.session(waiter.session.claims.tid)
         assert view is not None and view.conn == waiter.session.conn
 
 
@@ -155,7 +156,7 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
 ) -> None:
     gone = RedisProcess(tmp_path / "gone")
     settings = make_settings(redis_url=gone.url, redis_timeout=0.3)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     try:
         dead = Store(client, settings, "node-a")
         hellos = HelloBatcher(dead)
@@ -204,7 +205,7 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     batcher = HeartbeatBatcher(store, batch_size=10)
     waiter.beat()
     batcher.submit(waiter)  # type: ignore[arg-type]
-    original = store.heartbeats
+    original = store.record_heartbeats
 
     async def beat_meanwhile(
         requests: list[HeartbeatRequest], replayed: Sequence[bool] = (), known: Any = None
@@ -213,9 +214,9 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
         batcher.submit(waiter)  # type: ignore[arg-type]
         return await original(requests, replayed, known)
 
-    store.heartbeats = beat_meanwhile  # type: ignore[method-assign]
+    store.record_heartbeats = beat_meanwhile  # type: ignore[method-assign]
     await batcher.flush()
-    store.heartbeats = original  # type: ignore[method-assign]
+    store.record_heartbeats = original  # type: ignore[method-assign]
     assert [ack.seq for ack in waiter.calls[-1][1]] == [1]
     assert list(batcher.waiting) == [waiter]
     await batcher.flush()
@@ -229,7 +230,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = make_settings(redis_url=own_redis.url, redis_timeout=0.3)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     try:
         outage_store = Store(client, settings, "node-a")
         waiters = await started(host, outage_store, ["o-1", "o-2"])
@@ -267,7 +268,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
 async def node(make_settings: Callable[..., Settings]) -> AsyncIterator[Node]:
     """A node on the test Redis, not started; stopped (if started) at teardown."""
     settings = make_settings(max_sessions_per_sub=2)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     made = Node(settings, client, minter(settings))
     yield made
     if made.running:

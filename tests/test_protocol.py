@@ -545,7 +545,7 @@ def test_close_descriptions_are_distinct() -> None:
 # Close reasons: docs/protocol.md §7 "Close reasons" against the code that sends them
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
-# What a close ordered by a control message (tokend/lua: hello, transition, end) says.
+# What a close ordered by a control message (tokend/store/lua: hello, transition, end) says.
 CONTROL_CODES = (CloseCode.SESSION_EXPIRED, CloseCode.TOKEN_REVOKED, CloseCode.TAKEN_OVER)
 
 

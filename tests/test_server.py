@@ -21,7 +21,8 @@ from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.tokens import minter
 from tokend import protocol as p
 from tokend.server import App
-from tokend.store import Store, connect
+from tokend.store.redis_client import open_client
+from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
 
@@ -499,7 +500,7 @@ async def test_sweeper_wakes_for_each_deadline_it_knows(start_app, make_settings
     settings = make_settings(sweep_interval=60, warn_after=10, expire_after=20)
     # Sessions whose tokens end 2, 3 and 4 s from now, made before the node starts, so
     # that its first sweep knows the first deadline.
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     store = Store(client, settings, "elsewhere")
     now = int(time.time())
     exps = {str(tid): now + n for n, tid in enumerate((uuid.uuid4() for _ in range(3)), 2)}

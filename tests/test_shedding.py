@@ -130,7 +130,7 @@ class Held:
         self.backlog = False
 
     def shedder(self, shed_lag: float = 0.01) -> Shedder:
-        return Shedder(shed_lag, lambda: self.ranks, lambda: self.backlog, "node-a")
+        return Shedder(shed_lag, lambda: self.ranks, lambda: self.backlog)
 
 
 def test_steps_go_down_the_ranks_held_but_never_to_the_best_and_back_up() -> None:

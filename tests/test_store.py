@@ -18,8 +18,12 @@ from testkit.net import free_port
 from testkit.redis_servers import RedisProcess
 from tokend.clocks import Clocks, State, deadline, due_transition
 from tokend.config import Settings
-from tokend.packing import FASTER, HiredisConnection, HiredisPacking
-from tokend.store import HEARTBEAT, Keyspace, Store, StoreUnavailable, connect
+from tokend.store.keyspace import Keyspace
+from tokend.store.packing import FASTER, HiredisConnection, HiredisPacking
+from tokend.store.redis_client import open_client
+from tokend.store.scripts import HEARTBEAT
+from tokend.store.sessions import Store
+from tokend.store.unavailable import StoreUnavailable
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("PING",),
@@ -72,7 +76,7 @@ def test_another_encoding_is_packed_by_redis_py() -> None:
     ],
 )
 async def test_every_single_redis_url_gets_hiredis_packing(url: str, settings: Settings) -> None:
-    client = connect(url, settings)
+    client = open_client(url, settings)
     try:
         assert isinstance(client, Redis)
         assert issubclass(client.connection_pool.connection_class, HiredisPacking)
@@ -82,7 +86,7 @@ async def test_every_single_redis_url_gets_hiredis_packing(url: str, settings: S
 
 
 async def test_cluster_nodes_get_hiredis_packing(settings: Settings) -> None:
-    client = connect("redis+cluster://127.0.0.1:1,127.0.0.1:2", settings)
+    client = open_client("redis+cluster://127.0.0.1:1,127.0.0.1:2", settings)
     try:
         assert isinstance(client, RedisCluster)
         nodes = client.nodes_manager.startup_nodes.values()
@@ -96,7 +100,7 @@ async def test_cluster_nodes_get_hiredis_packing(settings: Settings) -> None:
 async def test_round_trips_through_real_redis(
     redis_server: RedisProcess, settings: Settings
 ) -> None:
-    client = connect(redis_server.url, settings)
+    client = open_client(redis_server.url, settings)
     try:
         key = f"{settings.key_prefix}:packing"
         await client.hset(key, mapping={"s": "välue", "i": 7, "f": 0.5, "b": b"\x01"})
@@ -119,7 +123,7 @@ async def store(make_settings: Callable[..., Settings]) -> AsyncIterator[Store]:
     settings = make_settings(
         heartbeat_interval=5, warn_after=WARN_MS / 1000, expire_after=EXPIRE_MS / 1000
     )
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     yield Store(client, settings, "node-a")
     await client.aclose()
 
@@ -159,7 +163,7 @@ async def test_the_session_hash_names_its_node_only_in_conn(store: Store, redis:
     tid = await started(store, "node-a/7")
     fields = await redis.hgetall(store.keys.session_keys(tid)[0])
     assert fields["conn"] == "node-a/7" and "node" not in fields
-    view = await store.session(tid)
+    view = await store.queries.session(tid)
     assert view is not None and (view.node, view.conn) == ("node-a", "node-a/7")
 
 
@@ -276,7 +280,7 @@ async def test_a_batch_of_hellos_is_one_round_trip(store: Store) -> None:
     assert round_trips == ["hello"]
     # Each got its own reply: its session, as it asked.
     for n, tid in enumerate(tids):
-        view = await store.session(tid)
+        view = await store.queries.session(tid)
         assert view is not None and view.conn == f"node-a/{n}"
 
 
@@ -284,7 +288,7 @@ async def test_hellos_fail_together_when_redis_is_gone(
     make_settings: Callable[..., Settings],
 ) -> None:
     settings = make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout=0.5)
-    client = connect(settings.redis_url, settings)
+    client = open_client(settings.redis_url, settings)
     store = Store(client, settings, "node-a")
     now = int(time.time())
     try:
@@ -311,7 +315,7 @@ async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(
 
     await store.load_scripts()  # no NOSCRIPT retry to count
     before = await evalsha_calls()
-    results = await store.heartbeats(batch)
+    results = await store.record_heartbeats(batch)
     assert await evalsha_calls() == before + 1
     assert [r.outcome for r in results] == ["taken"] + ["ok"] * 39 + ["gone"]
     # Each answer is its own session's: every session's deadline moved to its new one.

@@ -25,18 +25,19 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
 import structlog
-from redis import exceptions as rexc
 
 from tokend import events, health
+from tokend.answers import EndOutcome
+from tokend.http_answer import HttpAnswer, head
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokend.node import Node
-from tokend.store import NotConfirmed, StoreUnavailable
+from tokend.node import Background, Node
+from tokend.store.unavailable import UNAVAILABLE, NotConfirmed, Retry, StoreUnavailable
 from tokend.tokens import DEFAULT_PRIO, PRIO_RANGE
 
 log = structlog.get_logger("tokend.admin")
@@ -58,6 +59,11 @@ DASHBOARD_TYPES = {
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
 _STATES = ("ACTIVE", "WARN")
+_REVOKE_RESULTS = {
+    EndOutcome.ENDED: "revoked",
+    EndOutcome.BARRED: "barred",
+    EndOutcome.ALREADY_ENDED: "already_ended",
+}
 
 
 class HTTPError(Exception):
@@ -88,29 +94,36 @@ class Request:
 
 @dataclass(slots=True)
 class Response:
+    """An answer of the admin listener: JSON (:class:`HttpAnswer`) or a file's bytes."""
+
     status: http.HTTPStatus
     body: bytes
-    content_type: str = "application/json"
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: list[tuple[str, str]]
+
+    @classmethod
+    def of(cls, answer: HttpAnswer) -> Response:
+        headers, body = answer.encoded()
+        return cls(answer.status, body, headers)
 
     @classmethod
     def json(cls, status: http.HTTPStatus, body: Any, **headers: str) -> Response:
-        return cls(status, json.dumps(body).encode(), headers=headers)
+        return cls.of(HttpAnswer(status, body, tuple(headers.items())))
+
+    @classmethod
+    def raw(cls, status: http.HTTPStatus, body: bytes, content_type: str) -> Response:
+        return cls(status, body, head(body, content_type))
 
     @classmethod
     def error(cls, exc: HTTPError) -> Response:
         return cls.json(exc.status, {"error": exc.error, "detail": exc.detail}, **exc.headers)
 
     def encode(self) -> bytes:
-        head = [
+        lines = [
             f"HTTP/1.1 {self.status.value} {self.status.phrase}",
-            f"Content-Type: {self.content_type}",
-            f"Content-Length: {len(self.body)}",
-            "Cache-Control: no-store",
+            *(f"{name}: {value}" for name, value in self.headers),
             "Connection: close",
-            *(f"{name}: {value}" for name, value in self.headers.items()),
         ]
-        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body
 
 
 class EventRing:
@@ -143,7 +156,7 @@ class AdminServer:
         self.ring = EventRing()
         self.dashboard_dir = DASHBOARD_DIR
         self.server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.background = Background()
 
     @property
     def port(self) -> int:
@@ -155,7 +168,7 @@ class AdminServer:
             self._connection, self.settings.admin_host, self.settings.admin_port, limit=MAX_HEAD
         )
         if self.token:
-            self._spawn(self._follow_events())
+            self.background.spawn(self._follow_events(), "admin events")
         log.info(
             "admin listening",
             host=self.settings.admin_host,
@@ -166,27 +179,18 @@ class AdminServer:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
-
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        await self.background.stop()
 
     async def _follow_events(self) -> None:
         """Fill the ring from the events channel (at-most-once: gaps across outages)."""
-        backoff = 0.1
+        retry = Retry()
         while True:
             try:
                 async for event in events.live(self.node.redis, self.node.store.keys):
                     self.ring.add(event)
-                    backoff = 0.1
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError):
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                    retry.succeeded()
+            except UNAVAILABLE:
+                await retry.wait()
 
     # One connection, one request
 
@@ -284,15 +288,15 @@ class AdminServer:
         path = request.path
         if path == "/metrics":
             _only(request, "GET")
-            return Response(
+            return Response.raw(
                 http.HTTPStatus.OK, self.node.metrics.exposition(), METRICS_CONTENT_TYPE
             )
         if path == "/healthz":
             _only(request, "GET")
-            return Response.json(*health.liveness(self.node))
+            return Response.of(health.liveness(self.node))
         if path == "/readyz":
             _only(request, "GET")
-            return Response.json(*await health.readiness(self.node, self.draining()))
+            return Response.of(await health.readiness(self.node, self.draining()))
         if path == "/dashboard" or path.startswith("/dashboard/"):
             self._require_enabled()
             _only(request, "GET")
@@ -372,7 +376,7 @@ class AdminServer:
     async def _show(self, request: Request, params: dict[str, str]) -> Response:
         """GET /v1/sessions/{tid}: the live session, or its tombstone (state ENDED)."""
         tid = _tid(params["tid"])
-        view = await self.node.store.session(tid)
+        view = await self.node.store.queries.session(tid)
         if view is None:
             raise HTTPError(http.HTTPStatus.NOT_FOUND, "session_not_found", f"no session {tid}")
         return Response.json(http.HTTPStatus.OK, view.as_json())
@@ -402,7 +406,7 @@ class AdminServer:
                 "wanted": exc.wanted,
             }
             return Response.json(http.HTTPStatus.GATEWAY_TIMEOUT, body)
-        result = {1: "revoked", 2: "barred", 0: "already_ended"}[outcome]
+        result = _REVOKE_RESULTS[outcome]
         return Response.json(http.HTTPStatus.OK, {"tid": str(tid), "result": result})
 
     async def _list(self, request: Request, params: dict[str, str]) -> Response:
@@ -412,7 +416,7 @@ class AdminServer:
             raise _invalid(f"state: one of {', '.join(_STATES)}")
         limit = _query_int(request, "limit", DEFAULT_PAGE, range(1, MAX_PAGE + 1))
         try:
-            page, cursor = await self.node.store.sessions(
+            page, cursor = await self.node.store.queries.sessions(
                 state, request.query.get("cursor", ""), limit
             )
         except ValueError as exc:
@@ -423,7 +427,7 @@ class AdminServer:
 
     async def _stats(self, request: Request, params: dict[str, str]) -> Response:
         """GET /v1/stats: the dashboard's feed (docs/operations.md)."""
-        total = await self.node.store.count_sessions()
+        total = await self.node.store.queries.count_sessions()
         return Response.json(http.HTTPStatus.OK, self.node.metrics.stats(self.node.name, total))
 
     async def _events(self, request: Request, params: dict[str, str]) -> Response:
@@ -485,4 +489,4 @@ async def _static(directory: Path, name: str) -> Response:
         data = await asyncio.to_thread(path.read_bytes)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", "no such dashboard file") from None
-    return Response(http.HTTPStatus.OK, data, DASHBOARD_TYPES[suffix])
+    return Response.raw(http.HTTPStatus.OK, data, DASHBOARD_TYPES[suffix])

@@ -8,8 +8,10 @@ the connection.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import NamedTuple
+
+from tokend.clocks import ExpiryReason
 
 
 class Ended(StrEnum):
@@ -51,3 +53,20 @@ class HeartbeatAnswer(NamedTuple):
     exp_ms: int = 0
     iat_s: int = 0  # 0: unchanged (only a renewal changes it)
     ended: Ended | None = None
+
+
+class EndOutcome(IntEnum):
+    """What a BYE or a revocation did (end.lua)."""
+
+    ALREADY_ENDED = 0  # no live session (for BYE: none of this connection's)
+    ENDED = 1  # a live session was ended
+    BARRED = 2  # no live session: only the tombstone was written, to bar the token
+
+
+class Swept(StrEnum):
+    """What a sweep made of a claimed session (transition.lua)."""
+
+    WARN = "warn"
+    TOKEN_EXPIRED = ExpiryReason.TOKEN_EXPIRED.value
+    HEARTBEAT_TIMEOUT = ExpiryReason.HEARTBEAT_TIMEOUT.value
+    GONE = "gone"  # vanished unswept: its hash expired before any sweep judged it

@@ -16,7 +16,7 @@ from tokend import config
 from tokend.config import ConfigError, Settings
 
 if TYPE_CHECKING:
-    from tokend.store import Store
+    from tokend.store.sessions import Store
 
 # Sessions read per round of `tokend sessions list`.
 LIST_PAGE = 500
@@ -112,10 +112,11 @@ def _redis_url(settings: Settings) -> str:
 
 def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
     from tokend import events
-    from tokend.store import Keyspace, connect
+    from tokend.store.keyspace import Keyspace
+    from tokend.store.redis_client import open_client
 
     async def main() -> None:
-        redis = connect(_redis_url(settings), settings)
+        redis = open_client(_redis_url(settings), settings)
         keys = Keyspace(settings.key_prefix)
         if args.group:
             consumer = args.consumer or settings.resolved_node_name
@@ -136,7 +137,7 @@ def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     from websockets.exceptions import InvalidURI
 
-    from tokend import connect
+    from tokend import cli_connect
     from tokend.client import Backoff, TokendError
 
     token = args.token
@@ -153,7 +154,9 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     status: list[int] = []
 
     async def main() -> None:
-        status.append(await connect.run(args.url or connect.default_url(settings), token, backoff))
+        status.append(
+            await cli_connect.run(args.url or cli_connect.default_url(settings), token, backoff)
+        )
 
     try:
         _run(main())
@@ -174,10 +177,12 @@ def _parse_tid(command: str, text: str) -> uuid.UUID | None:
 def _with_store(command: str, settings: Settings, use: Callable[[Store], Awaitable[int]]) -> int:
     """Run ``use`` on a store over the configured Redis (the embedded one's socket when
     redis_url is empty); exit status 1 when Redis is unreachable."""
-    from tokend.store import Store, StoreUnavailable, connect
+    from tokend.store.redis_client import open_client
+    from tokend.store.sessions import Store
+    from tokend.store.unavailable import StoreUnavailable
 
     async def main() -> int:
-        redis = connect(_redis_url(settings), settings)
+        redis = open_client(_redis_url(settings), settings)
         try:
             return await use(Store(redis, settings, settings.resolved_node_name))
         finally:
@@ -195,7 +200,8 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
     if tid is None:
         return 2
 
-    from tokend.store import NotConfirmed
+    from tokend.answers import EndOutcome
+    from tokend.store.unavailable import NotConfirmed
 
     async def revoke(store: Store) -> int:
         try:
@@ -208,7 +214,11 @@ def cmd_revoke(settings: Settings, args: argparse.Namespace) -> int:
             )
             return EXIT_NOT_CONFIRMED
         print(
-            {1: "revoked live session", 2: "revoked (no live session)", 0: "already ended"}[result]
+            {
+                EndOutcome.ENDED: "revoked live session",
+                EndOutcome.BARRED: "revoked (no live session)",
+                EndOutcome.ALREADY_ENDED: "already ended",
+            }[result]
         )
         return 0
 
@@ -223,7 +233,7 @@ def cmd_sessions(settings: Settings, args: argparse.Namespace) -> int:
             return 2
 
         async def show(store: Store) -> int:
-            view = await store.session(tid)
+            view = await store.queries.session(tid)
             if view is None:
                 print(f"tokend sessions: no session {tid}", file=sys.stderr)
                 return 1
@@ -237,7 +247,7 @@ def cmd_sessions(settings: Settings, args: argparse.Namespace) -> int:
         printed = 0
         while cursor is not None and (args.limit is None or printed < args.limit):
             page_size = min(LIST_PAGE, args.limit - printed) if args.limit else LIST_PAGE
-            page, cursor = await store.sessions(args.state, cursor, page_size)
+            page, cursor = await store.queries.sessions(args.state, cursor, page_size)
             for view in page:
                 print(json.dumps(view.as_json()))
             printed += len(page)

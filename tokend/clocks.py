@@ -5,9 +5,10 @@ current time as an argument, so tests drive it with a fake clock.
 
 This is the reference the server's decisions are held to: they are made in Redis,
 on Redis ``TIME`` (so that no node's own clock decides an expiry), by
-``heartbeat.lua`` when it records a heartbeat and by ``transition.lua`` when a
-sweep judges due sessions; ``tests/test_clocks.py`` and ``tests/test_store.py``
-hold those scripts to these rules.
+``heartbeat.lua`` when it records a heartbeat, ``hello.lua`` when it resumes a session
+and ``transition.lua`` when a sweep judges due sessions; ``tests/test_clocks.py``,
+``tests/test_store.py`` and ``tests/test_lua_contract.py`` hold those scripts to these
+rules.
 """
 
 from __future__ import annotations

@@ -16,14 +16,12 @@ connection per flush).
 from __future__ import annotations
 
 import asyncio
-import http
-import json
 import logging
 import struct
 import sys
 import time
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 from websockets.datastructures import Headers
@@ -36,15 +34,17 @@ from websockets.streams import StreamReader
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
-from tokend.answers import HeartbeatAnswer, HelloAnswer
+from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
+from tokend.http_answer import HttpAnswer
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
-from tokend.store import Known, NotConfirmed, StoreUnavailable
+from tokend.store.sessions import Known
+from tokend.store.unavailable import NotConfirmed, StoreUnavailable
 
 if TYPE_CHECKING:
     from tokend.config import Settings
     from tokend.node import Node
     from tokend.session import Cadence
-    from tokend.store import HeartbeatRequest
+    from tokend.store.sessions import HeartbeatRequest
 
 _log = structlog.get_logger("tokend.connection")
 # websockets logs each connection opened and closed at info through the standard library.
@@ -64,14 +64,6 @@ HEARTBEAT_FRAME_LENGTH = 2 + 4 + p.HEARTBEAT_LENGTH
 # pauses until the store answers: a client keeps one out at a time, and one that sends
 # faster than the store answers is held back as TCP holds back a slow reader.
 READ_PAUSE_AT = 16
-
-
-class HttpAnswer(NamedTuple):
-    """A plain HTTP answer given instead of (or before) the WebSocket handshake."""
-
-    status: http.HTTPStatus
-    body: Any  # JSON
-    headers: Sequence[tuple[str, str]] = ()
 
 
 class Gate(Protocol):
@@ -158,7 +150,7 @@ class Connection(asyncio.Protocol):
         """This connection's logger, built per line rather than kept: an idle session
         should cost little more than its socket (docs/performance.md, idle memory)."""
         session = self.session
-        fields = {"node": self.gate.node.name, "peer": self.peer}
+        fields = {"peer": self.peer}
         if session is not None:
             fields["conn"] = session.conn
             if session.claims is not None:
@@ -290,7 +282,7 @@ class Connection(asyncio.Protocol):
         elif isinstance(answer, HttpAnswer):
             self.ws.send_response(_response(answer))
         else:
-            self.gate.node.spawn(self._answer_later(answer))
+            self.gate.node.background.spawn(self._answer_later(answer))
 
     async def _answer_later(self, answer: Awaitable[HttpAnswer]) -> None:
         response = _response(await answer)
@@ -367,15 +359,15 @@ class Connection(asyncio.Protocol):
 
     def _outcome(self, outcome: Ask | Close | None) -> None:
         if outcome is Ask.HEARTBEAT:
-            self.gate.node.heartbeats.submit(self)
+            self.gate.node.heartbeat_batcher.submit(self)
             if len(self.session.unanswered) >= READ_PAUSE_AT:  # type: ignore[union-attr]
                 self._pause_reading()
         elif outcome is Ask.START:
-            self.gate.node.hellos.submit(self)
+            self.gate.node.hello_batcher.submit(self)
             # The store must answer within hello_timeout, or 1013 (Session.hello_timed_out).
             self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
         elif outcome is Ask.BYE:
-            self.gate.node.spawn(self._bye())
+            self.gate.node.background.spawn(self._bye())
         elif outcome is not None:
             self._close(outcome)
 
@@ -460,7 +452,7 @@ class Connection(asyncio.Protocol):
 
     def known(self) -> Known | None:
         """What this connection knows of its session, to restore it with should Redis have
-        lost it (tokend.store.Known); None before WELCOME."""
+        lost it (tokend.store.sessions.Known); None before WELCOME."""
         session = self.session
         if session is None or session.claims is None or not session.since_ms:
             return None
@@ -484,7 +476,7 @@ class Connection(asyncio.Protocol):
                 session.claims.tid,
                 conn=session.conn,
                 event="SESSION_CLOSED",
-                tomb="closed",
+                tomb=Ended.CLOSED,
                 code=None,
             )
         except NotConfirmed:
@@ -591,7 +583,7 @@ class Connection(asyncio.Protocol):
             return
         close = self.session.hello_timed_out()
         if close is not None:
-            self.gate.node.hellos.forget(self)  # not stored if not yet sent
+            self.gate.node.hello_batcher.forget(self)  # not stored if not yet sent
         self._close(close)
         self._write()
 
@@ -652,10 +644,5 @@ _DATA = frozenset({Opcode.BINARY, Opcode.CONT, Opcode.TEXT})
 
 
 def _response(answer: HttpAnswer) -> Response:
-    body = json.dumps(answer.body).encode()
-    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-    for name, value in answer.headers:
-        headers[name] = value
-    if "Cache-Control" not in headers:
-        headers["Cache-Control"] = "no-store"
-    return Response(answer.status.value, answer.status.phrase, headers, body)
+    headers, body = answer.encoded()
+    return Response(answer.status.value, answer.status.phrase, Headers(headers), body)

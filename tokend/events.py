@@ -3,7 +3,7 @@ consumed through a consumer group.
 
 Every event is a JSON object (spec "Events"), published on ``<prefix>:events``
 and appended, in the same atomic step, to the stream shard of its session (16
-shards, :meth:`tokend.store.Keyspace.streams`; one field, ``event``).
+shards, :meth:`tokend.store.keyspace.Keyspace.streams`; one field, ``event``).
 
 * :func:`live` - pub/sub, **at-most-once**: what is published while you are
   subscribed, nothing from before, nothing while disconnected. For dashboards,
@@ -17,10 +17,10 @@ shards, :meth:`tokend.store.Keyspace.streams`; one field, ``event``).
   must not miss an event (audit, billing, revocation lists); handlers must
   tolerate seeing an event twice.
 
-All three want a client made by :func:`tokend.store.connect` (or any with
+All three want a client made by :func:`tokend.store.redis_client.open_client` (or any with
 ``decode_responses=True``): one Redis, a Redis Cluster or a Sentinel-named master.
 On a Cluster the shards live in different slots, so the stream readers send one
-read per slot (:func:`tokend.store.slot_groups`) instead of one for all 16, and
+read per slot (:func:`tokend.store.redis_client.slot_groups`) instead of one for all 16, and
 keep each in flight until it answers (:class:`_Reads`). Plain PUBLISH reaches
 every Cluster node, so :func:`live` subscribes on any one. See ``docs/events.md``
 and ``docs/scaling.md``.
@@ -36,12 +36,9 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from tokend.store import Client, Keyspace, slot_groups, subscription
-
-# Waits between attempts while Redis is unreachable (durable consumer).
-_RETRY_FIRST = 0.1
-_RETRY_MAX = 2.0
-_RETRYABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import Client, slot_groups, subscription
+from tokend.store.unavailable import UNAVAILABLE, Retry
 
 Event = dict[str, Any]
 # (stream, entry id, fields or None when the entry was trimmed away), as read
@@ -150,7 +147,7 @@ async def durable(
     groups = await slot_groups(redis, streams)
     own_pending = True
     next_claim = 0.0
-    backoff = _RETRY_FIRST
+    retry = Retry()
     new_entries = _Reads(
         groups,
         lambda group_streams: _read(redis, group_streams, group, consumer, ">", count, block_ms),
@@ -174,19 +171,18 @@ async def durable(
                     else:
                         batch = await new_entries.next()
                     _honour_cancellation()
-                    backoff = _RETRY_FIRST
+                    retry.succeeded()
                     for stream, entry_id, event in batch:
                         if event is not None:
                             yield event
                         await redis.xack(stream, group, entry_id)
                         _honour_cancellation()
-            except _RETRYABLE:
+            except UNAVAILABLE:
                 # Reads still in flight may have taken entries: they are this
                 # consumer's pending entries now, read again first.
                 await new_entries.aclose()
                 own_pending = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _RETRY_MAX)
+                await retry.wait()
             except rexc.ResponseError as exc:
                 if "NOGROUP" not in str(exc):  # the streams were lost (Redis without persistence)
                     raise

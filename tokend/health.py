@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import http
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tokend.http_answer import HttpAnswer
 
 if TYPE_CHECKING:
     from tokend.node import Node
 
-Answer = tuple[http.HTTPStatus, dict[str, Any]]
 
-
-def liveness(node: Node) -> Answer:
+def liveness(node: Node) -> HttpAnswer:
     """``/healthz``: 200 while the process runs."""
-    return http.HTTPStatus.OK, {"status": "ok", "node": node.name}
+    return HttpAnswer(http.HTTPStatus.OK, {"status": "ok", "node": node.name})
 
 
-async def readiness(node: Node, draining: bool) -> Answer:
+async def readiness(node: Node, draining: bool) -> HttpAnswer:
     """``/readyz``: 200 when this node can take sessions; else 503 naming each failing part."""
     problems = {}
     redis_problem = await node.store.ready()
@@ -30,5 +30,7 @@ async def readiness(node: Node, draining: bool) -> Answer:
     if draining:
         problems["drain"] = "shutting down: not accepting connections"
     if problems:
-        return http.HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unavailable", **problems}
-    return http.HTTPStatus.OK, {"status": "ready"}
+        return HttpAnswer(
+            http.HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unavailable", **problems}
+        )
+    return HttpAnswer(http.HTTPStatus.OK, {"status": "ready"})

@@ -1,4 +1,8 @@
-"""structlog configuration, done once per process (JSON or console lines on stderr)."""
+"""structlog configuration, done once per process (JSON or console lines on stderr).
+
+Every line names its logger (``get_logger``'s name) and, once :func:`serving_as` was
+called, the node it was logged for: no module binds the node name itself.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,11 @@ class StderrLogger:
     One write per line (print() makes two): the workers of `serve --workers` share
     stderr, and a pipe keeps writes up to PIPE_BUF (4 KiB) whole. Looked up at each
     write rather than kept, so that a stream replaced later (as pytest does) is followed.
+    Made by ``structlog.get_logger(name)``, it keeps the name for :func:`_add_logger_name`.
     """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
 
     def msg(self, message: str) -> None:
         stream = sys.stderr
@@ -24,9 +32,6 @@ class StderrLogger:
         stream.flush()
 
     debug = info = warning = warn = error = critical = exception = fatal = failure = log = msg
-
-
-_STDERR = StderrLogger()
 
 
 def configure(fmt: str = "json", level: str = "info") -> None:
@@ -37,18 +42,33 @@ def configure(fmt: str = "json", level: str = "info") -> None:
     )
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            structlog.contextvars.merge_contextvars,  # the node (serving_as)
             structlog.processors.add_log_level,
+            _add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=lambda *_: _STDERR,
+        logger_factory=StderrLogger,
         cache_logger_on_first_use=True,
     )
     # websockets and redis log through the standard library; keep them quiet but visible.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(message)s")
+
+
+def serving_as(node: str) -> None:
+    """Name ``node`` in every line logged from now on by this task and by the tasks,
+    callbacks and connections it starts (one node per process but in tests)."""
+    structlog.contextvars.bind_contextvars(node=node)
+
+
+def _add_logger_name(
+    logger: StderrLogger, method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    if logger.name:
+        event_dict.setdefault("logger", logger.name)
+    return event_dict
 
 
 def redact_url(url: str) -> str:

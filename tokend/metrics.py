@@ -101,7 +101,7 @@ class Metrics:
         self.stage_windows = {stage: Window() for stage in STAGES}
         self._stage_window_list = [self.stage_windows[stage] for stage in STAGES]
         self.redis_windows: dict[str, Window] = {}
-        self.heartbeats = 0
+        self.acked_heartbeats = 0
         self._until_sample = STAGE_SAMPLE_EVERY
         self.renewals = 0
         self.expiries: Counter[str] = Counter()
@@ -127,7 +127,7 @@ class Metrics:
 
     def acked(self, heartbeats: int, renewed: bool) -> None:
         """Heartbeats acknowledged (one renewed, if ``renewed``)."""
-        self.heartbeats += heartbeats
+        self.acked_heartbeats += heartbeats
         if renewed:
             self.renewals += 1
 
@@ -167,7 +167,7 @@ class Metrics:
             "sessions": {"ACTIVE": by_state.get("ACTIVE", 0), "WARN": by_state.get("WARN", 0)},
             "sessions_total": sessions_total,
             "connections": self.connections(),
-            "heartbeats_total": self.heartbeats,
+            "heartbeats_total": self.acked_heartbeats,
             "renewals_total": self.renewals,
             "expiries_total": dict(self.expiries),
             "close_codes": {str(code): n for code, n in sorted(self.close_codes.items())},
@@ -195,7 +195,7 @@ class _LiveCollector(Collector):
             "tokend_connections", "Open WebSocket connections.", value=m.connections()
         )
         yield CounterMetricFamily(
-            "tokend_heartbeats", "Heartbeats stored and acknowledged.", value=m.heartbeats
+            "tokend_heartbeats", "Heartbeats stored and acknowledged.", value=m.acked_heartbeats
         )
         yield CounterMetricFamily(
             "tokend_renewals", "Tokens renewed by a heartbeat.", value=m.renewals

@@ -27,16 +27,24 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from redis import exceptions as rexc
-from redis.asyncio.sentinel import SentinelConnectionPool
 
+from tokend import logs
+from tokend.answers import Swept
 from tokend.clocks import State
 from tokend.config import Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
 from tokend.shedding import Shedder
-from tokend.store import Client, Store, StoreUnavailable, subscription
+from tokend.store.redis_client import (
+    Client,
+    close_quietly,
+    master_named,
+    subscription,
+    through_sentinel,
+)
+from tokend.store.sessions import Store
+from tokend.store.unavailable import UNAVAILABLE, Retry, StoreUnavailable
 from tokend.tokens import Claims, TokenService
 
 if TYPE_CHECKING:
@@ -48,10 +56,29 @@ SWEEP_BATCH = 1000
 # Shortest pause between sweeps that found work ahead: bounds the round trips a node
 # spends on deadlines falling due one by one.
 MIN_SWEEP_PAUSE = 0.005
-MAX_BACKOFF = 2.0
-# The control subscription's first wait before subscribing again, doubled up to
-# MAX_BACKOFF while it fails; through Sentinel, how often the master's name is asked.
-FIRST_RETRY = 0.1
+# Through Sentinel, how often the master's name is asked while the subscription is down.
+SENTINEL_POLL = 0.1
+
+
+class Background:
+    """Tasks that run until :meth:`stop` cancels them (a node's, its admin listener's)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def stop(self, timeout: float = 5) -> None:
+        """Cancel every task and wait for them to end, up to ``timeout``."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
 
 
 class Batcher:
@@ -176,7 +203,7 @@ class HeartbeatBatcher(Batcher):
         requests = [c.heartbeat_request for c in connections]
         replayed = [c in unstored for c in batch] + [True] * len(replays) if unstored else ()
         try:
-            answers = await self.store.heartbeats(
+            answers = await self.store.record_heartbeats(
                 requests,  # type: ignore[arg-type]
                 replayed,
                 lambda i: connections[i].known(),
@@ -224,8 +251,8 @@ class Node:
         self.redis = redis
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
-        self.heartbeats = HeartbeatBatcher(self.store, settings.heartbeat_batch)
-        self.hellos = HelloBatcher(self.store)
+        self.heartbeat_batcher = HeartbeatBatcher(self.store, settings.heartbeat_batch)
+        self.hello_batcher = HelloBatcher(self.store)
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
@@ -234,8 +261,7 @@ class Node:
         self.shedder = Shedder(
             settings.shed_lag,
             lambda: (c.session.rank for c in self.sessions.values()),  # type: ignore[union-attr]
-            lambda: len(self.heartbeats.waiting) > settings.heartbeat_batch,
-            self.name,
+            lambda: len(self.heartbeat_batcher.waiting) > settings.heartbeat_batch,
         )
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
@@ -245,29 +271,29 @@ class Node:
         # Loops also check this: on Python 3.11 a cancel that lands as an inner
         # asyncio.timeout() expires can be swallowed (fixed in 3.12).
         self.running = False
-        self._background: set[asyncio.Task[Any]] = set()
-        self.log = log.bind(node=self.name)
+        # Its own tasks (those of _tasks among them), cancelled when it stops.
+        self.background = Background()
 
     # Lifecycle
 
     async def start(self) -> None:
+        logs.serving_as(self.name)
         try:
             await self.store.load_scripts()
         except StoreUnavailable:
-            self.log.warning("redis unavailable at start; scripts load on first use")
+            log.warning("redis unavailable at start; scripts load on first use")
         self.running = True
+        spawn = self.background.spawn
+        lanes = self.settings.flush_lanes
         self._tasks = [
-            asyncio.create_task(
-                self.heartbeats.run(self, self.settings.flush_lanes), name="heartbeats"
-            ),
-            asyncio.create_task(self.hellos.run(self, self.settings.flush_lanes), name="hellos"),
-            asyncio.create_task(self._sweep(), name="sweeper"),
-            asyncio.create_task(self._listen(), name="control"),
-            asyncio.create_task(self.revocations.run(lambda: self.running), name="revocations"),
+            spawn(self.heartbeat_batcher.run(self, lanes), "heartbeats"),
+            spawn(self.hello_batcher.run(self, lanes), "hellos"),
+            spawn(self._sweep(), "sweeper"),
+            spawn(self._listen(), "control"),
+            spawn(self.revocations.run(lambda: self.running), "revocations"),
         ]
         if self.settings.shed_lag:
-            shedding = self.shedder.run(lambda: self.running)
-            self._tasks.append(asyncio.create_task(shedding, name="shedder"))
+            self._tasks.append(spawn(self.shedder.run(lambda: self.running), "shedder"))
         # Ready means subscribed; if Redis is down, start anyway and say so in /readyz.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.redis_timeout):
@@ -282,11 +308,7 @@ class Node:
 
     async def stop(self) -> None:
         self.running = False
-        tasks = self._tasks + list(self._background)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
+        await self.background.stop()
         await self.redis.aclose()
 
     # The sessions' host (tokend.session.Host)
@@ -317,8 +339,8 @@ class Node:
 
     def detach(self, connection: Connection) -> None:
         """A connection ended (whether or not it was WELCOMEd)."""
-        self.hellos.forget(connection)
-        self.heartbeats.forget(connection)
+        self.hello_batcher.forget(connection)
+        self.heartbeat_batcher.forget(connection)
         session = connection.session
         if session is None or self.sessions.get(session.conn) is not connection:
             return
@@ -341,34 +363,28 @@ class Node:
         tids = self.sub_sessions.get(sub)
         return len(tids) - (tid in tids) if tids else 0
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` in the background; it is cancelled when the node stops."""
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     # Background work
 
     async def _sweep(self) -> None:
         """Claim due sessions and make their transitions, forever."""
         interval = self.settings.sweep_interval
         lease_ms = max(1000, 10 * self.settings.ms("sweep_interval"))
-        backoff = interval
+        retry = Retry(first=2 * interval)
         while self.running:
             pause = interval
             try:
-                if self.heartbeats.unstored:
+                if self.heartbeat_batcher.unstored:
                     # Heartbeats held through an outage go in before any deadline is
                     # judged, or their sessions would be warned or expired wrongly.
-                    self.heartbeats.kick()
+                    self.heartbeat_batcher.kick()
                 else:
                     pause = await self._sweep_once(lease_ms, interval)
-                backoff = interval
+                retry.succeeded()
             except StoreUnavailable as exc:
-                self.log.warning("sweep skipped: store unavailable", error=str(exc))
-                pause = backoff = min(backoff * 2, MAX_BACKOFF)
+                log.warning("sweep skipped: store unavailable", error=str(exc))
+                pause = retry.failed()
             except Exception:
-                self.log.exception("sweep failed")
+                log.exception("sweep failed")
             if pause:
                 await asyncio.sleep(pause)
 
@@ -403,12 +419,12 @@ class Node:
         # Logged by the one node whose script made them: each WARN (the spec asks for
         # it), the expiries of a sweep in one line.
         for tid, what, conn in await self.store.transitions(claimed):
-            if what == "gone":
+            if what is Swept.GONE:
                 # Only when no node swept for expire_after past the token's exp: the
                 # script dropped the orphaned deadline entry.
                 vanished += 1
-            elif what == "warn":
-                self.log.warning("session warn", tid=tid)
+            elif what is Swept.WARN:
+                log.warning("session warn", tid=tid)
                 if conn:
                     self._act("notice", tid, conn, None)
             else:
@@ -417,69 +433,58 @@ class Node:
                 if conn:
                     self._act("close", tid, conn, CloseCode.SESSION_EXPIRED)
         if vanished:
-            self.log.warning("sessions vanished unswept", count=vanished)
+            log.warning("sessions vanished unswept", count=vanished)
         if expired:
-            self.log.info("sessions expired", count=expired.total(), reasons=dict(expired))
+            log.info("sessions expired", count=expired.total(), reasons=dict(expired))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""
-        backoff = FIRST_RETRY
+        retry = Retry()
         channel = self.store.keys.control_channel(self.name)
         while self.running:
             pubsub = named = None
             try:
-                named = await self._master_named()
+                named = await master_named(self.redis)
                 pubsub = await subscription(self.redis)
                 await pubsub.subscribe(channel)
                 self.subscribed.set()
-                backoff = FIRST_RETRY
+                retry.succeeded()
                 while self.running:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self._control(message["data"])
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            except UNAVAILABLE as exc:
                 self.subscribed.clear()
-                self.log.warning("control subscription lost", error=type(exc).__name__)
+                log.warning("control subscription lost", error=type(exc).__name__)
             # Not in a finally: on cancellation (stop) the pool's aclose() reclaims the
             # connection, and awaiting pubsub.aclose() while cancelled can block.
             if pubsub is not None:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(1):
-                        await pubsub.aclose()
-            await self._until_retry(backoff, named)
-            backoff = min(backoff * 2, MAX_BACKOFF)
-
-    async def _master_named(self) -> tuple[str, int] | None:
-        """The master Sentinel names now, when this node reaches Redis through Sentinel."""
-        pool = getattr(self.redis, "connection_pool", None)
-        if not isinstance(pool, SentinelConnectionPool):
-            return None
-        address: tuple[str, int] = await pool.sentinel_manager.discover_master(pool.service_name)
-        return address
+                await close_quietly(pubsub)
+            await self._until_retry(retry.failed(), named)
 
     async def _until_retry(self, backoff: float, named: tuple[str, int] | None) -> None:
         """Wait ``backoff`` before subscribing again; through Sentinel, only until it names
         another master than ``named`` (asked before the try that failed): a failover is
         done, so retry now rather than after a wait that doubled while the old master was
-        named. Sentinel is asked every FIRST_RETRY."""
-        if not isinstance(getattr(self.redis, "connection_pool", None), SentinelConnectionPool):
+        named. Sentinel is asked every SENTINEL_POLL."""
+        if not through_sentinel(self.redis):
             await asyncio.sleep(backoff)
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(backoff):
                 while True:
                     # No master named (it is down, not yet replaced) is no change.
-                    with contextlib.suppress(rexc.ConnectionError, rexc.TimeoutError, OSError):
-                        if await self._master_named() != named:
+                    with contextlib.suppress(*UNAVAILABLE):
+                        if await master_named(self.redis) != named:
                             return
-                    await asyncio.sleep(FIRST_RETRY)
+                    await asyncio.sleep(SENTINEL_POLL)
 
     def _control(self, data: str) -> None:
         try:
             message = json.loads(data)
             op, tid, conn = message["op"], message["tid"], message["conn"]
         except (ValueError, KeyError, TypeError):
-            self.log.warning("malformed control message")
+            log.warning("malformed control message")
             return
         self._act(op, tid, conn, message.get("code"))
 

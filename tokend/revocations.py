@@ -1,7 +1,7 @@
 """Revocations a node heard, written again after a Redis failover: the second line of defence.
 
 A revocation is reported done once the replicas acknowledged it (``durable_replicas``,
-:mod:`tokend.durability`); when they did not, ``tokend revoke`` says it is not confirmed,
+:mod:`tokend.store.durability`); when they did not, ``tokend revoke`` says it is not confirmed,
 and a failover may still lose the tombstone. So every node keeps the revocations it hears
 (end.lua tells every node, on the revocations channel) until their tombstones would have
 expired, and
@@ -23,20 +23,12 @@ import uuid
 from collections.abc import Callable
 
 import structlog
-from redis import exceptions as rexc
 
-from tokend.store import (
-    Client,
-    NotConfirmed,
-    Store,
-    StoreUnavailable,
-    close_quietly,
-    subscription,
-)
+from tokend.store.redis_client import Client, close_quietly, subscription
+from tokend.store.sessions import Store
+from tokend.store.unavailable import UNAVAILABLE, NotConfirmed, Retry, StoreUnavailable
 
 log = structlog.get_logger("tokend.revocations")
-
-MAX_BACKOFF = 2.0
 
 
 class Revocations:
@@ -50,7 +42,6 @@ class Revocations:
         # Each master's replication id as last seen (None: not yet seen).
         self.replication_ids: dict[str, str] | None = None
         self.pending = False  # a failover was seen; not every revocation written again yet
-        self.log = log.bind(node=store.node)
         # Who asks, in the TOKEN_REVOKED of a revocation written again (docs/events.md).
         self.by = f"failover:{store.node}"
         store.known_revoked = self.knows
@@ -65,18 +56,18 @@ class Revocations:
             if message["op"] == "revoked":
                 self.known[str(uuid.UUID(message["tid"]))] = int(message["expires"])
         except (ValueError, KeyError, TypeError):
-            self.log.warning("malformed revocation message")
+            log.warning("malformed revocation message")
 
     async def run(self, running: Callable[[], bool]) -> None:
         """Hear revocations and watch for failovers while ``running()``."""
         loop = asyncio.get_running_loop()
-        backoff = 0.1
+        retry = Retry()
         while running():
             pubsub = None
             try:
                 pubsub = await subscription(self.redis)
                 await pubsub.subscribe(self.store.keys.revocations_channel)
-                backoff = 0.1
+                retry.succeeded()
                 next_check = loop.time()  # at once: the subscription may be new after a failover
                 while running():
                     if loop.time() >= next_check:
@@ -86,25 +77,24 @@ class Revocations:
                     message = await pubsub.get_message(timeout=wait)
                     if message is not None:
                         self.heard(message["data"])
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-                self.log.warning("revocations subscription lost", error=type(exc).__name__)
+            except UNAVAILABLE as exc:
+                log.warning("revocations subscription lost", error=type(exc).__name__)
             if pubsub is not None:
                 await close_quietly(pubsub)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF)
+            await retry.wait()
 
     async def check(self) -> None:
         """See whether a master changed since the last check; if so (or if the last
         re-assertion did not finish), revoke again every token kept."""
         try:
-            seen = await self.store.replication_ids()
+            seen = await self.store.queries.replication_ids()
         except StoreUnavailable:
             return
         except Exception:  # a bug, or a Cluster in a state redis-py does not expect: retry
-            self.log.exception("failover check failed")
+            log.exception("failover check failed")
             return
         if self.replication_ids is not None and seen != self.replication_ids:
-            self.log.warning("redis failover or restart seen", masters=len(seen))
+            log.warning("redis failover or restart seen", masters=len(seen))
             self.pending = True
         self.replication_ids = seen
         if self.pending:
@@ -125,10 +115,10 @@ class Revocations:
             if isinstance(result, BaseException):
                 failed += 1
                 if not isinstance(result, StoreUnavailable):
-                    self.log.error("revocation failed", error=repr(result))
+                    log.error("revocation failed", error=repr(result))
             elif result:  # the tombstone was lost: written again
                 restored += 1
-        self.log.warning(
+        log.warning(
             "revocations written again", kept=len(results), restored=restored, failed=failed
         )
         return not failed

@@ -25,12 +25,13 @@ from tokend import health
 from tokend import protocol as p
 from tokend.admin import AdminServer
 from tokend.config import Settings
-from tokend.connection import CLOSE_TIMEOUT, Connection, HttpAnswer
+from tokend.connection import CLOSE_TIMEOUT, Connection
 from tokend.embedded import EmbeddedRedis
+from tokend.http_answer import HttpAnswer
 from tokend.logs import redact_url
 from tokend.node import Node
 from tokend.session import Cadence
-from tokend.store import connect
+from tokend.store.redis_client import open_client
 from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
@@ -106,7 +107,7 @@ class App:
             self.embedded = EmbeddedRedis(settings.resolved_data_dir)
             await asyncio.to_thread(self.embedded.start)
             url = self.embedded.url
-        self.node = Node(settings, connect(url, settings), tokens)
+        self.node = Node(settings, open_client(url, settings), tokens)
         self.node.metrics.connections = lambda: len(self.connections)
         await self.node.start()
         if settings.admin_port >= 0:
@@ -125,7 +126,6 @@ class App:
             "listening",
             host=settings.host,
             port=self.port,
-            node=self.node.name,
             redis=redact_url(url),
             max_connections=self.max_open_connections,
         )
@@ -171,9 +171,9 @@ class App:
                 return BUSY
             return None
         if path == "/healthz":
-            return HttpAnswer(*health.liveness(self.node))
+            return health.liveness(self.node)
         if path == "/readyz":
-            return self._readiness()
+            return health.readiness(self.node, self.draining)
         if path == "/.well-known/jwks.json":
             tokens = self.node.tokens
             return HttpAnswer(
@@ -182,9 +182,6 @@ class App:
                 (("Cache-Control", tokens.jwks_cache_control),),
             )
         return HttpAnswer(http.HTTPStatus.NOT_FOUND, {"error": "not_found", "path": path})
-
-    async def _readiness(self) -> HttpAnswer:
-        return HttpAnswer(*await health.readiness(self.node, self.draining))
 
     # Shutdown
 
@@ -202,10 +199,10 @@ class App:
         period = self.settings.drain_period
         n = len(connections)
         ticks = max(1, min(n, int(period / DRAIN_TICK)))
-        self.node.log.info("draining", connections=n, period=period)
+        log.info("draining", connections=n, period=period)
         for tick in range(ticks):
             if hurry.is_set():
-                self.node.log.warning("second signal: closing every connection now")
+                log.warning("second signal: closing every connection now")
             end = n if hurry.is_set() else (tick + 1) * n // ticks
             for connection in connections[tick * n // ticks : end]:
                 connection.close(p.CloseCode.GOING_AWAY, GOING_AWAY)

@@ -59,7 +59,6 @@ class Shedder:
         shed_lag: float,
         ranks: Callable[[], Iterable[int]],
         backlogged: Callable[[], bool],
-        node: str,
     ) -> None:
         self.shed_lag = shed_lag
         self.ranks = ranks
@@ -68,7 +67,6 @@ class Shedder:
         # Every class but the best is shed, and the node was overloaded still.
         self.saturated = False
         self._steps: list[int] = []  # the levels stepped down from, to go back up
-        self.log = log.bind(node=node)
 
     @property
     def active(self) -> bool:
@@ -111,11 +109,11 @@ class Shedder:
         if not worse:
             if self.active and not self.saturated:
                 self.saturated = True
-                self.log.warning("overloaded: refusing new handshakes", lag_ms=round(lag * 1000))
+                log.warning("overloaded: refusing new handshakes", lag_ms=round(lag * 1000))
             return
         self._steps.append(self.shed_from)
         self.shed_from = max(worse)
-        self.log.warning(
+        log.warning(
             "overloaded: shedding sessions",
             shed=shed_classes(self.shed_from),
             lag_ms=round(lag * 1000),
@@ -126,6 +124,6 @@ class Shedder:
         self.saturated = False
         self.shed_from = self._steps.pop()
         if self.active:
-            self.log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
+            log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
         else:
-            self.log.info("shedding ended")
+            log.info("shedding ended")

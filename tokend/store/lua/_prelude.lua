@@ -1,13 +1,18 @@
--- Prepended to every tokend script (see tokend/store.py).
--- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event
--- stream; every other key is a session or tombstone key of the same shard, so
--- all keys share one hash tag (heartbeat.lua, on one Redis, takes groups of
--- several shards, each group's keys led by its shard's; on a Cluster, one group
--- per call). ARGV[1..4] are node name, events channel, control channel and stream
--- cap; ARGV[5] is the request's deadline (below) and is taken out, so that script
--- arguments start at ARGV[5].
+-- Prepended to every tokend script, after the constants that tokend/store.py generates
+-- from Python, so that neither side spells the other's values: CLOSE (close codes,
+-- tokend.protocol.CloseCode), EXPIRY (tokend.clocks.ExpiryReason), ENDED (tombstones,
+-- tokend.answers.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME and
+-- SWEPT (tokend.answers), SESSION_FIELDS (the session hash's fields) and session_fields
+-- (an HMGET reply of those as a table by name).
+--
+-- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event stream; every
+-- other key is a session or tombstone key of the same shard, so all keys share one hash
+-- tag (the batch scripts take groups of several shards on one Redis, each group's keys led
+-- by its shard's; on a Cluster, one group per call: see for_each_session). ARGV[1..5] are
+-- the prelude's (named below); a script's own arguments follow, from ARGV[OWN + 1].
 local NODE, EVENTS, CONTROL, MAXLEN = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local GIVEN_UP_AT = tonumber(table.remove(ARGV, 5))
+local GIVEN_UP_AT = tonumber(ARGV[5])
+local OWN = 5
 local DUE, STREAM = KEYS[1], KEYS[2]
 
 -- Time comes from Redis, never from a node, so skewed nodes agree on deadlines.
@@ -23,6 +28,17 @@ end
 -- whole freeze, a HELLO or BYE would act for a client already told 1013.
 if now_ms() > GIVEN_UP_AT then
   return false
+end
+
+-- The session in hash `skey`, by field name (hb, exp, iat, prio and since as numbers; a
+-- field the hash lacks is false, or nil if a number), or nil when there is none. The one
+-- read of a session hash: no script reads a field by its position in a reply.
+local function load_session(skey)
+  local s = session_fields(redis.call('HMGET', skey, unpack(SESSION_FIELDS)))
+  if not s.sub then
+    return nil
+  end
+  return s
 end
 
 -- The node of connection `conn` ("<node>/<counter>"); nil for none.
@@ -51,17 +67,20 @@ local function control(op, tid, conn, code)
   end
 end
 
--- End a session: delete it, leave a tombstone until its token's exp, emit
--- its final event, and (when code is given) close its connection wherever it is.
-local function finish(skey, tkey, tid, sub, exp, conn, now, kind, reason, tomb, code, by)
-  redis.call('DEL', skey)
-  redis.call('ZREM', DUE, tid)
-  if exp > now then
-    redis.call('SET', tkey, tomb, 'PXAT', exp)
+-- End a session: delete it, leave a tombstone until its token's exp, emit its final
+-- event, and (when a close code is given) close its connection wherever it is.
+-- t: {skey, tkey, tid, session (as load_session read it), now, event, reason, tomb,
+-- code (a CLOSE value, or nil), by (or nil)}.
+local function finish(t)
+  local s = t.session
+  redis.call('DEL', t.skey)
+  redis.call('ZREM', DUE, t.tid)
+  if s.exp > t.now then
+    redis.call('SET', t.tkey, t.tomb, 'PXAT', s.exp)
   end
-  emit(kind, tid, sub, now, conn, reason, by)
-  if code then
-    control('close', tid, conn, code)
+  emit(t.event, t.tid, s.sub, t.now, s.conn, t.reason, t.by)
+  if t.code then
+    control('close', t.tid, s.conn, t.code)
   end
 end
 
@@ -74,7 +93,7 @@ end
 -- DUE and STREAM set to its shard's keys (emit and finish use them), and returns what
 -- fn returned, in order.
 local function for_each_session(fixed, width, fn)
-  local out, k, a = {}, 0, 4 + fixed -- the last KEYS and ARGV read
+  local out, k, a = {}, 0, OWN + fixed -- the last KEYS and ARGV read
   while a < #ARGV do
     DUE, STREAM = KEYS[k + 1], KEYS[k + 2]
     local sessions = tonumber(ARGV[a + 1])

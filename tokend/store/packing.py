@@ -6,7 +6,7 @@ although ``hiredis.pack_command``, installed with ``redis[hiredis]``, produces t
 bytes in ~0.8 µs; only the synchronous client uses it. The classes here use it, and
 fall back to redis-py's packer for what hiredis refuses (a bool, None or bytearray
 argument, for which redis-py raises its own DataError or packs it itself) and for an
-encoding other than UTF-8. :func:`tokend.store.connect` gives them to every kind of
+encoding other than UTF-8. :func:`tokend.store.redis_client.open_client` gives them to every kind of
 client: one Redis (TCP, TLS, unix socket), a Cluster's nodes and a Sentinel's master.
 """
 

@@ -9,15 +9,12 @@
 -- 'prio|iat_s|exp_ms|since_ms|sub'.
 -- Returns, per session in order: exp_ms alone when the heartbeat was stored and the
 -- session neither left WARN nor was renewed (the common case, cheapest to send and to
--- parse); else {'ok', was_warn, renewed, exp_ms, iat_s}, {'gone', tombstone or ''} or
--- {'taken'} (another connection holds the session).
-local warn_ms, renew_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
-local ttl_s, grace_ms, expire_ms = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+-- parse); else {OK, was_warn, renewed, exp_ms, iat_s}, {GONE, tombstone or ''} or
+-- {TAKEN} (another connection holds the session), of HEARTBEAT_OUTCOME.
+local warn_ms, renew_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2])
+local ttl_s, grace_ms, expire_ms = tonumber(ARGV[OWN + 3]), tonumber(ARGV[OWN + 4]),
+                                   tonumber(ARGV[OWN + 5])
 local now = now_ms()
-
-local function read(skey)
-  return redis.call('HMGET', skey, 'sub', 'st', 'exp', 'iat', 'conn', 'hb', 'since')
-end
 
 -- Redis lost this connection's session, or its hold on it, in a failover (writes the old
 -- master acknowledged and never replicated). Re-assert what the node knows, unless the
@@ -26,14 +23,14 @@ end
 local function restore(skey, tkey, tid, conn, s, known)
   local prio, iat, exp, since, sub = known:match('^(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
   exp, since = tonumber(exp), tonumber(since)
-  if s[1] then
-    if s[1] ~= sub or tonumber(s[7] or 0) >= since then
+  if s then
+    if s.sub ~= sub or (s.since or 0) >= since then
       return false
     end
     -- Our connection took the session after the one Redis names: Redis lost that resume.
-    control('close', tid, s[5], 4507)
+    control('close', tid, s.conn, CLOSE.TAKEN_OVER)
     redis.call('HSET', skey, 'conn', conn, 'since', since, 'hb', now)
-    if exp > tonumber(s[3]) then
+    if exp > s.exp then
       redis.call('HSET', skey, 'exp', exp, 'iat', iat)
       redis.call('PEXPIREAT', skey, exp + grace_ms)
     end
@@ -41,7 +38,7 @@ local function restore(skey, tkey, tid, conn, s, known)
     if exp <= now or redis.call('EXISTS', tkey) == 1 then
       return false
     end
-    redis.call('HSET', skey, 'sub', sub, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat,
+    redis.call('HSET', skey, 'sub', sub, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat,
                'prio', prio, 'conn', conn, 'since', since)
     redis.call('PEXPIREAT', skey, exp + grace_ms)
   end
@@ -50,28 +47,31 @@ local function restore(skey, tkey, tid, conn, s, known)
 end
 
 local function heartbeat(skey, tkey, tid, conn, replayed, known)
-  local s = read(skey)
-  if s[5] ~= conn then
+  local s = load_session(skey)
+  if not s or s.conn ~= conn then
     if known == '' or not restore(skey, tkey, tid, conn, s, known) then
-      if s[1] then
-        return {'taken'}
+      if s then
+        return {HEARTBEAT_OUTCOME.TAKEN}
       end
-      return {'gone', redis.call('GET', tkey) or ''}
+      return {HEARTBEAT_OUTCOME.GONE, redis.call('GET', tkey) or ''}
     end
-    s = read(skey)
+    s = load_session(skey)
   end
-  local sub, exp, iat = s[1], tonumber(s[3]), tonumber(s[4])
-  if exp <= now then
-    finish(skey, tkey, tid, sub, exp, conn, now, 'TOKEN_EXPIRED', 'token_expired', 'expired')
-    return {'gone', 'expired'}
-  end
-  if replayed ~= '1' and now - tonumber(s[6]) >= expire_ms then
+  local reason = nil
+  if s.exp <= now then
+    reason = EXPIRY.TOKEN_EXPIRED
+  elseif replayed ~= '1' and now - s.hb >= expire_ms then
     -- Silent for expire_after: expired, even if no sweep has got to it yet.
-    finish(skey, tkey, tid, sub, exp, conn, now, 'TOKEN_EXPIRED', 'heartbeat_timeout', 'expired')
-    return {'gone', 'expired'}
+    reason = EXPIRY.HEARTBEAT_TIMEOUT
   end
+  if reason then
+    finish({skey = skey, tkey = tkey, tid = tid, session = s, now = now,
+            event = 'TOKEN_EXPIRED', reason = reason, tomb = ENDED.EXPIRED})
+    return {HEARTBEAT_OUTCOME.GONE, ENDED.EXPIRED}
+  end
+  local sub, exp, iat = s.sub, s.exp, s.iat
   local was_warn = 0
-  if s[2] == 'WARN' then
+  if s.st == STATE.WARN then
     was_warn = 1
     emit('SESSION_RECOVERED', tid, sub, now, conn)
   end
@@ -86,13 +86,13 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known)
       emit('TOKEN_RENEWED', tid, sub, now, conn)
     end
   end
-  redis.call('HSET', skey, 'st', 'ACTIVE', 'hb', now, 'exp', exp, 'iat', iat)
+  redis.call('HSET', skey, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat)
   -- Same deadline as tokend.clocks.deadline(ACTIVE, now, exp).
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   if was_warn == 0 and renewed == 0 then
     return exp -- the common answer, in one integer: stored, nothing else changed
   end
-  return {'ok', was_warn, renewed, exp, iat}
+  return {HEARTBEAT_OUTCOME.OK, was_warn, renewed, exp, iat}
 end
 
 return for_each_session(5, 4, heartbeat)

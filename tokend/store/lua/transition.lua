@@ -2,13 +2,16 @@
 -- are due, reading and writing each session in one atomic step, so that each
 -- transition happens, and emits, once. The judgement is tokend.clocks.due_transition's
 -- and the deadlines tokend.clocks.deadline's; tests/test_store.py holds them to it.
--- KEYS[3..]: pairs of (session hash, tombstone).
+-- KEYS: the shard's deadline set and event stream, then (session hash, tombstone) per
+-- claimed tid.
 -- ARGV: warn_after (ms), expire_after (ms), then the claimed tids.
 -- Returns, per session: 0 when nothing was due (its deadline replaces the claim's
--- lease), -1 when it was gone, else {what, conn}: what is 'warn', 'token_expired' or
--- 'heartbeat_timeout'; conn the connection to warn or close when the calling node holds
--- it (no control message is sent for it then), else ''.
-local warn_ms, expire_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+-- lease), else {what, conn}: what is a SWEPT value (WARN, an expiry reason, or GONE when
+-- the session was gone); conn the connection to warn or close when the calling node
+-- holds it (no control message is sent for it then), else ''.
+local warn_ms, expire_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2])
+local FIRST_TID = OWN + 3
+
 local now = now_ms()
 local out = {}
 
@@ -21,33 +24,34 @@ local function tell(op, tid, conn, code)
 end
 
 for i = 1, (#KEYS - 2) / 2 do
-  local skey, tkey, tid = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[6 + i]
-  local s = redis.call('HMGET', skey, 'sub', 'st', 'hb', 'exp', 'conn')
-  if not s[1] then
+  local skey, tkey, tid = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[FIRST_TID + i - 1]
+  local s = load_session(skey)
+  if not s then
     redis.call('ZREM', DUE, tid)
-    out[i] = -1
+    out[i] = {SWEPT.GONE, ''}
   else
-    local sub, hb, exp, conn = s[1], tonumber(s[3]), tonumber(s[4]), s[5]
+    local hb, exp = s.hb, s.exp
     local reason = nil
     if now >= exp then
-      reason = 'token_expired'
+      reason = EXPIRY.TOKEN_EXPIRED
     elseif now - hb >= expire_ms then
       -- Expired even if never marked WARN (the sweep was late).
-      reason = 'heartbeat_timeout'
+      reason = EXPIRY.HEARTBEAT_TIMEOUT
     end
     if reason then
-      finish(skey, tkey, tid, sub, exp, conn, now, 'TOKEN_EXPIRED', reason, 'expired')
-      out[i] = {reason, tell('close', tid, conn, 4505)}
-    elseif s[2] == 'ACTIVE' and now - hb >= warn_ms then
-      redis.call('HSET', skey, 'st', 'WARN')
+      finish({skey = skey, tkey = tkey, tid = tid, session = s, now = now,
+              event = 'TOKEN_EXPIRED', reason = reason, tomb = ENDED.EXPIRED})
+      out[i] = {reason, tell('close', tid, s.conn, CLOSE.SESSION_EXPIRED)}
+    elseif s.st == STATE.ACTIVE and now - hb >= warn_ms then
+      redis.call('HSET', skey, 'st', STATE.WARN)
       -- Same deadline as tokend.clocks.deadline(WARN, hb, exp).
       redis.call('ZADD', DUE, math.min(hb + expire_ms, exp), tid)
-      emit('SESSION_WARN', tid, sub, now, conn)
-      out[i] = {'warn', tell('notice', tid, conn)}
+      emit('SESSION_WARN', tid, s.sub, now, s.conn)
+      out[i] = {SWEPT.WARN, tell('notice', tid, s.conn)}
     else
       -- Not due (a heartbeat came after the claim): tokend.clocks.deadline(st, hb, exp).
       local after = warn_ms
-      if s[2] == 'WARN' then
+      if s.st == STATE.WARN then
         after = expire_ms
       end
       redis.call('ZADD', DUE, 'XX', math.min(hb + after, exp), tid)

@@ -20,6 +20,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from tokend.store.unavailable import UNAVAILABLE
+
 # Replies that mean a Cluster script did not run where it was sent (the slot moved or is
 # being failed over): the caller's attempt failed like a connection does.
 _NOT_RUN = (rexc.MovedError, rexc.AskError, rexc.TryAgainError, rexc.ClusterDownError)
@@ -44,7 +46,7 @@ async def known_replicas(redis: Redis | RedisCluster, key: str) -> int:
     pool = redis.connection_pool
     if isinstance(pool, SentinelConnectionPool):
         for sentinel in pool.sentinel_manager.sentinels:
-            with contextlib.suppress(rexc.ConnectionError, rexc.TimeoutError, OSError):
+            with contextlib.suppress(*UNAVAILABLE):
                 return len(await sentinel.sentinel_slaves(pool.service_name))
         raise rexc.ConnectionError("no sentinel answered")
     return len((await redis.execute_command("ROLE"))[2])
@@ -63,7 +65,7 @@ async def then_wait(
         commands = [PipelineCommand(0, *command), PipelineCommand(1, *wait)]
         try:
             await redis.get_node_from_key(key).execute_pipeline(commands)
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError):
+        except UNAVAILABLE:
             await _relearn(redis)
             raise
         reply, acknowledged = (c.result for c in commands)

@@ -1,0 +1,232 @@
+"""The contract between the Lua scripts and Python, held by name.
+
+* Every script reads the session hash through the prelude's ``load_session`` (one HMGET
+  of the field list Python declares), never a field by its position in a reply.
+* Close codes, states and outcomes come from Python's enums, never Lua literals.
+* heartbeat.lua and hello.lua expire a session exactly when :mod:`tokend.clocks` says it
+  is expired, for the same reason (transition.lua is held to it in tests/test_store.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+from importlib import resources
+
+import pytest
+from redis.asyncio import Redis
+
+from tokend.answers import Ended, HeartbeatOutcome, HelloOutcome
+from tokend.clocks import ExpiryReason, State, due_transition
+from tokend.store.keyspace import SESSION_FIELDS, Keyspace
+from tokend.store.scripts import SCRIPTS, lua_constants
+from tokend.store.sessions import Store
+
+from .test_store import CLOCKS, EXPIRE_MS, WARN_MS, redis_ms, store
+
+__all__ = ["store"]  # a fixture
+
+LUA = resources.files("tokend.store") / "lua"
+PRELUDE = "_prelude.lua"
+# Commands whose reply holds a hash's fields by position.
+HASH_READS = re.compile(r"'(HMGET|HGETALL|HVALS)'", re.IGNORECASE)
+SESSION_TABLE = re.compile(r"(\w+)\s*=\s*load_session\(")
+
+
+def _code(source: str) -> str:
+    """``source`` without its comments (no script has ``--`` inside a string)."""
+    return "\n".join(line.partition("--")[0] for line in source.splitlines())
+
+
+def positional_reads(name: str, source: str) -> list[str]:
+    """Where a script reads a session hash field by position: what the contract forbids."""
+    code = _code(source)
+    found = []
+    for match in HASH_READS.finditer(code):
+        function = code[: match.start()].rpartition("local function ")[2].partition("(")[0]
+        if (name, function) != (PRELUDE, "load_session"):
+            found.append(f"{name}: {match.group(1)} outside load_session")
+    for table in set(SESSION_TABLE.findall(code)):
+        for index in re.findall(rf"\b{table}\[(\d+)\]", code):
+            found.append(f"{name}: {table}[{index}]")
+    return found
+
+
+def _sources() -> dict[str, str]:
+    return {f.name: f.read_text() for f in LUA.iterdir() if f.name.endswith(".lua")}
+
+
+def test_no_script_reads_a_session_field_by_position() -> None:
+    sources = _sources()
+    assert {s.name + ".lua" for s in SCRIPTS} | {PRELUDE} == set(sources)
+    assert [p for name, text in sources.items() for p in positional_reads(name, text)] == []
+    # The one read names the fields Python declares.
+    assert "redis.call('HMGET', skey, unpack(SESSION_FIELDS))" in sources[PRELUDE]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "local s = redis.call('HMGET', skey, 'sub', 'exp')\nreturn s[2]",
+        "local function read(k)\n  return redis.call('hgetall', k)\nend",
+        "local s = load_session(skey)\nreturn s[1]",
+    ],
+)
+def test_a_positional_read_is_caught(source: str) -> None:
+    assert positional_reads("heartbeat.lua", source)
+
+
+def test_no_close_code_is_written_as_a_number() -> None:
+    """Close codes come from tokend.protocol.CloseCode (the generated CLOSE table)."""
+    for name, text in _sources().items():
+        assert not re.findall(r"\b4\d{3}\b", _code(text)), name
+    for path in (p for p in resources.files("tokend.store").iterdir() if p.name.endswith(".py")):
+        code = "\n".join(line.partition("#")[0] for line in path.read_text().splitlines())
+        assert not re.findall(r"\b4\d{3}\b", code), path.name
+
+
+def test_the_generated_constants_name_every_python_value() -> None:
+    constants = lua_constants()
+    assert "SESSION_EXPIRED = 4505" in constants and "TAKEN_OVER = 4507" in constants
+    assert "local SESSION_FIELDS = {" + ", ".join(f"'{f}'" for f in SESSION_FIELDS) in constants
+    for script in SCRIPTS:
+        assert script.source.startswith(constants)
+
+
+async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis) -> None:
+    tid = uuid.uuid4()
+    skey = store.keys.session_keys(tid)[0]
+    fields = {
+        "sub": "alice",
+        "st": "WARN",
+        "hb": 11,
+        "exp": 22,
+        "iat": 33,
+        "prio": 4,
+        "conn": "node-a/5",
+        "since": 66,
+    }
+    assert set(fields) == set(SESSION_FIELDS)
+    await redis.hset(skey, mapping=fields)
+    prelude = lua_constants() + (LUA / PRELUDE).read_text()
+    args = ["node-a", "e", "c", 10, int(time.time() * 1000) + 60_000]
+    read = "return cjson.encode(load_session(KEYS[3]))"
+    keys = [*store.keys.shard_keys(Keyspace.shard(tid)), skey]
+    assert json.loads(await redis.eval(prelude + read, 3, *keys, *args)) == fields
+    missing = "return load_session(KEYS[3]) == nil and 1 or 0"
+    await redis.delete(skey)
+    assert await redis.eval(prelude + missing, 3, *keys, *args) == 1
+
+
+# --- heartbeat.lua and hello.lua expire as tokend.clocks does ---------------------------------
+
+# Times a second or more away from every boundary, so that the few milliseconds between
+# reading Redis time here and the script's own cannot change a verdict.
+SILENCES = (1_000, WARN_MS - 1_000, WARN_MS + 1_000, EXPIRE_MS - 1_000, EXPIRE_MS + 1_000)
+TOKEN_LEFT = (-1_000, 3_000, WARN_MS + 3_000, 3_600_000)
+Case = tuple[State, int, int]  # state, last heartbeat, exp
+
+
+async def _sessions(store: Store, redis: Redis, now: int) -> dict[uuid.UUID, Case]:
+    """Live sessions over the grid of (state, silence, token time left), as of ``now``."""
+    cases = {
+        uuid.uuid4(): (state, now - silence, now + left)
+        for state in (State.ACTIVE, State.WARN)
+        for silence in SILENCES
+        for left in TOKEN_LEFT
+    }
+    for tid, (state, hb, exp) in cases.items():
+        await redis.hset(
+            store.keys.session_keys(tid)[0],
+            mapping={
+                "sub": "s",
+                "st": state.value,
+                "hb": hb,
+                "exp": exp,
+                "iat": exp // 1000 - 60,
+                "prio": 5,
+                "conn": f"node-z/{tid}",
+                "since": 1,
+            },
+        )
+    return cases
+
+
+async def _expiry_reasons(store: Store, redis: Redis) -> dict[str, str]:
+    """The reason of each TOKEN_EXPIRED event in the shards' streams, by tid."""
+    reasons = {}
+    for stream in store.keys.streams():
+        for _, fields in await redis.xrange(stream):
+            event = json.loads(fields["event"])
+            if event["type"] == "TOKEN_EXPIRED":
+                reasons[event["tid"]] = event["reason"]
+    return reasons
+
+
+def _expected(
+    case: Case, now: int, judged: Callable[[ExpiryReason], bool] = lambda _: True
+) -> ExpiryReason | None:
+    """The expiry tokend.clocks decides for ``case`` at ``now`` (None: it lives on)."""
+    state, hb, exp = case
+    due = due_transition(state, hb, exp, now, CLOCKS)
+    if due is None or due.to is not State.EXPIRED:
+        return None
+    assert due.reason is not None
+    return due.reason if judged(due.reason) else None
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["live", "replayed"])
+async def test_a_heartbeat_expires_as_clocks_does(
+    store: Store, redis: Redis, replayed: bool
+) -> None:
+    """A replayed heartbeat (received in time, stored after an outage) is not judged for
+    silence: only its token's exp can expire it."""
+    now = await redis_ms(store)
+    cases = await _sessions(store, redis, now)
+    tids = list(cases)
+    answers = await store.record_heartbeats(
+        [store.heartbeat_request(tid, f"node-z/{tid}") for tid in tids], [replayed] * len(tids)
+    )
+    reasons = await _expiry_reasons(store, redis)
+    for tid, answer in zip(tids, answers, strict=True):
+        expected = _expected(
+            cases[tid],
+            now,
+            lambda reason: not replayed or reason is ExpiryReason.TOKEN_EXPIRED,
+        )
+        case = (*cases[tid], replayed)
+        if expected is None:
+            assert answer.outcome is HeartbeatOutcome.OK, case
+            assert answer.was_warn == (cases[tid][0] is State.WARN), case
+            assert str(tid) not in reasons, case
+        else:
+            assert (answer.outcome, answer.ended) == (HeartbeatOutcome.GONE, Ended.EXPIRED), case
+            assert reasons[str(tid)] == expected, case
+    assert set(reasons.values()) == (
+        {ExpiryReason.TOKEN_EXPIRED} if replayed else set(ExpiryReason)
+    )
+
+
+async def test_a_resume_expires_as_clocks_does(store: Store, redis: Redis) -> None:
+    now = await redis_ms(store)
+    cases = await _sessions(store, redis, now)
+    tids = list(cases)
+    # exp 0: the token is no newer than the session, so the session's exp is judged.
+    answers = await store.hellos([(tid, "s", 5, 0, 0, "node-a/1") for tid in tids])
+    reasons = await _expiry_reasons(store, redis)
+    for tid, answer in zip(tids, answers, strict=True):
+        expected = _expected(cases[tid], now)
+        case = cases[tid]
+        if expected is None:
+            assert answer.outcome is HelloOutcome.RESUMED, case
+            assert str(tid) not in reasons, case
+        elif expected is ExpiryReason.TOKEN_EXPIRED:
+            assert answer.outcome is HelloOutcome.EXPIRED, case
+            assert reasons[str(tid)] == expected, case
+        else:
+            assert (answer.outcome, answer.ended) == (HelloOutcome.ENDED, Ended.EXPIRED), case
+            assert reasons[str(tid)] == expected, case
+    assert set(reasons.values()) == set(ExpiryReason)

@@ -1,0 +1,144 @@
+"""Read-only queries for operators (admin API, ``tokend sessions``) and for the failover
+watch: plain commands, no script, each with the store's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+
+from tokend.store.keyspace import SHARDS, Keyspace, node_of
+from tokend.store.redis_client import Client
+from tokend.store.unavailable import Deadline
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """A session as the admin API and ``tokend sessions`` show it (times in unix ms)."""
+
+    tid: str
+    state: str  # ACTIVE | WARN | ENDED (only a tombstone is left; why in ``ended``)
+    sub: str = ""
+    exp: int = 0
+    last_heartbeat: int = 0
+    node: str = ""
+    conn: str = ""
+    prio: int = 0
+    ended: str = ""
+
+    @classmethod
+    def of(cls, tid: str, fields: dict[str, str]) -> SessionView:
+        return cls(
+            tid,
+            fields["st"],
+            fields["sub"],
+            int(fields["exp"]),
+            int(fields["hb"]),
+            node_of(fields.get("conn", "")),
+            fields.get("conn", ""),
+            int(fields.get("prio", 0)),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Queries:
+    """What the store holds, read without changing it."""
+
+    def __init__(self, redis: Client, keys: Keyspace, deadline: Deadline) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.deadline = deadline
+
+    async def replication_ids(self) -> dict[str, str]:
+        """Each master's replication id, by node name on a Cluster ("" for the one master).
+
+        A replica promoted by a failover, or a master restarted, has a new one.
+        """
+
+        async def call() -> dict[str, str]:
+            if isinstance(self.redis, RedisCluster):
+                masters = self.redis.get_primaries()
+                infos = await asyncio.gather(
+                    *(self.redis.info("replication", target_nodes=m) for m in masters)
+                )
+                return {m.name: i["master_replid"] for m, i in zip(masters, infos, strict=True)}
+            return {"": (await self.redis.info("replication"))["master_replid"]}
+
+        return await self.deadline(call)
+
+    async def session(self, tid: uuid.UUID) -> SessionView | None:
+        """The live session of ``tid``, its tombstone as an ENDED view, or None."""
+        hash_key, tomb_key = self.keys.session_keys(tid)
+
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(hash_key)
+            pipe.get(tomb_key)
+            return await pipe.execute()
+
+        fields, tomb = await self.deadline(call)
+        if fields:
+            return SessionView.of(str(tid), fields)
+        return SessionView(str(tid), "ENDED", ended=tomb) if tomb else None
+
+    async def count_sessions(self) -> int:
+        """Live sessions of every node: the sizes of the shards' deadline sets."""
+
+        async def call() -> list[int]:
+            pipe = self.redis.pipeline(transaction=False)
+            for shard in range(SHARDS):
+                pipe.zcard(self.keys.shard_keys(shard)[0])
+            return await pipe.execute()
+
+        return sum(await self.deadline(call))
+
+    async def sessions(
+        self, state: str | None, cursor: str, limit: int
+    ) -> tuple[list[SessionView], str | None]:
+        """One page of at most ``limit`` live sessions (of ``state`` if given).
+
+        Sessions come in (shard, tid) order, from the shards' deadline sets; ``cursor``
+        is "" for the first page, then the cursor returned, None after the last page.
+        Sessions started behind the cursor are not seen. A page reads the tids of a
+        whole shard, so it costs O(live sessions / 16). Raises ValueError on a bad cursor.
+        """
+        shard, after = _parse_cursor(cursor)
+        page: list[SessionView] = []
+        while shard < SHARDS:
+            due_key = self.keys.shard_keys(shard)[0]
+            members = await self.deadline(lambda key=due_key: self.redis.zrange(key, 0, -1))
+            tids = sorted(t for t in members if t > after)
+            for start in range(0, len(tids), limit):
+                chunk = tids[start : start + limit]
+                for tid, view in zip(chunk, await self._views(shard, chunk), strict=True):
+                    if view is not None and state in (None, view.state):
+                        page.append(view)
+                        if len(page) == limit:
+                            return page, f"{shard}:{tid}"
+            shard, after = shard + 1, ""
+        return page, None
+
+    async def _views(self, shard: int, tids: Sequence[str]) -> list[SessionView | None]:
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for tid in tids:
+                pipe.hgetall(self.keys.session_keys_of(shard, tid)[0])
+            return await pipe.execute()
+
+        rows = await self.deadline(call)
+        return [SessionView.of(t, f) if f else None for t, f in zip(tids, rows, strict=True)]
+
+
+def _parse_cursor(cursor: str) -> tuple[int, str]:
+    if not cursor:
+        return 0, ""
+    shard, sep, after = cursor.partition(":")
+    if not (sep and shard.isdigit() and int(shard) < SHARDS):
+        raise ValueError(f"bad cursor {cursor!r}")
+    return int(shard), after

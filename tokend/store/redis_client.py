@@ -1,0 +1,195 @@
+"""The Redis client: one factory for every topology, and what differs on a Cluster.
+
+:func:`open_client` makes the client for a URL: one Redis (``redis://``, ``rediss://``,
+``unix://``), a Redis Cluster (``redis+cluster://``) or the master a Sentinel names
+(``redis+sentinel://``); see docs/scaling.md. Everything else in tokend runs unchanged on
+all three; where a Cluster differs it is :func:`initialized` and :func:`slot_groups`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, parse_url
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+from tokend.config import ConfigError, Settings
+from tokend.store.packing import pack_with_hiredis
+
+# A client for any URL open_client() takes; both kinds answer the same commands.
+Client = aioredis.Redis | RedisCluster
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+def open_client(url: str, settings: Settings) -> Client:
+    """The client for ``url``'s scheme, with the deadline as its socket timeouts.
+
+    Its connections pack commands with hiredis (:mod:`tokend.store.packing`).
+
+    On one Redis and through Sentinel the pool waits (up to the deadline) instead
+    of failing when full; a Cluster client cannot wait, so the store bounds its own
+    concurrency to ``redis_pool_size`` instead (:class:`tokend.store.unavailable.Deadline`).
+    A URL that cannot be used raises ConfigError. Connections are made on first use.
+    """
+    try:
+        client = _client(url, settings)
+    except ValueError as exc:  # redis-py's and _multi_host's word for a bad URL
+        raise ConfigError(f"redis_url: {exc}") from None
+    pack_with_hiredis(client)
+    return client
+
+
+def _client(url: str, settings: Settings) -> Client:
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": settings.redis_timeout,
+        "socket_connect_timeout": settings.redis_timeout,
+        "health_check_interval": 30,
+    }
+    scheme = url.partition("://")[0].lower()
+    if scheme in CLUSTER_SCHEMES:
+        hosts, kwargs, _ = _multi_host(url, 6379, service=False)
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in hosts],
+            # Per cluster node: the Store's calls plus the control subscription.
+            max_connections=settings.redis_pool_size + 1,
+            **options,
+            **kwargs,
+        )
+    if scheme in SENTINEL_SCHEMES:
+        hosts, kwargs, service = _multi_host(url, 26379, service=True)
+        sentinel_options = {k: v for k, v in options.items() if k.startswith("socket_")}
+        if kwargs.get("ssl"):
+            sentinel_options["ssl"] = True
+        sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_options)
+        return sentinel.master_for(
+            service,
+            redis_class=SentinelRedis,
+            connection_pool_class=_BlockingSentinelPool,
+            max_connections=settings.redis_pool_size,
+            timeout=settings.redis_timeout,
+            **options,
+            **kwargs,
+        )
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=settings.redis_pool_size, timeout=settings.redis_timeout, **options
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def _multi_host(
+    url: str, default_port: int, *, service: bool
+) -> tuple[list[tuple[str, int]], dict[str, Any], str]:
+    """Split ``scheme://[user:pass@]host:port[,host:port...][/service][/db][?query]``.
+
+    Returns the hosts, the connection options of the rest (parsed as redis-py parses
+    a ``redis://`` URL; ``ssl`` set for ``rediss+...``) and, when ``service``, the
+    Sentinel service name (the path's first part, required).
+    """
+    parts = urlsplit(url)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    hosts = []
+    for item in hostlist.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon or port.endswith("]"):  # no port (an IPv6 address has colons too)
+            host, port = item.strip(), str(default_port)
+        hosts.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    name = path.pop(0) if service and path else ""
+    if not hosts[0][0] or (service and not name):
+        raise ValueError(f"{parts.scheme}:// URL needs host:port" + (" and /service" * service))
+    plain_scheme = parts.scheme.partition("+")[0]
+    single = f"{plain_scheme}://{userinfo + '@' if userinfo else ''}{hostlist.split(',')[0]}"
+    kwargs = parse_url(single + "/" + "/".join(path) + (f"?{parts.query}" if parts.query else ""))
+    for key in ("host", "port"):
+        kwargs.pop(key, None)
+    if kwargs.pop("connection_class", None) is SSLConnection:
+        kwargs["ssl"] = True
+    return hosts, kwargs, name
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The Sentinel-discovered master, with a pool that waits when full like ours."""
+
+
+class SentinelRedis(aioredis.Redis):
+    """The master's client; closing it also closes the connections to the sentinels."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:
+            await sentinel.aclose()
+
+
+async def initialized(redis: Client) -> Client:
+    """``redis``, with a Cluster client's slot table loaded (else a no-op, and cheap after).
+
+    redis-py 8.1's Cluster client needs it before :meth:`pubsub` (which picks its node
+    from the table) and before its first commands run concurrently (they break each
+    other's connections otherwise). An unreachable Cluster raises ConnectionError,
+    as an unreachable Redis does.
+    """
+    if isinstance(redis, RedisCluster):
+        try:
+            await redis.initialize()
+        except rexc.RedisClusterException as exc:
+            raise rexc.ConnectionError(str(exc)) from exc
+    return redis
+
+
+async def subscription(redis: Client) -> PubSub:
+    """A pub/sub connection (subscribe messages not returned).
+
+    On a Cluster it is to one node: plain PUBLISH reaches every node of a Cluster,
+    so one node's subscribers hear every event and control message.
+    """
+    return (await initialized(redis)).pubsub(ignore_subscribe_messages=True)
+
+
+async def close_quietly(pubsub: PubSub) -> None:
+    """Close a subscription whose connection may be broken, within a second, silently.
+
+    Not to be awaited in a ``finally`` that a cancellation runs: the pool's aclose()
+    reclaims the connection then, and pubsub.aclose() while cancelled can block.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1):
+            await pubsub.aclose()
+
+
+def through_sentinel(redis: Client) -> bool:
+    """Whether ``redis`` reaches its master through Sentinel."""
+    return isinstance(getattr(redis, "connection_pool", None), SentinelConnectionPool)
+
+
+async def master_named(redis: Client) -> tuple[str, int] | None:
+    """The master Sentinel names now, when ``redis`` reaches Redis through Sentinel."""
+    pool = getattr(redis, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+    address: tuple[str, int] = await pool.sentinel_manager.discover_master(pool.service_name)
+    return address
+
+
+async def slot_groups(redis: Client, keys: Sequence[str]) -> list[list[str]]:
+    """``keys`` in groups that one multi-key command (XREAD) may name together.
+
+    One group on a single Redis; one per hash slot on a Cluster, which refuses a
+    command whose keys span slots (CROSSSLOT) even when one node holds them all.
+    """
+    if not isinstance(await initialized(redis), RedisCluster):
+        return [list(keys)]
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        groups.setdefault(redis.keyslot(key), []).append(key)
+    return list(groups.values())
