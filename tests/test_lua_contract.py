@@ -20,12 +20,12 @@ import pytest
 from redis.asyncio import Redis
 
 from tokend.answers import Ended, HeartbeatOutcome, HelloOutcome
-from tokend.clocks import ExpiryReason, State, due_transition
+from tokend.clocks import ExpiryReason, State, deadline, due_transition
 from tokend.store.keyspace import SESSION_FIELDS, Keyspace
 from tokend.store.scripts import SCRIPTS, lua_constants
 from tokend.store.sessions import Store
 
-from .test_store import CLOCKS, EXPIRE_MS, WARN_MS, redis_ms, store
+from .test_store import CLOCKS, EXPIRE_MS, WARN_MS, redis_ms, store, sweep
 
 __all__ = ["store"]  # a fixture
 
@@ -121,7 +121,7 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
     assert await redis.eval(prelude + missing, 3, *keys, *args) == 1
 
 
-# --- heartbeat.lua and hello.lua expire as tokend.clocks does ---------------------------------
+# --- heartbeat.lua, hello.lua and transition.lua decide as tokend.clocks does ----------------
 
 # Times a second or more away from every boundary, so that the few milliseconds between
 # reading Redis time here and the script's own cannot change a verdict.
@@ -230,3 +230,25 @@ async def test_a_resume_expires_as_clocks_does(store: Store, redis: Redis) -> No
             assert (answer.outcome, answer.ended) == (HelloOutcome.ENDED, Ended.EXPIRED), case
             assert reasons[str(tid)] == expected, case
     assert set(reasons.values()) == set(ExpiryReason)
+
+
+async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None:
+    """transition.lua against tokend.clocks: the transition made, the deadline put back."""
+    now = await redis_ms(store)
+    cases = await _sessions(store, redis, now)
+    made = await sweep(store, list(cases))
+    for tid, (state, hb, exp) in cases.items():
+        expected = due_transition(state, hb, exp, now, CLOCKS)
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        score = await redis.zscore(store.keys.script_keys(tid)[0], str(tid))
+        case = (state, now - hb, exp - now)
+        if expected is None:
+            assert str(tid) not in made and fields["st"] == state.value, case
+            assert score == deadline(state, hb, exp, CLOCKS), case
+        elif expected.to is State.WARN:
+            assert made[str(tid)] == ("warn", "") and fields["st"] == "WARN", case
+            assert score == deadline(State.WARN, hb, exp, CLOCKS), case
+        else:
+            assert made[str(tid)] == (expected.reason, ""), case
+            assert not fields and score is None, case
+    assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}

@@ -16,7 +16,7 @@ from redis.exceptions import DataError
 from testkit.events import EventLog
 from testkit.net import free_port
 from testkit.redis_servers import RedisProcess
-from tokend.clocks import Clocks, State, deadline, due_transition
+from tokend.clocks import Clocks
 from tokend.config import Settings
 from tokend.store.keyspace import Keyspace
 from tokend.store.packing import FASTER, HiredisConnection, HiredisPacking
@@ -227,44 +227,6 @@ async def test_a_sweep_hands_its_own_connections_back_instead_of_publishing(
     await store.revoke(tids[0], by="test")
     await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
     assert [m["op"] for m in control["node-a"].events] == ["close"]
-
-
-async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None:
-    """transition.lua against tokend.clocks: the transition made, the deadline put back.
-
-    Times sit a second or more away from every boundary, so that the few milliseconds
-    between reading Redis time here and the script's own cannot change a verdict.
-    """
-    now = await redis_ms(store)
-    silences = (1_000, WARN_MS - 1_000, WARN_MS + 1_000, EXPIRE_MS - 1_000, EXPIRE_MS + 1_000)
-    token_left = (-1_000, 3_000, WARN_MS + 3_000, 3_600_000)
-    cases = {
-        uuid.uuid4(): (state, now - silence, now + left)
-        for state in (State.ACTIVE, State.WARN)
-        for silence in silences
-        for left in token_left
-    }
-    for tid, (state, hb, exp) in cases.items():
-        await redis.hset(
-            store.keys.session_keys(tid)[0],
-            mapping={"sub": "s", "st": state.value, "hb": hb, "exp": exp, "conn": "node-z/1"},
-        )
-    made = await sweep(store, list(cases))
-    for tid, (state, hb, exp) in cases.items():
-        expected = due_transition(state, hb, exp, now, CLOCKS)
-        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
-        score = await redis.zscore(store.keys.script_keys(tid)[0], str(tid))
-        case = (state, now - hb, exp - now)
-        if expected is None:
-            assert str(tid) not in made and fields["st"] == state.value, case
-            assert score == deadline(state, hb, exp, CLOCKS), case
-        elif expected.to is State.WARN:
-            assert made[str(tid)] == ("warn", "") and fields["st"] == "WARN", case
-            assert score == deadline(State.WARN, hb, exp, CLOCKS), case
-        else:
-            assert made[str(tid)] == (expected.reason, ""), case
-            assert not fields and score is None, case
-    assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}
 
 
 async def test_a_batch_of_hellos_is_one_round_trip(store: Store) -> None:
