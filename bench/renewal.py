@@ -36,7 +36,7 @@ from bench.common import (
 from testkit.procs import CpuMeter
 from tokend.store.keyspace import Keyspace
 
-RATE_TARGET = 20_000  # renewals/s
+RATE_TARGET = 10_000  # renewals/s from one process (issue 12; 20,000/s was asked of --workers 2)
 TOKEN_TTL_S, RENEW_WINDOW_S, MINTED_TTL_S = 120, 119, 60
 PIPELINE = 1000
 GAP_S = 1.1
