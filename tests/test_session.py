@@ -208,24 +208,18 @@ def test_a_resume_says_so(session: Session, tokens: TokenService) -> None:
     assert welcome(session, tokens, resumed=True).resumed
 
 
+# How a session the store found ended (its tombstone) is closed, at HELLO or heartbeat.
+ENDED_CLOSES = [
+    (Ended.EXPIRED, p.CloseCode.SESSION_EXPIRED, "session_expired"),
+    (Ended.REVOKED, p.CloseCode.TOKEN_REVOKED, "session_revoked"),
+    (Ended.CLOSED, p.CloseCode.TOKEN_REVOKED, "session_closed"),
+]
+
+
 @pytest.mark.parametrize(
     ("answer", "code", "reason"),
     [
-        (
-            HelloAnswer(HelloOutcome.ENDED, ended=Ended.EXPIRED),
-            p.CloseCode.SESSION_EXPIRED,
-            "session_expired",
-        ),
-        (
-            HelloAnswer(HelloOutcome.ENDED, ended=Ended.REVOKED),
-            p.CloseCode.TOKEN_REVOKED,
-            "session_revoked",
-        ),
-        (
-            HelloAnswer(HelloOutcome.ENDED, ended=Ended.CLOSED),
-            p.CloseCode.TOKEN_REVOKED,
-            "session_closed",
-        ),
+        *[(HelloAnswer(HelloOutcome.ENDED, ended=e), c, r) for e, c, r in ENDED_CLOSES],
         (HelloAnswer(HelloOutcome.EXPIRED), p.CloseCode.TOKEN_EXPIRED, "expired"),
         (HelloAnswer(HelloOutcome.MISMATCH), p.CloseCode.INVALID_TOKEN, "sub_mismatch"),
     ],
@@ -381,21 +375,7 @@ def test_a_heartbeat_arriving_during_the_store_call_waits_for_the_next(
     ("answer", "code", "reason"),
     [
         (HeartbeatAnswer(HeartbeatOutcome.TAKEN), p.CloseCode.TAKEN_OVER, "taken_over"),
-        (
-            HeartbeatAnswer(HeartbeatOutcome.GONE, ended=Ended.EXPIRED),
-            p.CloseCode.SESSION_EXPIRED,
-            "session_expired",
-        ),
-        (
-            HeartbeatAnswer(HeartbeatOutcome.GONE, ended=Ended.REVOKED),
-            p.CloseCode.TOKEN_REVOKED,
-            "session_revoked",
-        ),
-        (
-            HeartbeatAnswer(HeartbeatOutcome.GONE, ended=Ended.CLOSED),
-            p.CloseCode.TOKEN_REVOKED,
-            "session_closed",
-        ),
+        *[(HeartbeatAnswer(HeartbeatOutcome.GONE, ended=e), c, r) for e, c, r in ENDED_CLOSES],
         (HeartbeatAnswer(HeartbeatOutcome.GONE), p.CloseCode.SESSION_EXPIRED, "session_ended"),
     ],
 )
