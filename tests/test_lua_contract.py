@@ -4,7 +4,7 @@
   of the field list Python declares), never a field by its position in a reply.
 * Close codes, states and outcomes come from Python's enums, never Lua literals.
 * heartbeat.lua and hello.lua expire a session exactly when :mod:`tokend.clocks` says it
-  is expired, for the same reason (transition.lua is held to it in tests/test_store.py).
+  is expired, for the same reason; transition.lua makes the transitions it says are due.
 """
 
 from __future__ import annotations

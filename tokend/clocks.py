@@ -6,9 +6,8 @@ current time as an argument, so tests drive it with a fake clock.
 This is the reference the server's decisions are held to: they are made in Redis,
 on Redis ``TIME`` (so that no node's own clock decides an expiry), by
 ``heartbeat.lua`` when it records a heartbeat, ``hello.lua`` when it resumes a session
-and ``transition.lua`` when a sweep judges due sessions; ``tests/test_clocks.py``,
-``tests/test_store.py`` and ``tests/test_lua_contract.py`` hold those scripts to these
-rules.
+and ``transition.lua`` when a sweep judges due sessions; ``tests/test_clocks.py`` tests
+these rules and ``tests/test_lua_contract.py`` holds those scripts to them.
 """
 
 from __future__ import annotations

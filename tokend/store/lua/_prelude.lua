@@ -1,4 +1,4 @@
--- Prepended to every tokend script, after the constants that tokend/store.py generates
+-- Prepended to every tokend script, after the constants that tokend/store/scripts.py generates
 -- from Python, so that neither side spells the other's values: CLOSE (close codes,
 -- tokend.protocol.CloseCode), EXPIRY (tokend.clocks.ExpiryReason), ENDED (tombstones,
 -- tokend.answers.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME and

@@ -1,7 +1,7 @@
 -- Sweep step 2: judge the claimed sessions of one shard and make the transitions that
 -- are due, reading and writing each session in one atomic step, so that each
 -- transition happens, and emits, once. The judgement is tokend.clocks.due_transition's
--- and the deadlines tokend.clocks.deadline's; tests/test_store.py holds them to it.
+-- and the deadlines tokend.clocks.deadline's; tests/test_lua_contract.py holds them to it.
 -- KEYS: the shard's deadline set and event stream, then (session hash, tombstone) per
 -- claimed tid.
 -- ARGV: warn_after (ms), expire_after (ms), then the claimed tids.
