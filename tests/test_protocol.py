@@ -59,7 +59,7 @@ def acks(draw: st.DrawFn) -> HeartbeatAck:
 
 
 frames: st.SearchStrategy[Frame] = st.one_of(
-    st.builds(Hello, tokens),
+    st.builds(Hello, tokens, proof=st.none() | st.binary(min_size=16, max_size=16)),
     st.builds(Welcome, tids, u64, u32, u32, u32, keys, resumed=st.booleans()),
     st.builds(Heartbeat, tids, u64, u64, macs),
     acks(),
@@ -72,6 +72,7 @@ def sample_frames() -> list[Frame]:
     """One of each frame type, with distinct field values so that misplaced bytes show."""
     return [
         Hello(TOKEN),
+        Hello(TOKEN, proof=bytes(range(16))),
         Welcome(TID, 1_764_680_000_123, 30_000, 90_000, 120_000, KEY, resumed=True),
         Welcome(TID, 1, 2, 3, 4, KEY),
         make_heartbeat(KEY, TID, 7, 1_764_680_900_000),
@@ -121,6 +122,22 @@ def test_hello_layout() -> None:
     assert data[1] == 1
     assert data[2:4] == len(TOKEN).to_bytes(2, "big")
     assert data[4:] == TOKEN.encode("ascii")
+
+
+def test_hello_with_a_resume_proof_layout() -> None:
+    # Spec 0x01 "Resume proof" (revision 2): 4 + L + 16 bytes, the proof last.
+    proof = bytes(range(100, 116))
+    data = encode(Hello(TOKEN, proof=proof))
+    assert len(data) == 4 + len(TOKEN) + 16
+    assert data[:4 + len(TOKEN)] == encode(Hello(TOKEN))
+    assert data[-16:] == proof
+
+
+def test_resume_proof_is_the_spec_hmac() -> None:
+    key = bytes(range(32))
+    expected = hmac.new(key, b"tokend-resume" + TID, hashlib.sha256).digest()[:16]
+    assert p.resume_proof(key, TID) == expected
+    assert p.resume_proof(key, bytes(16)) != expected
 
 
 def test_hello_length_is_big_endian() -> None:
@@ -274,6 +291,9 @@ MALFORMED: dict[str, bytes] = {
     "hello non-ASCII token": _hello_bytes(1, 2, "é".encode()),
     "hello 0x80 byte": _hello_bytes(1, 3, b"a\x80b"),
     "hello 0xff byte": _hello_bytes(1, 1, b"\xff"),
+    "hello proof 15 bytes": _hello_bytes(1, 3, b"abc" + b"p" * 15),
+    "hello proof 17 bytes": _hello_bytes(1, 3, b"abc" + b"p" * 17),
+    "hello proof 1 byte": _hello_bytes(1, 3, b"abc" + b"p"),
     # WELCOME
     "welcome one byte short": encode(Welcome(TID, 1, 2, 3, 4, KEY))[:-1],
     "welcome one byte long": encode(Welcome(TID, 1, 2, 3, 4, KEY)) + b"\x00",
@@ -336,6 +356,7 @@ def test_protocol_error_is_a_value_error() -> None:
 def test_the_malformed_table_differs_from_valid_frames_only_where_intended() -> None:
     # Guards the table above: the near-miss bases really are valid.
     assert decode(_hello_bytes(1, 3, b"abc")) == Hello("abc")
+    assert decode(_hello_bytes(1, 3, b"abc" + b"p" * 16)) == Hello("abc", proof=b"p" * 16)
     assert decode(_welcome_with(3, 0x00)) == Welcome(TID, 1, 2, 3, 4, KEY)
     assert decode(_welcome_with(3, 0x01)) == Welcome(TID, 1, 2, 3, 4, KEY, resumed=True)
     assert decode(_ack_bytes(0x01, b"abc")) == HeartbeatAck(1, 2, "abc", renewed=True)
@@ -349,6 +370,7 @@ def test_the_malformed_table_differs_from_valid_frames_only_where_intended() -> 
         Hello(""),
         Hello("a" * (p.MAX_TOKEN_LENGTH + 1)),
         Hello("tökén"),
+        Hello("abc", proof=b"p" * 15),
         Welcome(TID[:15], 1, 2, 3, 4, KEY),
         Welcome(TID, 1, 2, 3, 4, KEY[:31]),
         Welcome(TID, -1, 2, 3, 4, KEY),
@@ -516,6 +538,7 @@ SPEC_CLOSE_CODES = {
     4505,
     4506,
     4507,
+    4509,
 }
 
 
@@ -525,7 +548,7 @@ def test_close_codes_match_the_spec_table() -> None:
 
 @pytest.mark.parametrize("code", list(CloseCode), ids=lambda c: str(int(c)))
 def test_reconnectable_exactly_for_the_spec_codes(code: CloseCode) -> None:
-    assert code.reconnectable is (int(code) in {1001, 1011, 1013, 4008, 4029})
+    assert code.reconnectable is (int(code) in {1001, 1011, 1013, 4008, 4029, 4509})
 
 
 @pytest.mark.parametrize("code", list(CloseCode), ids=lambda c: str(int(c)))

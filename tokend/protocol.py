@@ -21,6 +21,9 @@ MAX_TOKEN_LENGTH = 8192
 TID_LENGTH = 16
 SESSION_KEY_LENGTH = 32
 MAC_LENGTH = 16
+# Spec 0x01, "Resume proof" (revision 2): optional, after HELLO's token.
+RESUME_PROOF_LENGTH = 16
+RESUME_PROOF_LABEL = b"tokend-resume"
 
 
 class FrameType(IntEnum):
@@ -49,6 +52,7 @@ class CloseCode(IntEnum):
     SESSION_EXPIRED = 4505
     TOKEN_REVOKED = 4506
     TAKEN_OVER = 4507
+    SESSION_IN_USE = 4509
 
     def describe(self) -> str:
         """The code in words, e.g. "session expired" (the SDKs' ``meaning``)."""
@@ -82,6 +86,7 @@ _CLOSE_REASONS = {
     CloseCode.SESSION_EXPIRED: "session expired",
     CloseCode.TOKEN_REVOKED: "token revoked",
     CloseCode.TAKEN_OVER: "session taken over",
+    CloseCode.SESSION_IN_USE: "session in use by another connection",
 }
 
 RECONNECTABLE = frozenset(
@@ -91,6 +96,7 @@ RECONNECTABLE = frozenset(
         CloseCode.TRY_AGAIN_LATER,
         CloseCode.HELLO_TIMEOUT,
         CloseCode.RATE_LIMITED,
+        CloseCode.SESSION_IN_USE,
     }
 )
 
@@ -130,6 +136,8 @@ ACK_HEAD_LENGTH = _ACK_HEAD.size  # 20
 class Hello:
     token: str
     version: int = VERSION
+    # Spec "Resume proof" (revision 2): 16 bytes, or None for a v1 HELLO without one.
+    proof: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +208,12 @@ def heartbeat_mac(session_key: bytes, signed_part: bytes) -> bytes:
     return hmac.digest(session_key, signed_part, "sha256")[:MAC_LENGTH]
 
 
+def resume_proof(session_key: bytes, tid: bytes) -> bytes:
+    """Spec "Resume proof": first 16 bytes of HMAC-SHA256(K, "tokend-resume" || tid), K the
+    session key of the client's last WELCOME and tid the token's 16 raw bytes."""
+    return hmac.digest(session_key, RESUME_PROOF_LABEL + tid, "sha256")[:RESUME_PROOF_LENGTH]
+
+
 def make_heartbeat(session_key: bytes, tid: bytes, seq: int, exp_ms: int) -> Heartbeat:
     """Build a heartbeat with its proof, as a client does."""
     signed = _HEARTBEAT_SIGNED.pack(FrameType.HEARTBEAT, 0, tid, seq, exp_ms)
@@ -227,7 +241,11 @@ def encode(frame: Frame) -> bytes:
                 token = frame.token.encode("ascii")
                 if not 1 <= len(token) <= MAX_TOKEN_LENGTH:
                     raise ProtocolError("hello: token length must be 1..8192")
-                return _HELLO_HEAD.pack(FrameType.HELLO, frame.version, len(token)) + token
+                proof = frame.proof
+                if proof is not None and len(proof) != RESUME_PROOF_LENGTH:
+                    raise ProtocolError("hello: a resume proof is 16 bytes")
+                head = _HELLO_HEAD.pack(FrameType.HELLO, frame.version, len(token))
+                return head + token + (proof or b"")
             case Welcome():
                 if len(frame.tid) != TID_LENGTH or len(frame.session_key) != SESSION_KEY_LENGTH:
                     raise ProtocolError("welcome: tid is 16 bytes, session key 32 bytes")
@@ -308,9 +326,12 @@ def decode(data: bytes) -> Frame:
         _, version, length = _HELLO_HEAD.unpack_from(data)
         if version != VERSION:
             raise ProtocolError(f"unsupported protocol version {version}")
-        if not 1 <= length <= MAX_TOKEN_LENGTH or size != _HELLO_HEAD.size + length:
+        end = _HELLO_HEAD.size + length
+        # The token alone (v1), or the token and a resume proof (revision 2).
+        if not 1 <= length <= MAX_TOKEN_LENGTH or size not in (end, end + RESUME_PROOF_LENGTH):
             raise ProtocolError("hello token length does not match the message")
-        return Hello(_ascii(data[4:], "hello token"), version)
+        token = _ascii(data[4:end], "hello token")
+        return Hello(token, version, bytes(data[end:]) if size > end else None)
     if kind == FrameType.HEARTBEAT_ACK:
         if size < ACK_HEAD_LENGTH:
             raise ProtocolError("ack shorter than its header")
