@@ -129,7 +129,7 @@ def test_hello_with_a_resume_proof_layout() -> None:
     proof = bytes(range(100, 116))
     data = encode(Hello(TOKEN, proof=proof))
     assert len(data) == 4 + len(TOKEN) + 16
-    assert data[:4 + len(TOKEN)] == encode(Hello(TOKEN))
+    assert data[: 4 + len(TOKEN)] == encode(Hello(TOKEN))
     assert data[-16:] == proof
 
 
