@@ -108,6 +108,19 @@ def test_a_missing_argument_is_one_line():
     )
 
 
+def test_connect_refuses_tls_options_it_cannot_use_in_one_line(tmp_path: Path):
+    token = minter(config.load({"data_dir": str(tmp_path)}, environ={})).mint("tls")
+    missing = str(tmp_path / "no-such-ca.pem")
+    for url, error in (
+        ("ws://127.0.0.1:9/v1/ws", "ca_file and ssl are for wss:// URLs"),
+        ("wss://127.0.0.1:9/v1/ws", "No such file or directory"),
+    ):
+        refused = tokend("connect", "--token", token, "--url", url, "--ca-file", missing, env={})
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.startswith("tokend connect: ") and error in refused.stderr
+        assert refused.stderr.count("\n") == 1
+
+
 async def test_serve_embedded_default_then_revoke_and_events(home: dict[str, str], tmp_path: Path):
     data_dir = tmp_path / "home/.local/share/tokend"
     server = TokendProcess({**CLEAN_ENV, **home})

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import ipaddress
 import os
 import signal
+import ssl
 import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import jwt
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from websockets.asyncio.server import ServerConnection, serve
 
+from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port
+from testkit.proxies import RoundRobinProxy
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from testkit.waiting import eventually
@@ -26,6 +36,7 @@ from tokend import protocol as p
 from tokend.client import (
     AuthError,
     Backoff,
+    CertificateError,
     Change,
     Lifecycle,
     ProtocolViolation,
@@ -37,12 +48,13 @@ from tokend.client import (
     TokendError,
     classify,
     connect,
+    retry_after,
 )
 from tokend.protocol import CloseCode, SessionState
-from tokend.server import App
+from tokend.server import RETRY_AFTER_S, App
 from tokend.tokens import TokenService
 
-FAST = Backoff(base=0.05, cap=0.5)
+FAST = Backoff(base=0.05, cap=0.5, going_away_window=0.5)
 StartApp = Callable[..., Awaitable[App]]
 
 
@@ -88,6 +100,33 @@ def test_backoff_is_full_jitter_exponential_and_capped():
         Backoff(base=2, cap=1)
 
 
+def test_after_going_away_the_wait_spreads_over_the_window_the_session_can_spare():
+    backoff = Backoff(base=0.5, cap=30.0, going_away_window=5.0)
+    draws = [backoff.after_going_away(0) for _ in range(4000)]
+    assert all(0.0 <= d <= 5.0 for d in draws)
+    assert 2.3 < sum(draws) / len(draws) < 2.7  # uniform(0, 5) has mean 2.5
+    assert min(draws) < 0.1 and max(draws) > 4.9
+    # No longer than the session can spare (from WELCOME's clocks) ...
+    assert max(backoff.after_going_away(0, limit=0.5) for _ in range(1000)) <= 0.5
+    # ... but never less patient than the attempt's own backoff.
+    assert max(backoff.after_going_away(8, limit=0.5) for _ in range(1000)) > 25.0
+    assert Backoff(going_away_window=0).after_going_away(0) <= 0.5
+    with pytest.raises(ValueError):
+        Backoff(going_away_window=-1)
+
+
+def test_a_refusal_with_retry_after_waits_at_least_that_long_jittered():
+    backoff = Backoff(base=0.5, cap=30.0)
+    draws = [backoff.after_refusal(0, 2.0) for _ in range(4000)]
+    assert all(2.0 <= d <= 4.0 for d in draws)  # 2 s, plus up to 2 s more
+    assert min(draws) < 2.1 and max(draws) > 3.9
+    assert all(1.0 <= backoff.after_refusal(4, 1.0) <= 9.0 for _ in range(100))  # ceiling 8
+    assert 3600.0 <= backoff.after_refusal(0, 3600.0) <= 7200.0  # above cap too: as asked
+    assert (retry_after("1"), retry_after(" 120 "), retry_after(None)) == (1.0, 120.0, None)
+    assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None  # HTTP-dates: backoff
+    assert retry_after("²") is None and retry_after("-1") is None and retry_after("") is None
+
+
 def test_close_codes_map_to_reconnect_or_an_error_family():
     for code in p.RECONNECTABLE:
         assert classify(code) is None
@@ -99,6 +138,7 @@ def test_close_codes_map_to_reconnect_or_an_error_family():
     assert classify(CloseCode.TAKEN_OVER) is TakenOver
     for code in (CloseCode.MESSAGE_TOO_BIG, CloseCode.PROTOCOL_ERROR, CloseCode.BAD_HEARTBEAT):
         assert classify(code) is ProtocolViolation
+    assert classify(CloseCode.SESSION_IN_USE) is None  # 4509: another connection holds it
     assert classify(1000) is TokendError
     assert classify(4999) is TokendError
     assert str(Revoked(4506, "session revoked")) == "4506 token revoked: session revoked"
@@ -197,7 +237,7 @@ async def test_resumes_after_a_server_restart(
         await app.stop()
         going = await recorder.until(Change.RECONNECTING)
         assert going.code == CloseCode.GOING_AWAY
-        assert going.delay is not None and going.delay <= FAST.base
+        assert going.delay is not None and going.delay <= FAST.going_away_window
         await start_app(port=port)
         resumed = await recorder.until(Change.RESUMED)
         assert resumed.exp == session.exp
@@ -408,15 +448,16 @@ async def fake_server(
         yield url_of(server.sockets[0].getsockname()[1])
 
 
-def _welcome_for(hello: bytes, heartbeat_ms: int, warn_ms: int) -> bytes:
+def _welcome_for(
+    hello: bytes, heartbeat_ms: int, warn_ms: int, key: bytes | None = None, resumed: bool = False
+) -> bytes:
     frame = p.decode(hello)
     assert isinstance(frame, p.Hello)
     claims = jwt.decode(frame.token, options={"verify_signature": False})
     exp_ms = claims["exp"] * 1000
-    key = os.urandom(p.SESSION_KEY_LENGTH)
-    return p.encode(
-        p.Welcome(uuid.UUID(claims["jti"]).bytes, exp_ms, heartbeat_ms, warn_ms, 2 * warn_ms, key)
-    )
+    key = key or os.urandom(p.SESSION_KEY_LENGTH)
+    tid = uuid.UUID(claims["jti"]).bytes
+    return p.encode(p.Welcome(tid, exp_ms, heartbeat_ms, warn_ms, 2 * warn_ms, key, resumed))
 
 
 async def test_a_server_breaking_the_protocol_is_terminal():
@@ -455,6 +496,274 @@ async def test_a_silent_server_is_left_and_the_client_reconnects():
         assert dropped.code is None and "no heartbeat ACK for 0.3 s" in dropped.detail
         await recorder.until(Change.CONNECTED)
         assert connections == 2
+
+
+# The resume proof (spec "Resume proof", revision 2), against a server that checks it
+
+
+async def test_every_resume_proves_with_the_key_of_the_last_welcome():
+    """The first HELLO of a session has no proof; each later one proves with the session key
+    of the last WELCOME received, through any close in between (4509 included)."""
+    keys = [os.urandom(p.SESSION_KEY_LENGTH) for _ in range(2)]
+    hellos: list[p.Hello] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        data = await ws.recv()
+        hello = p.decode(data)
+        assert isinstance(hello, p.Hello)
+        hellos.append(hello)
+        if len(hellos) == 1:  # a new session; closed after its first heartbeat
+            await ws.send(_welcome_for(data, 50, 300, keys[0]))
+            await ws.recv()
+            await ws.close(CloseCode.INTERNAL_ERROR)
+        elif len(hellos) == 2:  # as a server does when another connection holds it live
+            await ws.close(CloseCode.SESSION_IN_USE, "session_in_use")
+        else:
+            await ws.send(_welcome_for(data, 50, 300, keys[1], resumed=True))
+            async for message in ws:  # until BYE
+                if message == p.encode(p.Bye()):
+                    return
+
+    async with fake_server(handler) as url:
+        session = Session(url, _unsigned_token(), backoff=FAST)
+        recorder = Recorder(session)
+        async with session:
+            await recorder.until(Change.RESUMED)
+            assert session.session_key == keys[1]
+    tid = session.tid.bytes
+    assert [hello.proof for hello in hellos] == [None, *[p.resume_proof(keys[0], tid)] * 2]
+    retries = [c for c in recorder.seen if c.kind is Change.RECONNECTING]
+    assert [(c.code, c.meaning) for c in retries] == [
+        (1011, "internal error"),
+        (4509, "session in use by another connection"),
+    ]
+
+
+async def test_a_session_key_kept_from_before_proves_the_first_hello():
+    """A program that kept ``token`` and ``session_key`` across its own restart proves at once."""
+    kept = os.urandom(p.SESSION_KEY_LENGTH)
+    hellos: list[p.Hello] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        data = await ws.recv()
+        hellos.append(p.decode(data))  # type: ignore[arg-type]
+        await ws.send(_welcome_for(data, 50, 300, resumed=True))
+        await ws.recv()  # BYE
+
+    token = _unsigned_token()
+    async with fake_server(handler) as url, connect(url, token, session_key=kept) as session:
+        assert session.session_key != kept  # the new WELCOME's
+    assert [hello.proof for hello in hellos] == [p.resume_proof(kept, session.tid.bytes)]
+    with pytest.raises(ValueError):
+        Session(url_of(free_port()), token, session_key=b"short")
+
+
+# No stampede after a drain or a refusal (issue 20 point 5), against real tokend nodes
+
+SPREAD_WINDOW = 2.0  # s: the going_away_window of the drained clients
+SPREAD_SESSIONS = 16
+# drain_period 0: every 1001 at once. A spread reconnect cannot harm these clocks: the
+# session can spare (expire - heartbeat) / 2 = 9.75 s, more than the window.
+SPREAD_CLOCKS = {"heartbeat_interval": 0.5, "warn_after": 10, "expire_after": 20, "drain_period": 0}
+
+
+@dataclass
+class Balanced:
+    """Two tokend nodes on one Redis behind a TCP balancer that sends every client to the
+    first, until it is drained."""
+
+    first: App
+    second: App
+    balancer: RoundRobinProxy
+
+    @property
+    def url(self) -> str:
+        return url_of(self.balancer.port)
+
+    async def drain_first(self) -> float:
+        """New connections to the second node; drain the first (1001 to all its clients at
+        once). The wall-clock time just before its closes."""
+        self.balancer.backends = [self.second.port]
+        began = time.time()
+        await self.first.drain(asyncio.Event())
+        return began
+
+
+@contextlib.asynccontextmanager
+async def balanced(start_app: StartApp) -> AsyncIterator[Balanced]:
+    first = await start_app(**SPREAD_CLOCKS)
+    second = await start_app(**SPREAD_CLOCKS, node_name="node-b")
+    async with RoundRobinProxy([first.port]) as balancer:
+        yield Balanced(first, second, balancer)
+
+
+async def resumed_at(events: EventLog, tids: list[str], timeout: float) -> dict[str, int]:
+    """When the server resumed each session: its SESSION_RESUMED's ``at`` (epoch ms)."""
+    await events.wait_until(lambda: all(events.of("SESSION_RESUMED", t) for t in tids), timeout)
+    return {tid: events.of("SESSION_RESUMED", tid)[0]["at"] for tid in tids}
+
+
+def assert_spread(
+    began: float, delays: Mapping[str, float], resumed: Mapping[str, int], window: float
+) -> None:
+    """Each session drew a wait within ``window`` and the server saw it back no sooner than
+    that after the closes began; and the resumes spread over a third of the window at
+    least (16 uniform draws fall within a third of their range with odds of 1 in 10^6)."""
+    for tid, delay in delays.items():
+        assert 0 <= delay <= window, (tid, delay)
+        # ``at`` is Redis's clock in whole milliseconds (floored).
+        assert resumed[tid] + 1 >= (began + delay) * 1000, (tid, delay, resumed[tid] / 1000 - began)
+    span = (max(resumed.values()) - min(resumed.values())) / 1000
+    assert span >= window / 3, f"all {len(resumed)} resumed within {span:.3f} s"
+
+
+async def test_after_a_drain_the_first_reconnects_spread_over_the_window(
+    start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    backoff = Backoff(base=0.05, cap=0.5, going_away_window=SPREAD_WINDOW)
+    async with balanced(start_app) as nodes, contextlib.AsyncExitStack() as stack:
+        sessions = [
+            await stack.enter_async_context(
+                connect(nodes.url, tokens.mint(f"s{n}"), backoff=backoff)
+            )
+            for n in range(SPREAD_SESSIONS)
+        ]
+        recorders = [Recorder(session) for session in sessions]
+        began = await nodes.drain_first()
+        going = [await recorder.until(Change.RECONNECTING) for recorder in recorders]
+        assert {change.code for change in going} == {CloseCode.GOING_AWAY}
+        tids = [str(session.tid) for session in sessions]
+        resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
+        delays = {tid: change.delay or 0.0 for tid, change in zip(tids, going, strict=True)}
+        assert_spread(began, delays, resumed, SPREAD_WINDOW)
+        for recorder in recorders:
+            await recorder.until(Change.RESUMED)
+
+
+async def test_a_503_with_retry_after_is_waited_out_then_the_session_starts(
+    start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    """A node at max_pending_hellos answers a new handshake 503 with Retry-After: the SDK
+    waits at least that long, jittered, before it tries again."""
+    app = await start_app(max_pending_hellos=1, hello_timeout=30)
+    async with RawClient.connect(app.port):  # the one pending slot: connected, no HELLO
+        began = time.time()
+        session = Session(url_of(app.port), tokens.mint("patient"), backoff=FAST)
+        recorder = Recorder(session)
+        session.open()
+        refused = await recorder.until(Change.RECONNECTING)
+    try:
+        assert refused.code is None
+        assert refused.detail.startswith("HTTP 503 at the opening handshake")
+        # FAST's own first wait would be 0.05 s at most.
+        assert refused.delay is not None and RETRY_AFTER_S <= refused.delay <= 2 * RETRY_AFTER_S
+        await recorder.until(Change.CONNECTED)
+        started = await events.wait_for("SESSION_STARTED", str(session.tid))
+        assert started[0]["at"] + 1 >= (began + refused.delay) * 1000
+    finally:
+        await session.close()
+
+
+# wss:// with the server's certificate verified (issue 21 point 2)
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """A test CA and a server certificate it signed, for 127.0.0.1 and localhost (PEM)."""
+
+    ca: Path  # what a client trusts
+    chain: Path  # the server's certificate
+    key: Path  # the server's private key
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.chain, self.key)
+        return context
+
+
+def make_certificates(directory: Path) -> Certificates:
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tokend test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(LOOPBACK))]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = Certificates(directory / "ca.pem", directory / "server.pem", directory / "server.key")
+    files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.chain.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    files.key.chmod(0o600)
+    return files
+
+
+@pytest.fixture
+def certificates(tmp_path: Path) -> Certificates:
+    return make_certificates(tmp_path / "tls")
+
+
+@contextlib.asynccontextmanager
+async def tls_in_front(port: int, certificates: Certificates) -> AsyncIterator[str]:
+    """A ``wss://`` URL whose TLS ends at a proxy in front of tokend's plain ``port``."""
+    async with RoundRobinProxy([port], ssl=certificates.server_context()) as proxy:
+        yield f"wss://{LOOPBACK}:{proxy.port}{p.WS_PATH}"
+
+
+async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
+    app: App, tokens: TokenService, events: EventLog, certificates: Certificates
+):
+    async with tls_in_front(app.port, certificates) as url:
+        # The system's CAs do not know the test CA: refused before HELLO, not retried.
+        wary = Session(url, tokens.mint("wary"), backoff=FAST)
+        with pytest.raises(CertificateError) as untrusted:
+            await wary.start()
+        assert untrusted.value.code is None and wary.stats.reconnects == 0
+        assert "certificate is not trusted" in str(untrusted.value)
+        # Trusting the CA file (or a context of one's own), the session works over TLS.
+        trusted = ssl.create_default_context(cafile=certificates.ca)
+        for options in ({"ca_file": certificates.ca}, {"ssl": trusted}):
+            async with connect(url, tokens.mint("tls"), backoff=FAST, **options) as session:
+                await eventually(lambda: session.stats.acks > 0)
+            await events.wait_for("SESSION_CLOSED", str(session.tid))
+    assert not [e for e in events.events if e["tid"] == str(wary.tid)]
+    with pytest.raises(ValueError):  # TLS options for a plain ws:// URL
+        Session(url_of(app.port), tokens.mint("plain"), ca_file=certificates.ca)
 
 
 # The command a newcomer runs
@@ -539,4 +848,22 @@ async def test_tokend_connect_stopped_before_any_session_says_none_was_made(
             ended = await command.until("ended")
             assert "closed before a session was made" in ended, command.lines
             assert "stays until it expires" not in ended
+            assert await command.exit_status() == 0
+
+
+async def test_tokend_connect_verifies_wss_and_trusts_its_ca_file(
+    app: App, tokens: TokenService, certificates: Certificates
+):
+    async with tls_in_front(app.port, certificates) as url:
+        token = tokens.mint("tls-cli")
+        async with ConnectCommand.run("--token", token, "--url", url) as command:
+            ended = await command.until("ended")
+            assert "the server's certificate is not trusted" in ended, command.lines
+            assert "[CertificateError]" in ended
+            assert await command.exit_status() == 1
+        trusting = ("--token", token, "--url", url, "--ca-file", str(certificates.ca))
+        async with ConnectCommand.run(*trusting) as command:
+            assert "sub=tls-cli" in await command.until("connected")
+            command.process.send_signal(signal.SIGINT)
+            assert "logged out" in await command.until("ended")
             assert await command.exit_status() == 0

@@ -138,7 +138,7 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     from websockets.exceptions import InvalidURI
 
     from tokend import cli_connect
-    from tokend.client import Backoff, TokendError
+    from tokend.client import Backoff, Session, TokendError
 
     token = args.token
     if token is None:
@@ -146,17 +146,19 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
 
         tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
         token = tokens.mint(args.sub, ttl_s=args.ttl)
+    url = args.url or cli_connect.default_url(settings)
     try:
-        backoff = Backoff(args.backoff_base, args.backoff_cap, args.max_attempts)
-    except ValueError as exc:
+        backoff = Backoff(
+            args.backoff_base, args.backoff_cap, args.max_attempts, args.going_away_window
+        )
+        session = Session(url, token, backoff=backoff, ca_file=args.ca_file)
+    except (ValueError, OSError, TokendError, InvalidURI) as exc:
         print(f"tokend connect: {exc}", file=sys.stderr)
         return 2
     status: list[int] = []
 
     async def main() -> None:
-        status.append(
-            await cli_connect.run(args.url or cli_connect.default_url(settings), token, backoff)
-        )
+        status.append(await cli_connect.run(session))
 
     try:
         _run(main())
@@ -369,6 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-attempts",
         type=int,
         help="reconnect attempts in a row before giving up (default: no limit)",
+    )
+    connect.add_argument(
+        "--going-away-window",
+        type=float,
+        default=5.0,
+        help="after a close 1001 (server draining or restarting) the first reconnect waits "
+        "a random time up to this many seconds (default 5)",
+    )
+    connect.add_argument(
+        "--ca-file",
+        help="for a wss:// URL: trust the CA certificates in this PEM file (default: the "
+        "system's trusted CAs; the server's certificate is always verified)",
     )
     connect.set_defaults(func=cmd_connect)
 

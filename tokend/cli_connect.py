@@ -3,7 +3,10 @@
 The first thing to run against ``tokend serve``: it connects, heartbeats at the
 server's cadence, and prints one line per change (connected, renewed, warned,
 recovered, reconnecting, resumed, ended) until the session ends or SIGINT/SIGTERM
-logs it out with BYE.
+logs it out with BYE. Being the SDK's :class:`~tokend.client.Session`, it proves its
+resumes with the last WELCOME's session key, spreads its first reconnect after a
+1001, honours Retry-After, and verifies a ``wss://`` server's certificate
+(``--ca-file`` names a CA to trust).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from typing import TextIO
 
 from tokend import protocol as p
-from tokend.client import Backoff, Change, Lifecycle, Session
+from tokend.client import Change, Lifecycle, Session
 from tokend.config import Settings
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
@@ -57,9 +60,8 @@ def format_change(change: Lifecycle, session: Session) -> str:
     return f"{stamp} {change.kind.value:<12} {text}"
 
 
-async def run(url: str, token: str, backoff: Backoff, out: TextIO = sys.stdout) -> int:
-    """Hold a session, printing its changes; 0 after a logout, 1 if it ended otherwise."""
-    session = Session(url, token, backoff=backoff)
+async def run(session: Session, out: TextIO = sys.stdout) -> int:
+    """Hold ``session``, printing its changes; 0 after a logout, 1 if it ended otherwise."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)

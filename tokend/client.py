@@ -13,12 +13,16 @@ WELCOME (each heartbeat carrying its HMAC proof and the next ``seq``), takes in
 renewed tokens (``session.token`` and ``session.exp`` are always the newest),
 follows WARN notices, and reports every step as a :class:`Lifecycle` change.
 
-On the close codes the spec marks reconnectable (1001, 1011, 1013, 4008, 4029)
-and on network loss it reconnects with full-jitter exponential backoff
-(:class:`Backoff`) and resumes with its newest token. Any other close ends the
-session for good with a :class:`TokendError` subclass naming the family:
-:class:`AuthError`, :class:`SessionExpired`, :class:`Revoked` (and
-:class:`TakenOver`), :class:`ProtocolViolation`.
+On the close codes the spec marks reconnectable (1001, 1011, 1013, 4008, 4029,
+4509) and on network loss it reconnects with full-jitter exponential backoff
+(:class:`Backoff`) and resumes with its newest token, proving with the session key
+of its last WELCOME that it is the session's rightful client (spec "Resume proof",
+revision 2). After a 1001 (the server drains, reloads or stops) the first reconnect
+is spread over a window, and an HTTP 503 or 429 with ``Retry-After`` is honoured,
+so that the clients of a restarting server do not all come back at once. Any
+other close ends the session for good with a :class:`TokendError` subclass naming
+the family: :class:`AuthError`, :class:`SessionExpired`, :class:`Revoked` (and
+:class:`TakenOver`), :class:`ProtocolViolation`, :class:`CertificateError`.
 
 The frames come from :mod:`tokend.protocol`. This is the only client-side module
 that imports websockets' asyncio client. See ``docs/client.md``.
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import ssl as ssl_module
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -106,6 +112,12 @@ class ProtocolViolation(TokendError):
     """1009, 4503, 4504, or a server that does not speak protocol v1: a bug, not retried."""
 
 
+class CertificateError(TokendError):
+    """The server's TLS certificate failed verification (unknown CA, wrong host name,
+    expired): not retried, since trying again cannot make it trusted. ``ca_file`` (or an
+    ``ssl`` context) names what to trust."""
+
+
 class RetriesExhausted(TokendError):
     """``Backoff.max_attempts`` reconnect attempts in a row failed; ``code`` is the last one."""
 
@@ -156,17 +168,28 @@ class Backoff:
     seconds. The count starts again once a connection has had a heartbeat
     acknowledged. ``max_attempts`` bounds failed attempts in a row (None: retry
     for as long as the failures are reconnectable; a terminal code always stops).
+
+    Two refusals say more than "try again" and are waited out longer, so that the
+    clients of a restarting server do not come back all at once:
+
+    - a close 1001 (the server drains, reloads or stops: all its clients at once)
+      waits ``uniform(0, going_away_window)`` (:meth:`after_going_away`);
+    - an HTTP 503 or 429 with ``Retry-After`` waits those seconds and more
+      (:meth:`after_refusal`).
     """
 
     base: float = 0.5
     cap: float = 30.0
     max_attempts: int | None = None
+    going_away_window: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.base <= self.cap:
             raise ValueError("backoff needs 0 < base <= cap")
         if self.max_attempts is not None and self.max_attempts < 0:
             raise ValueError("max_attempts must be None or >= 0")
+        if self.going_away_window < 0:
+            raise ValueError("going_away_window must be >= 0")
 
     def ceiling(self, attempt: int) -> float:
         """The longest wait of attempt ``attempt``."""
@@ -175,6 +198,27 @@ class Backoff:
     def delay(self, attempt: int) -> float:
         """A random wait for attempt ``attempt``, in seconds."""
         return random.uniform(0.0, self.ceiling(attempt))
+
+    def after_going_away(self, attempt: int, limit: float = float("inf")) -> float:
+        """The wait after a close 1001: uniform over ``going_away_window`` (at most
+        ``limit``: what the session can spare), or over the attempt's ceiling if longer."""
+        return random.uniform(0.0, max(min(self.going_away_window, limit), self.ceiling(attempt)))
+
+    def after_refusal(self, attempt: int, retry_after: float) -> float:
+        """The wait after an HTTP refusal that said ``Retry-After``: never sooner than its
+        seconds, plus a random share of as long again (or of the attempt's ceiling, if
+        longer) so that the clients refused together do not return together."""
+        return retry_after + random.uniform(0.0, max(retry_after, self.ceiling(attempt)))
+
+
+def retry_after(value: str | None) -> float | None:
+    """The seconds of a ``Retry-After`` header (RFC 9110 §10.2.3, delay-seconds; tokend
+    sends those); None when absent or not a number of seconds (an HTTP-date)."""
+    if value is None:
+        return None
+    value = value.strip()
+    # isascii(): str.isdigit() also accepts digits such as "²" that int() refuses.
+    return float(value) if value.isascii() and value.isdigit() else None
 
 
 class Change(StrEnum):
@@ -230,16 +274,33 @@ class SessionStats:
 @dataclass(frozen=True, slots=True)
 class _End:
     """How one connection ended: its close code, words for it, the error if terminal,
-    and the close frame's reason."""
+    the close frame's reason, and the seconds of the Retry-After of a refused handshake."""
 
     code: int | None
     detail: str
     error: TokendError | None = None
     reason: str = ""
+    retry_after: float | None = None
 
 
 class _Violation(Exception):
     """The server sent something protocol v1 does not allow."""
+
+
+def _tls_context(
+    secure: bool, ca_file: str | os.PathLike[str] | None, context: ssl_module.SSLContext | None
+) -> ssl_module.SSLContext | None:
+    """The TLS context of a session's connections, None for ``ws://``. Without options,
+    the server's certificate and host name are verified against the system's CAs."""
+    if ca_file is not None and context is not None:
+        raise ValueError("give ca_file or ssl, not both")
+    if not secure:
+        if ca_file is not None or context is not None:
+            raise ValueError("ca_file and ssl are for wss:// URLs")
+        return None
+    if context is not None:
+        return context
+    return ssl_module.create_default_context(cafile=None if ca_file is None else os.fspath(ca_file))
 
 
 def _token_claims(token: str) -> tuple[uuid.UUID, str, int]:
@@ -269,15 +330,28 @@ class Session:
     waits for the first WELCOME and raises the :class:`TokendError` if the
     session cannot start; leaving sends BYE (logout).
 
-    Attributes, always current: ``token`` (the newest token), ``exp`` (its expiry,
-    epoch ms), ``tid`` (the token id), ``sub``, ``state`` (ACTIVE or WARN),
+    Attributes, always current: ``token`` (the newest token), ``session_key`` (the
+    session key of the last WELCOME, None before the first), ``exp`` (the token's
+    expiry, epoch ms), ``tid`` (the token id), ``sub``, ``state`` (ACTIVE or WARN),
     ``heartbeat_interval`` (seconds, from WELCOME), ``stats``, and ``error`` (why
     it ended, once it has).
 
+    Every HELLO after a WELCOME carries the resume proof made with ``session_key``
+    (spec "Resume proof"): a session whose connection the server still holds live
+    goes to the client that proves, and a HELLO with the token alone is refused 4509
+    meanwhile. A program that keeps a session across its own restarts keeps
+    ``session_key`` beside ``token`` and passes both back (``session_key=``).
+
+    ``wss://`` URLs verify the server's certificate against the system's trusted CAs,
+    or against ``ca_file`` (a PEM file) if given; ``ssl`` is a context of your own
+    instead (client certificates, pinning).
+
     The constructor only checks its arguments: :class:`AuthError` for a token
     that is not a JWT with a UUID ``jti`` and an ``exp``,
-    ``websockets.exceptions.InvalidURI`` for a bad URL. Nothing connects before
-    :meth:`open` or :meth:`start`.
+    ``websockets.exceptions.InvalidURI`` for a bad URL, ``ValueError`` for TLS
+    options with a ``ws://`` URL or a session key that is not 32 bytes,
+    ``OSError``/``ssl.SSLError`` for a CA file that cannot be read. Nothing connects
+    before :meth:`open` or :meth:`start`.
     """
 
     def __init__(
@@ -289,11 +363,18 @@ class Session:
         open_timeout: float = 10.0,
         close_timeout: float = 5.0,
         history: int = 256,
+        session_key: bytes | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+        ssl: ssl_module.SSLContext | None = None,
     ) -> None:
-        parse_uri(url)  # raises websockets.exceptions.InvalidURI now rather than later
+        secure = parse_uri(url).secure  # raises InvalidURI now rather than later
         self.url = url
         self.tid, self.sub, self.exp = _token_claims(token)
         self.token = token
+        if session_key is not None and len(session_key) != p.SESSION_KEY_LENGTH:
+            raise ValueError(f"a session key is {p.SESSION_KEY_LENGTH} bytes")
+        self.session_key = session_key
+        self._ssl = _tls_context(secure, ca_file, ssl)
         self.state = SessionState.ACTIVE
         self.heartbeat_interval: float | None = None
         self.stats = SessionStats()
@@ -311,6 +392,7 @@ class Session:
         self._closing = False
         self._drop_reason = ""
         self._sent: dict[int, float] = {}  # seq -> loop time sent, until ACKed
+        self._spare = float("inf")  # seconds a reconnect after 1001 may wait at most
         self._settled = asyncio.Event()  # first WELCOME, or the end
         self._ended = asyncio.Event()
 
@@ -466,7 +548,7 @@ class Session:
                     reason = f"gave up after {failures} reconnect attempts; last: {end.detail}"
                     self._finish(end.code, reason, RetriesExhausted(end.code, reason), end.reason)
                     return
-                delay = self.backoff.delay(failures)
+                delay = self._delay(end, failures)
                 failures += 1
                 self.stats.reconnects += 1
                 self._emit(
@@ -479,6 +561,14 @@ class Session:
                 await asyncio.sleep(delay)
         except Exception as exc:  # a bug here must end the session visibly, not hang it
             self._finish(None, f"client failure: {exc!r}", TokendError(None, repr(exc)))
+
+    def _delay(self, end: _End, attempt: int) -> float:
+        """The wait before reconnect attempt ``attempt`` after ``end`` (:class:`Backoff`)."""
+        if end.retry_after is not None:
+            return self.backoff.after_refusal(attempt, end.retry_after)
+        if end.code == CloseCode.GOING_AWAY:
+            return self.backoff.after_going_away(attempt, self._spare)
+        return self.backoff.delay(attempt)
 
     async def _connection(self) -> _End:
         """One connection: handshake, HELLO, then frames until it closes."""
@@ -493,17 +583,23 @@ class Session:
                 ping_interval=None,  # heartbeats and their ACKs are the liveness check
                 close_timeout=self.close_timeout,
                 max_size=MAX_SERVER_MESSAGE,
+                ssl=self._ssl,
             )
         except InvalidStatus as exc:
             status = exc.response.status_code
             detail = f"HTTP {status} at the opening handshake"
             if status >= 500 or status == 429:
-                return _End(None, detail)
+                return _End(
+                    None, detail, retry_after=retry_after(exc.response.headers.get("Retry-After"))
+                )
             return _End(None, detail, ProtocolViolation(None, detail))
         except InvalidMessage as exc:  # the connection broke during the handshake
             return _End(None, f"handshake failed: {exc}")
         except InvalidHandshake as exc:
             return _End(None, str(exc), ProtocolViolation(None, f"handshake refused: {exc}"))
+        except ssl_module.SSLCertVerificationError as exc:
+            detail = f"the server's certificate is not trusted: {exc.verify_message}"
+            return _End(None, detail, CertificateError(None, detail))
         except (OSError, TimeoutError) as exc:
             return _End(None, f"cannot connect: {exc or type(exc).__name__}")
         self._ws = ws
@@ -520,7 +616,7 @@ class Session:
             return _End(None, detail, ProtocolViolation(None, detail))
         heartbeats: asyncio.Task[None] | None = None
         try:
-            await ws.send(p.encode(p.Hello(self.token)))
+            await ws.send(p.encode(self._hello()))
             async with asyncio.timeout(self.open_timeout):
                 welcome = await self._recv(ws)
             if not isinstance(welcome, p.Welcome):
@@ -568,7 +664,18 @@ class Session:
 
     # Frames
 
+    def _hello(self) -> p.Hello:
+        """HELLO with the newest token, and the resume proof once a WELCOME gave a key."""
+        key = self.session_key
+        proof = None if key is None else p.resume_proof(key, self.tid.bytes)
+        return p.Hello(self.token, proof=proof)
+
     def _welcome(self, welcome: p.Welcome) -> None:
+        self.session_key = welcome.session_key
+        # The most a first reconnect after 1001 may wait: half of what the session has
+        # left at worst when the close comes (expire_after, less the heartbeat interval
+        # it may already be behind), so that a spread reconnect cannot expire it.
+        self._spare = (welcome.expire_ms - welcome.heartbeat_ms) / 2000
         self.heartbeat_interval = welcome.heartbeat_ms / 1000
         self.state = SessionState.ACTIVE
         self._sent.clear()
@@ -669,8 +776,18 @@ def connect(
     backoff: Backoff | None = None,
     open_timeout: float = 10.0,
     close_timeout: float = 5.0,
+    session_key: bytes | None = None,
+    ca_file: str | os.PathLike[str] | None = None,
+    ssl: ssl_module.SSLContext | None = None,
 ) -> Session:
     """A :class:`Session` for ``async with connect(url, token) as session:``."""
     return Session(
-        url, token, backoff=backoff, open_timeout=open_timeout, close_timeout=close_timeout
+        url,
+        token,
+        backoff=backoff,
+        open_timeout=open_timeout,
+        close_timeout=close_timeout,
+        session_key=session_key,
+        ca_file=ca_file,
+        ssl=ssl,
     )
