@@ -8,26 +8,42 @@ and checks what the page saw against the server's events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection
 
+from testkit.certs import Certificates
 from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK
 from testkit.tokens import minter
-from tests.test_client import _welcome_for, fake_server, url_of
+from tests.test_client import (
+    SPREAD_SESSIONS,
+    SPREAD_WINDOW,
+    _unsigned_token,
+    _welcome_for,
+    assert_spread,
+    balanced,
+    fake_server,
+    killed_on_exit,
+    resumed_at,
+    tls_in_front,
+    url_of,
+)
 from tokend import protocol as p
-from tokend.server import App
+from tokend.server import RETRY_AFTER_S, App
 from tokend.tokens import TokenService
 
 if TYPE_CHECKING:
@@ -39,7 +55,7 @@ StartApp = Callable[..., Awaitable[App]]
 ROOT = Path(__file__).resolve().parent.parent
 SDK_TYPES = ROOT / "sdk" / "js" / "tokend.d.ts"
 # Backoff of the page's sessions, ms: reconnects are quick but still jittered.
-FAST_BACKOFF = {"base": 50, "cap": 500}
+FAST_BACKOFF = {"base": 50, "cap": 500, "goingAwayWindow": 500}
 # A short openTimeout, ms, so that a session can be held for several of them quickly.
 OPEN_TIMEOUT = 1000
 # Heartbeats every half second, and WARN far off: a busy machine cannot make the held
@@ -126,6 +142,7 @@ async def test_frames_match_the_python_codec(page: BrowserPage):
     tid = uuid.uuid4()
     expected = p.encode(p.make_heartbeat(key, tid.bytes, 7, 1_764_680_000_123))
     hello = p.encode(p.Hello("a.b.c"))
+    proof = p.resume_proof(key, tid.bytes)
     welcome = p.Welcome(tid.bytes, 1_764_680_000_000, 30_000, 90_000, 120_000, key, resumed=True)
     ack = p.HeartbeatAck(9, 1_764_680_900_000, "x.y.z", renewed=True, was_warn=True)
     result = await page.eval(
@@ -143,6 +160,8 @@ async def test_frames_match_the_python_codec(page: BrowserPage):
           return {{
             heartbeat: hex(await tokend.encodeHeartbeat(key, bytes('{tid.hex}'), 7, 1764680000123)),
             hello: hex(tokend.encodeHello('a.b.c')),
+            proof: hex(await tokend.resumeProof(bytes('{key.hex()}'), bytes('{tid.hex}'))),
+            proven: hex(tokend.encodeHello('a.b.c', bytes('{proof.hex()}'))),
             bye: hex(tokend.encodeBye()),
             welcome: decode('{p.encode(welcome).hex()}'),
             ack: decode('{p.encode(ack).hex()}'),
@@ -155,6 +174,8 @@ async def test_frames_match_the_python_codec(page: BrowserPage):
     )
     assert result["heartbeat"] == expected.hex()
     assert result["hello"] == hello.hex()
+    assert result["proof"] == proof.hex()
+    assert result["proven"] == p.encode(p.Hello("a.b.c", proof=proof)).hex()
     assert result["bye"] == "05"
     assert result["welcome"] == {
         "type": "welcome",
@@ -254,7 +275,7 @@ async def test_resumes_after_a_server_restart_with_its_newest_token(
     await app.stop()
     going = await wait_change(page, "reconnecting")
     assert (going["code"], going["meaning"]) == (1001, "server going away")
-    assert 0 <= going["delay"] <= FAST_BACKOFF["base"]
+    assert 0 <= going["delay"] <= FAST_BACKOFF["goingAwayWindow"]
     await start_app(port=port, **clocks)  # the same Redis, the same port
     resumed = await wait_change(page, "resumed")
     assert resumed["detail"] == "the same session goes on"
@@ -448,25 +469,215 @@ async def test_open_timeout_still_ends_a_connection_without_welcome(
     assert ended["detail"] == "closed before a session was made"
 
 
+# No stampede after a drain (issue 20 point 5)
+
+
+async def test_after_a_drain_the_first_reconnects_spread_over_the_window(
+    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    backoff = {**FAST_BACKOFF, "goingAwayWindow": SPREAD_WINDOW * 1000}
+    minted = [tokens.mint(f"b{n}") for n in range(SPREAD_SESSIONS)]
+    async with balanced(start_app) as nodes:
+        tids = await page.eval(
+            f"""(async () => {{
+              window.drained = {{}};  // tid -> the first 'reconnecting' change
+              window.many = {json.dumps(minted)}.map((token) => {{
+                const session = new tokend.Session({json.dumps(nodes.url)}, token, {{
+                  backoff: {json.dumps(backoff)},
+                }});
+                session.on('reconnecting', ({{ code, delay }}) => {{
+                  drained[session.tid] ??= {{ code, delay }};
+                }});
+                return session;
+              }});
+              await Promise.all(many.map((session) => session.start()));
+              return many.map((session) => session.tid);
+            }})()"""
+        )
+        began = await nodes.drain_first()
+        going = await page.until(f"Object.keys(drained).length >= {len(tids)} && drained")
+        assert {change["code"] for change in going.values()} == {1001}
+        resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
+        delays = {tid: change["delay"] / 1000 for tid, change in going.items()}
+        assert_spread(began, delays, resumed, SPREAD_WINDOW)
+        await page.eval("Promise.all(many.map((session) => session.close()))")
+
+
+async def test_a_browser_sees_a_503_as_any_failed_handshake(
+    page: BrowserPage, start_app: StartApp, tokens: TokenService
+):
+    """The WebSocket API hides the HTTP status of a refused handshake (and so Retry-After):
+    the page can only retry with its backoff. Under Node with ws it sees both (below)."""
+    app = await start_app(max_pending_hellos=1, hello_timeout=30)
+    async with RawClient.connect(app.port):  # the one pending slot: connected, no HELLO
+        await page.eval(
+            f"openSession({json.dumps(url_of(app.port))}, {json.dumps(tokens.mint('x'))}, "
+            f"{json.dumps({'backoff': FAST_BACKOFF})}); 0"
+        )
+        refused = await wait_change(page, "reconnecting")
+    assert (refused["code"], refused["detail"]) == (
+        None,
+        f"cannot connect; attempt 1 in {refused['delay'] / 1000:.2f} s",
+    )
+    assert refused["delay"] <= FAST_BACKOFF["base"]
+    await wait_change(page, "connected")
+    await page.eval("session.close()")
+
+
+# The resume proof (spec "Resume proof", revision 2)
+
+
+def _renewed(token: str, by_s: int) -> str:
+    """A token like ``token`` (unsigned: for servers that do not verify), ``by_s`` longer."""
+    claims = jwt.decode(token, options={"verify_signature": False})
+    return jwt.encode({**claims, "exp": claims["exp"] + by_s}, "k" * 32, algorithm="HS256")
+
+
+async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
+    page: BrowserPage, site: StaticSite
+):
+    """With storage: sessionStorage the page keeps its newest token and the last WELCOME's
+    key: after a reload, the same session's HELLO carries both; 4509 is retried; the
+    entry goes when the session ends."""
+    token = _unsigned_token()
+    renewed = _renewed(token, 60)
+    keys = [os.urandom(p.SESSION_KEY_LENGTH) for _ in range(2)]
+    hellos: list[p.Hello] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        data = await ws.recv()
+        hellos.append(hello := p.decode(data))  # type: ignore[arg-type]
+        if len(hellos) == 1:  # a new session, renewed by the first ACK
+            await ws.send(_welcome_for(data, 1000, 3000, keys[0]))
+            beat = p.decode(await ws.recv())
+            assert isinstance(beat, p.Heartbeat)
+            exp_ms = jwt.decode(renewed, options={"verify_signature": False})["exp"] * 1000
+            await ws.send(p.encode(p.HeartbeatAck(beat.seq, exp_ms, renewed, renewed=True)))
+            await ws.wait_closed()  # the reload
+        elif len(hellos) == 2:  # as a server does while another connection holds it live
+            await ws.close(p.CloseCode.SESSION_IN_USE, "session_in_use")
+        else:
+            assert isinstance(hello, p.Hello)
+            await ws.send(_welcome_for(data, 1000, 3000, keys[1], resumed=True))
+            await ws.wait_closed()
+
+    options = {"backoff": FAST_BACKOFF, "storage": "sessionStorage"}
+    async with fake_server(handler) as url:
+        assert await open_session(page, url, token, **options) == "started"
+        tid = await page.eval("session.tid")
+        await wait_change(page, "renewed")
+        kept = json.loads(await page.eval(f"sessionStorage.getItem('tokend:{tid}')"))
+        assert kept == {"token": renewed, "key": keys[0].hex()}
+        await page.goto(f"{site.origin}/test/sdk.html")  # the session's socket goes with it
+        assert await open_session(page, url, token, **options) == "started"  # the old token
+        in_use = await wait_change(page, "reconnecting")
+        assert (in_use["code"], in_use["meaning"]) == (4509, "session in use by another connection")
+        resumed = await wait_change(page, "connected", count=2)  # the reloaded page's first
+        assert resumed["detail"] == "resumed an existing session"
+        kept = json.loads(await page.eval(f"sessionStorage.getItem('tokend:{tid}')"))
+        assert kept == {"token": renewed, "key": keys[1].hex()}
+        await page.eval("session.close()")
+        assert await page.eval(f"sessionStorage.getItem('tokend:{tid}')") is None
+    proof = p.resume_proof(keys[0], uuid.UUID(tid).bytes)
+    assert [(hello.token, hello.proof) for hello in hellos] == [
+        (token, None),
+        (renewed, proof),  # after the reload: the newest token, and the key kept
+        (renewed, proof),  # after 4509: the same (no WELCOME came in between)
+    ]
+
+
+async def test_the_ca_option_is_refused_where_it_cannot_apply(page: BrowserPage):
+    refused = await page.eval(
+        """(() => {
+          const token = 'e30.' + btoa(JSON.stringify({
+            jti: crypto.randomUUID(), exp: 2e9 })).replace(/=+$/, '') + '.x';
+          const attempt = (url) => {
+            try { new tokend.Session(url, token, { ca: 'PEM' }); return 'accepted'; }
+            catch (e) { return `${e.name}: ${e.message}`; }
+          };
+          return [attempt('wss://127.0.0.1:9/v1/ws'), attempt('ws://127.0.0.1:9/v1/ws')];
+        })()"""
+    )
+    assert refused == [
+        "TypeError: the ca option needs the ws package's WebSocket (Node); a browser trusts "
+        "its own CAs",
+        "TypeError: the ca option is for wss:// URLs",
+    ]
+
+
 # The same module under Node (sdk/js/README.md: Node 22's WebSocket, or ws on Node 20)
+
+
+class NodeSession:
+    """tests/browser/node_session.mjs running: a session of the SDK under Node, its JSON
+    lines read as they come. Closing its stdin (:meth:`finish`) logs the session out."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.lines: list[dict[str, Any]] = []
+        self._looked = 0  # lines that until() has looked at
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def run(
+        cls, node_dir: Path, url: str, token: str, hold_ms: int, **options: Any
+    ) -> AsyncIterator[NodeSession]:
+        config = json.dumps({"url": url, "token": token, "options": options, "holdMs": hold_ms})
+        process = await asyncio.create_subprocess_exec(
+            shutil.which("node") or "node",
+            str(ROOT / "tests" / "browser" / "node_session.mjs"),
+            config,
+            env={**os.environ, "NODE_DIR": str(node_dir)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        async with killed_on_exit(process):
+            yield cls(process)
+
+    def changes(self, kind: str) -> list[dict[str, Any]]:
+        return [line["change"] for line in self.lines if line.get("change", {}).get("kind") == kind]
+
+    async def _next(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        raw = await self.process.stdout.readline()
+        if not raw:
+            assert self.process.stderr is not None
+            error = (await self.process.stderr.read()).decode()
+            raise AssertionError(f"node ended after {self.lines}: {error}")
+        self.lines.append(json.loads(raw))
+        return self.lines[-1]
+
+    async def until(self, kind: str, timeout: float = 10) -> dict[str, Any]:
+        """The first change of ``kind`` after the one the previous call returned."""
+        async with asyncio.timeout(timeout):
+            while True:
+                if self._looked == len(self.lines):
+                    await self._next()
+                line = self.lines[self._looked]
+                self._looked += 1
+                if line.get("change", {}).get("kind") == kind:
+                    return line["change"]
+
+    async def finish(self, timeout: float, *, stop: bool = True) -> list[dict[str, Any]]:
+        """Every line to the end: at once (``stop``: stdin closed), or after ``hold_ms``."""
+        assert self.process.stdin is not None
+        if stop:
+            self.process.stdin.close()
+        async with asyncio.timeout(timeout):
+            while not (self.lines and "done" in self.lines[-1]):
+                await self._next()
+            await self.process.wait()
+        assert self.process.returncode == 0
+        return self.lines
 
 
 async def run_in_node(
     node_dir: Path, url: str, token: str, hold_ms: int, **options: Any
 ) -> list[dict[str, Any]]:
     """tests/browser/node_session.mjs: hold a session for ``hold_ms``; its JSON lines."""
-    config = json.dumps({"url": url, "token": token, "options": options, "holdMs": hold_ms})
-    process = await asyncio.create_subprocess_exec(
-        shutil.which("node") or "node",
-        str(ROOT / "tests" / "browser" / "node_session.mjs"),
-        config,
-        env={**os.environ, "NODE_DIR": str(node_dir)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), hold_ms / 1000 + 30)
-    assert process.returncode == 0, err.decode()
-    return [json.loads(line) for line in out.splitlines()]
+    async with NodeSession.run(node_dir, url, token, hold_ms, **options) as node:
+        return await node.finish(hold_ms / 1000 + 30, stop=False)
 
 
 async def test_under_node_a_session_outlives_open_timeout_without_reconnecting(
@@ -505,3 +716,48 @@ async def test_under_node_open_timeout_ends_a_handshake_that_never_finishes(
     ]
     assert retries and retries[0]["detail"].startswith("no WELCOME in time"), lines
     assert lines[-1] == {"done": {"error": None}}
+
+
+async def test_under_node_a_503_with_retry_after_is_waited_out(
+    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    """ws shows the refused handshake's status and Retry-After: the SDK waits at least that
+    long, jittered, then starts the session."""
+    app = await start_app(max_pending_hellos=1, hello_timeout=30)
+    token = tokens.mint("patient")
+    async with contextlib.AsyncExitStack() as running:
+        async with RawClient.connect(app.port):  # the one pending slot: connected, no HELLO
+            began = time.time()
+            node = await running.enter_async_context(
+                NodeSession.run(node_dir, url_of(app.port), token, 30_000, backoff=FAST_BACKOFF)
+            )
+            refused = await node.until("reconnecting")
+        assert refused["code"] is None
+        assert refused["detail"].startswith("HTTP 503 at the opening handshake"), refused
+        # FAST_BACKOFF's own first wait would be 50 ms at most.
+        assert 1000 * RETRY_AFTER_S <= refused["delay"] <= 2000 * RETRY_AFTER_S
+        await node.until("connected")
+        started = await events.wait_for("SESSION_STARTED", str(tokens.verify(token).tid))
+        assert started[0]["at"] + 1 >= 1000 * began + refused["delay"]
+        assert (await node.finish(10))[-1] == {"done": {"error": None}}
+
+
+async def test_under_node_wss_is_verified_and_the_ca_option_trusted(
+    node_dir: Path, app: App, tokens: TokenService, events: EventLog, certificates: Certificates
+):
+    async with tls_in_front(app.port, certificates) as url:
+        # Not trusted: retried as any failed handshake is, the reason in the detail.
+        wary = tokens.mint("wary")
+        async with NodeSession.run(node_dir, url, wary, 30_000, backoff=FAST_BACKOFF) as node:
+            untrusted = await node.until("reconnecting")
+            assert re.search("certificate|verify", untrusted["detail"]), untrusted
+            await node.finish(10)
+        token = tokens.mint("tls")
+        ca = certificates.ca.read_text()
+        lines = await run_in_node(node_dir, url, token, 1000, ca=ca, backoff=FAST_BACKOFF)
+    kinds = [line["change"]["kind"] for line in lines if "change" in line]
+    held = next(line["held"] for line in lines if "held" in line)
+    assert kinds == ["connected", "ended"], lines
+    assert held["connected"] and held["stats"]["acks"] >= 1
+    await one_connection_then_logout(events, str(tokens.verify(token).tid))
+    assert not events.of("SESSION_STARTED", str(tokens.verify(wary).tid))

@@ -30,9 +30,10 @@ export declare const CloseCode: Readonly<{
   SESSION_EXPIRED: 4505;
   TOKEN_REVOKED: 4506;
   TAKEN_OVER: 4507;
+  SESSION_IN_USE: 4509;
 }>;
 
-/** 1001, 1011, 1013, 4008, 4029: the codes that invite a reconnect. */
+/** 1001, 1011, 1013, 4008, 4029, 4509: the codes that invite a reconnect. */
 export declare const RECONNECTABLE: ReadonlySet<number>;
 
 export type LifecycleKind =
@@ -72,6 +73,19 @@ export interface BackoffOptions {
   cap?: number;
   /** Failed attempts in a row before giving up (RetriesExhausted); null: no limit. */
   maxAttempts?: number | null;
+  /**
+   * ms: after a close 1001 (the server drains, reloads or stops) the first reconnect
+   * waits uniform(0, goingAwayWindow), at most half of what the session can spare
+   * (expire_after less the heartbeat interval, from WELCOME). Default 5000.
+   */
+  goingAwayWindow?: number;
+}
+
+/** Where a session keeps its newest token and session key: `sessionStorage` fits. */
+export interface SessionStorageLike {
+  getItem(key: string): string | null;
+  setItem(key: string, value: string): void;
+  removeItem(key: string): void;
 }
 
 export interface SessionOptions {
@@ -83,6 +97,17 @@ export interface SessionOptions {
   closeTimeout?: number;
   /** How many changes `history` keeps. Default 256. */
   history?: number;
+  /**
+   * Keeps the newest token and the last WELCOME's session key under `tokend:<tid>`, so
+   * that a new Session of the same token (after a page reload) still proves its resume;
+   * removed when the session ends. Default: nothing kept.
+   */
+  storage?: SessionStorageLike | null;
+  /**
+   * CA certificates (PEM) to trust for a wss:// URL, under Node with the `ws` package's
+   * WebSocket (passed as its `ca` option). Browsers trust their own CAs: refused there.
+   */
+  ca?: string | Uint8Array | Array<string | Uint8Array>;
 }
 
 export interface SessionStats {
@@ -105,10 +130,15 @@ export declare class Backoff {
   readonly base: number;
   readonly cap: number;
   readonly maxAttempts: number | null;
+  readonly goingAwayWindow: number;
   /** The longest wait of attempt `attempt`, ms. */
   ceiling(attempt: number): number;
   /** A random wait for attempt `attempt`, ms. */
   delay(attempt: number): number;
+  /** The wait after a close 1001, ms: uniform over min(goingAwayWindow, limit), or longer. */
+  afterGoingAway(attempt: number, limit?: number): number;
+  /** The wait after an HTTP refusal with Retry-After (ms): at least that, jittered. */
+  afterRefusal(attempt: number, retryAfter: number): number;
 }
 
 /** Why a session ended for good; `code` null when no close frame decided. */
@@ -168,7 +198,9 @@ export interface Notice {
   state: 'WARN';
 }
 
-export declare function encodeHello(token: string): Uint8Array;
+export declare function encodeHello(token: string, proof?: Uint8Array | null): Uint8Array;
+/** The 16-byte resume proof of HELLO (spec "Resume proof", revision 2). */
+export declare function resumeProof(sessionKey: Uint8Array, tid: Uint8Array): Promise<Uint8Array>;
 export declare function encodeBye(): Uint8Array;
 export declare function importSessionKey(sessionKey: Uint8Array): Promise<CryptoKey>;
 export declare function encodeHeartbeat(

@@ -11,9 +11,13 @@
  * and the next `seq`), takes in renewed tokens (`session.token` and `session.exp`
  * are always the newest), follows WARN notices, and reports every step to its
  * lifecycle callbacks. On the close codes the spec marks reconnectable (1001,
- * 1011, 1013, 4008, 4029) and on network loss it reconnects with full-jitter
- * exponential backoff and resumes with its newest token; any other close ends
- * the session with a {@link TokendError} naming the family.
+ * 1011, 1013, 4008, 4029, 4509) and on network loss it reconnects with full-jitter
+ * exponential backoff and resumes with its newest token, proving with the session
+ * key of its last WELCOME that it is the session's rightful client (spec "Resume
+ * proof", revision 2; `options.storage` keeps token and key across a page reload).
+ * After a 1001 the first reconnect is spread over a window, and under Node with
+ * `ws` an HTTP 503 or 429 with Retry-After is honoured. Any other close ends the
+ * session with a {@link TokendError} naming the family.
  *
  * It mirrors the Python SDK (tokend/client.py) and the frame codec
  * (tokend/protocol.py) byte for byte; the wire format is shared/spec/protocol-v1.md
@@ -33,6 +37,8 @@ const MAC_LENGTH = 16;
 const SIGNED_LENGTH = 34; // the heartbeat bytes covered by the mac
 const HEARTBEAT_LENGTH = SIGNED_LENGTH + MAC_LENGTH; // 50
 const WELCOME_LENGTH = 72;
+const RESUME_PROOF_LENGTH = 16;
+const RESUME_PROOF_LABEL = 'tokend-resume';
 const ACK_HEAD_LENGTH = 20;
 const NOTICE_LENGTH = 2;
 
@@ -70,6 +76,7 @@ export const CloseCode = Object.freeze({
   SESSION_EXPIRED: 4505,
   TOKEN_REVOKED: 4506,
   TAKEN_OVER: 4507,
+  SESSION_IN_USE: 4509,
 });
 
 const CLOSE_REASONS = new Map([
@@ -87,10 +94,11 @@ const CLOSE_REASONS = new Map([
   [4505, 'session expired'],
   [4506, 'token revoked'],
   [4507, 'session taken over'],
+  [4509, 'session in use by another connection'],
 ]);
 
 /** The close codes that invite a reconnect (protocol.RECONNECTABLE); the others end the token. */
-export const RECONNECTABLE = Object.freeze(new Set([1001, 1011, 1013, 4008, 4029]));
+export const RECONNECTABLE = Object.freeze(new Set([1001, 1011, 1013, 4008, 4029, 4509]));
 
 // What the browser reports for a connection that ended without a close frame.
 const ABNORMAL_CLOSURE = 1006;
@@ -190,23 +198,49 @@ export class ProtocolError extends Error {
 // Frame codec
 
 /**
- * HELLO (spec 0x01): type, version, u16 token length, the token in ASCII.
+ * HELLO (spec 0x01): type, version, u16 token length, the token in ASCII, then the
+ * 16-byte resume proof if given (spec "Resume proof", revision 2).
  * @param {string} token
+ * @param {Uint8Array | null} [proof] from {@link resumeProof}
  * @returns {Uint8Array}
  */
-export function encodeHello(token) {
+export function encodeHello(token, proof = null) {
   const length = token.length;
   if (!/^[\x00-\x7f]*$/.test(token)) throw new ProtocolError('hello: the token is not ASCII');
   if (length < 1 || length > MAX_TOKEN_LENGTH) {
     throw new ProtocolError('hello: token length must be 1..8192');
   }
-  const frame = new Uint8Array(4 + length);
+  if (proof !== null && proof.length !== RESUME_PROOF_LENGTH) {
+    throw new ProtocolError('hello: a resume proof is 16 bytes');
+  }
+  const frame = new Uint8Array(4 + length + (proof === null ? 0 : RESUME_PROOF_LENGTH));
   const view = new DataView(frame.buffer);
   view.setUint8(0, FrameType.HELLO);
   view.setUint8(1, VERSION);
   view.setUint16(2, length);
   for (let i = 0; i < length; i += 1) frame[4 + i] = token.charCodeAt(i);
+  if (proof !== null) frame.set(proof, 4 + length);
   return frame;
+}
+
+/**
+ * The resume proof (spec "Resume proof", revision 2): the first 16 bytes of
+ * HMAC-SHA256(session key, "tokend-resume" || tid), the session key being that of
+ * the last WELCOME received for the session.
+ * @param {Uint8Array} sessionKey 32 bytes
+ * @param {Uint8Array} tid 16 bytes
+ * @returns {Promise<Uint8Array>}
+ */
+export async function resumeProof(sessionKey, tid) {
+  if (sessionKey.length !== SESSION_KEY_LENGTH || tid.length !== TID_LENGTH) {
+    throw new ProtocolError('resume proof: the session key is 32 bytes, tid 16 bytes');
+  }
+  const label = new TextEncoder().encode(RESUME_PROOF_LABEL);
+  const message = new Uint8Array(label.length + TID_LENGTH);
+  message.set(label);
+  message.set(tid, label.length);
+  const mac = await crypto.subtle.sign('HMAC', await importSessionKey(sessionKey), message);
+  return new Uint8Array(mac, 0, RESUME_PROOF_LENGTH);
 }
 
 /** BYE (spec 0x05): one byte. */
@@ -370,6 +404,26 @@ function sameBytes(a, b) {
   return a.length === b.length && a.every((value, i) => value === b[i]);
 }
 
+function toHex(bytes) {
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, '0')).join('');
+}
+
+function fromHex(hex) {
+  if (!/^([0-9a-f]{2})*$/.test(hex)) throw new TypeError('not hex');
+  return Uint8Array.from(hex.match(/../g) ?? [], (pair) => parseInt(pair, 16));
+}
+
+/**
+ * The milliseconds of a Retry-After header (RFC 9110 §10.2.3, delay-seconds; tokend
+ * sends those); null when absent or not a number of seconds (an HTTP-date).
+ * @param {string | undefined} value
+ * @returns {number | null}
+ */
+function retryAfterMs(value) {
+  const seconds = value?.trim();
+  return seconds && /^[0-9]+$/.test(seconds) ? Number(seconds) * 1000 : null;
+}
+
 // Backoff
 
 /**
@@ -378,17 +432,28 @@ function sameBytes(a, b) {
  * The count starts again once a connection has had a heartbeat acknowledged.
  * `maxAttempts` bounds failed attempts in a row (null: retry for as long as the
  * failures are reconnectable; a terminal code always stops).
+ *
+ * Two refusals are waited out longer, so that the clients of a restarting server
+ * do not come back all at once: a close 1001 (the server drains, reloads or stops:
+ * all its clients at once) waits `uniform(0, goingAwayWindow)`
+ * ({@link Backoff#afterGoingAway}); an HTTP 503 or 429 with Retry-After (seen only
+ * under Node with `ws`) waits that long and more ({@link Backoff#afterRefusal}).
  */
 export class Backoff {
-  /** @param {{base?: number, cap?: number, maxAttempts?: number | null}} [options] */
-  constructor({ base = 500, cap = 30_000, maxAttempts = null } = {}) {
+  /**
+   * @param {{base?: number, cap?: number, maxAttempts?: number | null,
+   *   goingAwayWindow?: number}} [options]
+   */
+  constructor({ base = 500, cap = 30_000, maxAttempts = null, goingAwayWindow = 5_000 } = {}) {
     if (!(base > 0 && base <= cap)) throw new RangeError('backoff needs 0 < base <= cap');
     if (maxAttempts !== null && !(Number.isInteger(maxAttempts) && maxAttempts >= 0)) {
       throw new RangeError('maxAttempts must be null or an integer >= 0');
     }
+    if (!(goingAwayWindow >= 0)) throw new RangeError('goingAwayWindow must be >= 0');
     this.base = base;
     this.cap = cap;
     this.maxAttempts = maxAttempts;
+    this.goingAwayWindow = goingAwayWindow;
   }
 
   /** The longest wait of attempt `attempt`, ms. */
@@ -399,6 +464,23 @@ export class Backoff {
   /** A random wait for attempt `attempt`, ms. */
   delay(attempt) {
     return Math.random() * this.ceiling(attempt);
+  }
+
+  /**
+   * The wait after a close 1001, ms: uniform over `goingAwayWindow` (at most `limit`:
+   * what the session can spare), or over the attempt's ceiling if longer.
+   */
+  afterGoingAway(attempt, limit = Infinity) {
+    return Math.random() * Math.max(Math.min(this.goingAwayWindow, limit), this.ceiling(attempt));
+  }
+
+  /**
+   * The wait after an HTTP refusal that said Retry-After (`retryAfter` ms): never
+   * sooner, plus a random share of as long again (or of the attempt's ceiling, if
+   * longer) so that the clients refused together do not return together.
+   */
+  afterRefusal(attempt, retryAfter) {
+    return retryAfter + Math.random() * Math.max(retryAfter, this.ceiling(attempt));
   }
 }
 
@@ -411,8 +493,20 @@ export class Backoff {
  *   detail: string, delay: number | null, error: TokendError | null,
  *   token: string | null, reason: string}} Lifecycle
  * @typedef {{code: number | null, detail: string, error?: TokendError | null,
- *   reason?: string}} End
+ *   reason?: string, retryAfter?: number | null}} End
  */
+
+// Where options.storage keeps a session's token and key, by tid.
+const STORAGE_PREFIX = 'tokend:';
+
+/**
+ * A WebSocket class that is the npm package `ws`'s (an EventEmitter): under Node it
+ * shows a refused handshake's response and takes TLS options, which the WebSocket
+ * of browsers (and of Node 22) does not.
+ */
+function isNodeWs(WebSocketClass) {
+  return typeof WebSocketClass?.prototype?.on === 'function';
+}
 
 /**
  * A tokend session held open over as many connections as it takes.
@@ -425,6 +519,12 @@ export class Backoff {
  * Always current: `token` (the newest token), `exp` (its expiry, epoch ms),
  * `tid`, `sub`, `state` ('ACTIVE' or 'WARN'), `heartbeatInterval` (ms, from
  * WELCOME), `connected`, `ended`, `error`, `stats`.
+ *
+ * Every HELLO after a WELCOME carries the resume proof made with that WELCOME's
+ * session key. With `options.storage` (e.g. `sessionStorage`) the session keeps its
+ * newest token and that key there, under `tokend:<tid>`, and a new Session of the
+ * same token (after a page reload) takes both up again, so it still proves; the
+ * entry is removed when the session ends.
  */
 export class Session {
   /**
@@ -442,6 +542,15 @@ export class Session {
         null,
         'WebCrypto (crypto.subtle) needs a secure context: https or localhost',
       );
+    }
+    this._ca = options.ca ?? null;
+    if (this._ca !== null) {
+      if (new URL(url).protocol !== 'wss:') throw new TypeError('the ca option is for wss:// URLs');
+      if (!isNodeWs(globalThis.WebSocket)) {
+        throw new TypeError(
+          "the ca option needs the ws package's WebSocket (Node); a browser trusts its own CAs",
+        );
+      }
     }
     this.url = url;
     this.token = token;
@@ -470,6 +579,13 @@ export class Session {
     this.history = [];
     this._historySize = options.history ?? 256;
     this._tidBytes = tidBytes(this.tid);
+    this._storage = options.storage ?? null;
+    /** @type {Uint8Array | null} the session key of the last WELCOME */
+    this._sessionKey = null;
+    this._takeUpKept();
+    /** @type {Promise<Uint8Array | null>} the proof for the next HELLO */
+    this._proof = this._prove(this._sessionKey);
+    this._spare = Infinity; // ms a reconnect after 1001 may wait at most (from WELCOME)
     this._listeners = new Map(LIFECYCLE.map((kind) => [kind, new Set()]));
     for (const [kind, callback] of Object.entries(options.on ?? {})) this.on(kind, callback);
     this._runner = null;
@@ -484,6 +600,57 @@ export class Session {
     this._settled = deferred(); // first WELCOME, or the end
     this._ended = deferred();
     this._onVisible = () => this._visibilityChanged();
+  }
+
+  // What options.storage keeps
+
+  /** Take up the newest token and the session key kept for this tid, if any. */
+  _takeUpKept() {
+    const raw = this._storageCall('getItem', STORAGE_PREFIX + this.tid);
+    if (typeof raw !== 'string') return;
+    try {
+      const kept = JSON.parse(raw);
+      const claims = tokenClaims(kept.token);
+      const key = fromHex(kept.key);
+      if (claims.tid !== this.tid || key.length !== SESSION_KEY_LENGTH) return;
+      if (claims.exp > this.exp) {
+        this.token = kept.token;
+        this.exp = claims.exp;
+      }
+      this._sessionKey = key;
+    } catch {
+      // Not ours, or damaged: the session starts without it.
+    }
+  }
+
+  /**
+   * The proof for the next HELLO, made with `key` (null: none). It is awaited before
+   * the next connection, which reports a failure; none may follow (a logout).
+   * @param {Uint8Array | null} key
+   * @returns {Promise<Uint8Array | null>}
+   */
+  _prove(key) {
+    const proof = key ? resumeProof(key, this._tidBytes) : Promise.resolve(null);
+    proof.catch(() => {});
+    return proof;
+  }
+
+  /** Keep the newest token and the session key, once a WELCOME gave one. */
+  _keep() {
+    if (!this._sessionKey) return;
+    const value = JSON.stringify({ token: this.token, key: toHex(this._sessionKey) });
+    this._storageCall('setItem', STORAGE_PREFIX + this.tid, value);
+  }
+
+  /** A storage that fails (full, forbidden) must not stop the session: say so and go on. */
+  _storageCall(method, ...args) {
+    if (!this._storage) return null;
+    try {
+      return this._storage[method](...args);
+    } catch (exc) {
+      console.warn(`tokend: storage.${method} failed`, exc);
+      return null;
+    }
   }
 
   /** True while a connection is open and welcomed. */
@@ -612,6 +779,7 @@ export class Session {
     if (this.ended) return;
     this.error = error;
     globalThis.document?.removeEventListener('visibilitychange', this._onVisible);
+    this._storageCall('removeItem', STORAGE_PREFIX + this.tid);
     this._emit('ended', { code, detail, error, reason });
     this._ended.resolve();
     this._settled.resolve();
@@ -623,7 +791,7 @@ export class Session {
     let failures = 0; // attempts in a row that did not reach a heartbeat ACK
     try {
       while (!this.ended) {
-        const end = await this._connection();
+        const end = await this._connection(await this._proof);
         if (this._closing) {
           this._finish(end.code, closingDetail(end), null, end.reason);
           return;
@@ -639,7 +807,7 @@ export class Session {
           this._finish(end.code, reason, new RetriesExhausted(end.code, reason), end.reason);
           return;
         }
-        const delay = this.backoff.delay(failures);
+        const delay = this._delay(end, failures);
         failures += 1;
         this.stats.reconnects += 1;
         this._emit('reconnecting', {
@@ -664,18 +832,33 @@ export class Session {
     }
   }
 
+  /** The wait before reconnect attempt `attempt` after `end`, ms ({@link Backoff}). */
+  _delay(end, attempt) {
+    if (end.retryAfter != null) return this.backoff.afterRefusal(attempt, end.retryAfter);
+    if (end.code === CloseCode.GOING_AWAY) {
+      return this.backoff.afterGoingAway(attempt, this._spare);
+    }
+    return this.backoff.delay(attempt);
+  }
+
   /**
-   * One connection: handshake, HELLO, then frames until it closes.
+   * One connection: handshake, HELLO (with `proof` if any), then frames until it closes.
+   * @param {Uint8Array | null} proof
    * @returns {Promise<End>}
    */
-  _connection() {
+  _connection(proof) {
     this._healthy = false;
     return new Promise((resolve) => {
-      const ws = new WebSocket(this.url, [SUBPROTOCOL]);
+      const ws =
+        this._ca === null
+          ? new WebSocket(this.url, [SUBPROTOCOL])
+          : new WebSocket(this.url, [SUBPROTOCOL], { ca: this._ca });
       ws.binaryType = 'arraybuffer';
       const conn = {
         ws,
         opened: false,
+        refusal: null, // {status, retryAfter}: the HTTP answer to a refused handshake (ws)
+        failure: '', // why the socket failed, where the WebSocket says (not browsers)
         welcome: null,
         key: null, // the session key as a CryptoKey, once imported
         seq: 0,
@@ -723,7 +906,7 @@ export class Session {
           );
           return;
         }
-        ws.send(encodeHello(this.token));
+        ws.send(encodeHello(this.token, proof));
       };
       ws.onmessage = (event) => {
         try {
@@ -733,7 +916,19 @@ export class Session {
         }
       };
       ws.onclose = (event) => conn.end(this._closed(conn, event));
-      ws.onerror = () => {}; // a close event follows, with the code
+      // A close event follows, with the code; under Node the error says why.
+      ws.onerror = (event) => {
+        conn.failure = typeof event?.message === 'string' ? event.message : '';
+      };
+      // Under Node, ws shows the response to a refused handshake (browsers hide it):
+      // taken, the handshake must be ended here; a close event 1006 follows.
+      ws.on?.('unexpected-response', (_request, response) => {
+        conn.refusal = {
+          status: response.statusCode,
+          retryAfter: retryAfterMs(response.headers['retry-after']),
+        };
+        ws.terminate();
+      });
     });
   }
 
@@ -744,7 +939,13 @@ export class Session {
   _closed(conn, event) {
     if (event.code === ABNORMAL_CLOSURE) {
       // Browsers hide why a handshake failed (refused, HTTP 4xx/5xx): all are retried.
-      return { code: null, detail: conn.opened ? 'connection lost' : 'cannot connect' };
+      if (conn.refusal) {
+        const { status, retryAfter } = conn.refusal;
+        return { code: null, detail: `HTTP ${status} at the opening handshake`, retryAfter };
+      }
+      if (conn.opened) return { code: null, detail: 'connection lost' };
+      const detail = conn.failure ? `cannot connect: ${conn.failure}` : 'cannot connect';
+      return { code: null, detail };
     }
     const { code, reason } = event;
     const family = classify(code);
@@ -786,6 +987,13 @@ export class Session {
   _welcome(conn, welcome) {
     clearTimeout(conn.openTimer); // in time: from here on heartbeat ACKs judge the link
     conn.welcome = welcome;
+    this._sessionKey = welcome.sessionKey;
+    this._proof = this._prove(welcome.sessionKey);
+    this._keep();
+    // The most a first reconnect after 1001 may wait: half of what the session has
+    // left at worst when the close comes (expire_after, less the heartbeat interval it
+    // may already be behind), so that a spread reconnect cannot expire it.
+    this._spare = (welcome.expireMs - welcome.heartbeatMs) / 2;
     this.heartbeatInterval = welcome.heartbeatMs;
     this.state = 'ACTIVE';
     this._live = true;
@@ -829,6 +1037,7 @@ export class Session {
     if (claims.tid !== this.tid) throw new ProtocolError('ACK token names another tid');
     this.token = ack.token;
     this.exp = claims.exp;
+    this._keep();
     if (ack.renewed) this.stats.renewals += 1;
     const detail = ack.renewed ? 'renewed' : 'token re-sent (we held an older one)';
     this._emit('renewed', { detail, token: ack.token });

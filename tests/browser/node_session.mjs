@@ -3,9 +3,9 @@
 // Node 22 has a global WebSocket; on older Node the npm package `ws` stands in for it
 // (environment: NODE_DIR holding node_modules/ws). argv[2] is a JSON object
 // {url, token, options, holdMs}: a session is opened with `options` (lifecycle
-// callbacks added), held for `holdMs` or until it ends, then logged out. Every line
-// written is JSON: {"change": ...} per lifecycle change, then {"held": {stats,
-// connected}} and {"done": {error}}.
+// callbacks added), held for `holdMs`, until it ends or until stdin ends, then logged
+// out. Every line written is JSON, as it happens: {"change": ...} per lifecycle
+// change, then {"held": {stats, connected}} and {"done": {error}}.
 
 import { createRequire } from 'node:module';
 
@@ -25,8 +25,13 @@ const ended = session.wait().then(
   () => null,
   (error) => error,
 );
-await Promise.race([ended, new Promise((resolve) => setTimeout(resolve, holdMs))]);
+const released = new Promise((resolve) => process.stdin.on('close', resolve).resume());
+let timer;
+const held = new Promise((resolve) => (timer = setTimeout(resolve, holdMs)));
+await Promise.race([ended, held, released]);
+clearTimeout(timer);
 say({ held: { stats: session.stats, connected: session.connected } });
 await session.close();
 const error = await ended;
 say({ done: { error: error && { name: error.name, code: error.code, reason: error.reason } } });
+process.stdin.destroy();

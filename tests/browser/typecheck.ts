@@ -15,8 +15,9 @@ import {
 export async function run(url: string, token: string): Promise<string> {
   const seen: Lifecycle[] = [];
   const session: Session = await connect(url, token, {
-    backoff: { base: 500, cap: 30_000, maxAttempts: null },
+    backoff: { base: 500, cap: 30_000, maxAttempts: null, goingAwayWindow: 5_000 },
     openTimeout: 10_000,
+    storage: sessionStorage,
     on: {
       renewed: (change) => seen.push(change),
       reconnecting: ({ code, delay }) => console.log(code ?? 'lost', delay),
@@ -32,10 +33,12 @@ export async function run(url: string, token: string): Promise<string> {
   session.resumeHeartbeats();
   await session.close();
   try {
-    await new Session(url, token, { backoff: new Backoff({ base: 100 }) }).start();
+    const ca = '-----BEGIN CERTIFICATE-----\n...';
+    await new Session(url, token, { backoff: new Backoff({ base: 100 }), ca: [ca] }).start();
   } catch (error) {
     if (error instanceof Revoked && error.code === CloseCode.TOKEN_REVOKED) return error.meaning;
     if (error instanceof TokendError) return `${error.code} ${error.meaning}`;
   }
-  return `${exp} ${state} ${rtt} ${RECONNECTABLE.has(1001)} ${LIFECYCLE.length} ${seen.length}`;
+  const inUse: number = CloseCode.SESSION_IN_USE;
+  return `${exp} ${state} ${rtt} ${RECONNECTABLE.has(inUse)} ${LIFECYCLE.length} ${seen.length}`;
 }
