@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from redis import asyncio as aioredis
 
-from testkit.certs import Certificates, make_certificates
 from testkit.events import EventLog
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
@@ -124,9 +123,3 @@ async def redis(redis_server: RedisProcess) -> AsyncIterator[aioredis.Redis]:
 async def events(redis: aioredis.Redis, settings: Settings) -> AsyncIterator[EventLog]:
     async with EventLog(redis, f"{settings.key_prefix}:events") as log:
         yield log
-
-
-@pytest.fixture
-def certificates(tmp_path: Path) -> Certificates:
-    """A test CA and a server certificate for 127.0.0.1 it signed (testkit/certs.py)."""
-    return make_certificates(tmp_path / "tls")

@@ -24,7 +24,6 @@ import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection
 
-from testkit.certs import Certificates
 from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK
@@ -743,9 +742,10 @@ async def test_under_node_a_503_with_retry_after_is_waited_out(
 
 
 async def test_under_node_wss_is_verified_and_the_ca_option_trusted(
-    node_dir: Path, app: App, tokens: TokenService, events: EventLog, certificates: Certificates
+    node_dir: Path, app: App, tokens: TokenService, events: EventLog, tmp_path: Path
 ):
-    async with tls_in_front(app.port, certificates) as url:
+    async with tls_in_front(app.port, tmp_path) as front:
+        url = front.url
         # Not trusted: retried as any failed handshake is, the reason in the detail.
         wary = tokens.mint("wary")
         async with NodeSession.run(node_dir, url, wary, 30_000, backoff=FAST_BACKOFF) as node:
@@ -753,7 +753,7 @@ async def test_under_node_wss_is_verified_and_the_ca_option_trusted(
             assert re.search("certificate|verify", untrusted["detail"]), untrusted
             await node.finish(10)
         token = tokens.mint("tls")
-        ca = certificates.ca.read_text()
+        ca = front.ca_file.read_text()
         lines = await run_in_node(node_dir, url, token, 1000, ca=ca, backoff=FAST_BACKOFF)
     kinds = [line["change"]["kind"] for line in lines if "change" in line]
     held = next(line["held"] for line in lines if "held" in line)

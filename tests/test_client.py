@@ -19,7 +19,7 @@ import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from testkit.certs import Certificates
+from testkit.certificates import Authority
 from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port
@@ -665,17 +665,29 @@ async def test_a_503_with_retry_after_is_waited_out_then_the_session_starts(
 # wss:// with the server's certificate verified (issue 21 point 2)
 
 
+@dataclass(frozen=True)
+class TlsFront:
+    url: str  # wss://
+    ca_file: Path  # the CA (PEM) a client must trust
+
+
 @contextlib.asynccontextmanager
-async def tls_in_front(port: int, certificates: Certificates) -> AsyncIterator[str]:
-    """A ``wss://`` URL whose TLS ends at a proxy in front of tokend's plain ``port``."""
-    async with RoundRobinProxy([port], ssl=certificates.server_context()) as proxy:
-        yield f"wss://{LOOPBACK}:{proxy.port}{p.WS_PATH}"
+async def tls_in_front(port: int, directory: Path) -> AsyncIterator[TlsFront]:
+    """``wss://`` whose TLS ends at a proxy in front of tokend's plain ``port``, with a
+    certificate of a CA made for it (testkit/certificates.py), in ``directory``."""
+    authority = Authority.create()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(*authority.issue(directory / "server.pem", directory / "server.key"))
+    async with RoundRobinProxy([port], ssl=context) as proxy:
+        url = f"wss://{LOOPBACK}:{proxy.port}{p.WS_PATH}"
+        yield TlsFront(url, authority.write(directory / "ca.pem"))
 
 
 async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
-    app: App, tokens: TokenService, events: EventLog, certificates: Certificates
+    app: App, tokens: TokenService, events: EventLog, tmp_path: Path
 ):
-    async with tls_in_front(app.port, certificates) as url:
+    async with tls_in_front(app.port, tmp_path) as front:
+        url = front.url
         # The system's CAs do not know the test CA: refused before HELLO, not retried.
         wary = Session(url, tokens.mint("wary"), backoff=FAST)
         with pytest.raises(CertificateError) as untrusted:
@@ -683,14 +695,14 @@ async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
         assert untrusted.value.code is None and wary.stats.reconnects == 0
         assert "certificate is not trusted" in str(untrusted.value)
         # Trusting the CA file (or a context of one's own), the session works over TLS.
-        trusted = ssl.create_default_context(cafile=certificates.ca)
-        for options in ({"ca_file": certificates.ca}, {"ssl": trusted}):
+        trusted = ssl.create_default_context(cafile=front.ca_file)
+        for options in ({"ca_file": front.ca_file}, {"ssl": trusted}):
             async with connect(url, tokens.mint("tls"), backoff=FAST, **options) as session:
                 await eventually(lambda: session.stats.acks > 0)
             await events.wait_for("SESSION_CLOSED", str(session.tid))
     assert not [e for e in events.events if e["tid"] == str(wary.tid)]
     with pytest.raises(ValueError):  # TLS options for a plain ws:// URL
-        Session(url_of(app.port), tokens.mint("plain"), ca_file=certificates.ca)
+        Session(url_of(app.port), tokens.mint("plain"), ca_file=front.ca_file)
 
 
 # The command a newcomer runs
@@ -786,16 +798,17 @@ async def test_tokend_connect_stopped_before_any_session_says_none_was_made(
 
 
 async def test_tokend_connect_verifies_wss_and_trusts_its_ca_file(
-    app: App, tokens: TokenService, certificates: Certificates
+    app: App, tokens: TokenService, tmp_path: Path
 ):
-    async with tls_in_front(app.port, certificates) as url:
+    async with tls_in_front(app.port, tmp_path) as front:
+        url = front.url
         token = tokens.mint("tls-cli")
         async with ConnectCommand.run("--token", token, "--url", url) as command:
             ended = await command.until("ended")
             assert "the server's certificate is not trusted" in ended, command.lines
             assert "[CertificateError]" in ended
             assert await command.exit_status() == 1
-        trusting = ("--token", token, "--url", url, "--ca-file", str(certificates.ca))
+        trusting = ("--token", token, "--url", url, "--ca-file", str(front.ca_file))
         async with ConnectCommand.run(*trusting) as command:
             assert "sub=tls-cli" in await command.until("connected")
             command.process.send_signal(signal.SIGINT)
