@@ -10,13 +10,14 @@ is JSON: ``url``, ``proto`` (``tokend``, ``bare`` or ``socketio``), ``tokens`` (
 one token per line), ``first`` and ``count`` (this process's slice of that file) and
 ``source`` (the local address its connections come from, "" for any: each loopback
 address has its own ephemeral ports, so many processes can hold more connections
-than one address's port range).
+than one address's port range), and optionally ``going_away_window`` (seconds; the
+SDK's :class:`tokend.client.Backoff` default, 5 s, when absent).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
 * ``connect {concurrency, retry_for}``: open the connections (tokend and bare:
   handshake, HELLO, WELCOME; socketio: handshake, engine.io OPEN, namespace CONNECT),
   timed; for ``retry_for`` seconds a refusal the client should retry (HTTP 503, a
-  reconnectable close code) is retried with the SDK's backoff.
+  reconnectable close code) is retried with the SDK's backoff (Retry-After honoured).
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
@@ -26,9 +27,11 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   for ``duration``; heartbeats sent and ACKed, ACK
   latencies, and every connection lost meanwhile with its close code
   (``load_tests/soak.py``). With ``reconnect``, a connection closed with a
-  reconnectable code (or dropped) reconnects with the SDK's full-jitter backoff and
-  resumes its session with HELLO, as a real client does; the reply counts the resumes,
-  the refusals met on the way (HTTP 503) and when each resume happened. With
+  reconnectable code (or dropped) reconnects and resumes its session as the Python SDK
+  does: the first reconnect after a 1001 spread over ``going_away_window``, then
+  full-jitter backoff, Retry-After of an HTTP 503 honoured, and HELLO with the resume
+  proof of the last WELCOME; the reply counts the resumes, the refusals met on the way
+  (HTTP 503) and when each resume happened. With
   ``connect``, the connections not open yet connect the same way (a connect storm
   whose sessions keep the cadence from their WELCOME).
 * ``exit``: drop every connection (no close handshake) and end.
@@ -68,7 +71,7 @@ from picows import (
 )
 
 from tokend import protocol as p
-from tokend.client import Backoff
+from tokend.client import Backoff, going_away_limit, retry_after
 
 # The heartbeat's signed part, as in tokend.protocol; checked against the codec once
 # per connection (Conn._welcome), then built here without the codec's dataclasses.
@@ -82,9 +85,6 @@ CONNECT_TIMEOUT = 20.0
 _ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 MAX_SAMPLES = 2_000_000
 SOAK_GRACE_S = 2.0  # after a soak, how long the last heartbeats' ACKs may take
-# Close codes after which the spec's client reconnects (docs/protocol.md §7).
-RECONNECTABLE = frozenset({1001, 1011, 1013, 4008, 4029})
-BACKOFF = Backoff()  # the Python SDK's: full jitter, 0.5 s doubling up to 30 s
 
 
 def cpu_seconds() -> float:
@@ -103,7 +103,7 @@ class Closed(Exception):
 def retryable(exc: BaseException) -> bool:
     """A failed connect or a lost connection the spec's client tries again."""
     if isinstance(exc, Closed):
-        return exc.code in RECONNECTABLE
+        return exc.code in p.RECONNECTABLE
     return not isinstance(exc, p.ProtocolError)
 
 
@@ -115,12 +115,11 @@ def failure_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def retry_after(exc: BaseException) -> float:
-    """The server's Retry-After (seconds) on a refused handshake, else 0."""
+def refusal_retry_after(exc: BaseException) -> float | None:
+    """The Retry-After (seconds) of a refused handshake, if it said one."""
     if isinstance(exc, WSInvalidStatusError) and exc.response is not None:
-        value = exc.response.headers.get("Retry-After", "0")
-        return float(value) if value.isdigit() else 0.0
-    return 0.0
+        return retry_after(exc.response.headers.get("Retry-After"))
+    return None
 
 
 class Attempt(WSListener):  # type: ignore[misc]
@@ -166,6 +165,7 @@ class Conn:
         self.live = False  # WELCOMEd and not lost since
         self.last_sent = -math.inf  # loop time of the last soak heartbeat
         self.resumed = False  # the last WELCOME's flag
+        self.spare = math.inf  # seconds a reconnect after 1001 may wait, from WELCOME
         # Soak: (seq, sent at) of the heartbeats not yet ACKed, oldest first.
         self.pending: deque[tuple[int, int]] = deque()
 
@@ -176,7 +176,9 @@ class Conn:
         self.seq = 0
         self.pending.clear()
         if self.gen.proto != "socketio":
-            transport.send(WSMsgType.BINARY, p.encode(p.Hello(self.token)))
+            # A resume proves with the key of the last WELCOME, as the SDK does.
+            proof = p.resume_proof(self.key, self.tid) if self.key else None
+            transport.send(WSMsgType.BINARY, p.encode(p.Hello(self.token, proof=proof)))
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         if frame.msg_type == WSMsgType.CLOSE:
@@ -227,6 +229,7 @@ class Conn:
             self.ready.set_exception(exc)
             return
         self.resumed = frame.resumed
+        self.spare = going_away_limit(frame)
         self.on_data = self._idle
         self.live = True
         self.ready.set_result(None)
@@ -370,6 +373,9 @@ class Generator:
         # A local address of its own: its ephemeral ports are not shared with others.
         self.local_addr = (job["source"], 0) if job.get("source") else None
         self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
+        # The Python SDK's: full jitter, 0.5 s doubling up to 30 s; 1001 and 503 waited out.
+        window = job.get("going_away_window")
+        self.backoff = Backoff() if window is None else Backoff(going_away_window=window)
         self.latencies: array[int] = array("q")
         self.acks = 0
         self.lost = 0
@@ -430,7 +436,7 @@ class Generator:
                     if not retryable(exc) or self.loop.time() >= retry_until:
                         errors[failure_name(exc)] += 1
                         return
-                    await asyncio.sleep(max(retry_after(exc), BACKOFF.delay(attempt)))
+                    await asyncio.sleep(self.delay(conn, exc, attempt))
                 else:
                     latencies.append((time.perf_counter_ns() - began) // 1000)
                     return
@@ -515,7 +521,7 @@ class Generator:
             ticking = (interval, end, flood, flood_end)
             for conn in self.conns:
                 if not conn.live:
-                    self._reconnect(conn, ticking)
+                    self._reconnect(conn, ticking=ticking)
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
@@ -544,23 +550,40 @@ class Generator:
         self.closes[name] += 1
         self.first_close.setdefault(name, time.time())
         if self.reconnect and self.soaking and retryable(exc):
-            self._reconnect(conn)
+            self._reconnect(conn, exc)
+
+    def delay(self, conn: Conn, exc: BaseException | None, attempt: int) -> float:
+        """The wait before reconnect attempt ``attempt`` after ``exc``, as the SDK's."""
+        asked = refusal_retry_after(exc) if exc is not None else None
+        if asked is not None:
+            return self.backoff.after_refusal(attempt, asked)
+        if isinstance(exc, Closed) and exc.code == p.CloseCode.GOING_AWAY:
+            return self.backoff.after_going_away(attempt, conn.spare)
+        return self.backoff.delay(attempt)
 
     def _reconnect(
-        self, conn: Conn, ticking: tuple[float, float, float, float] | None = None
+        self,
+        conn: Conn,
+        lost: BaseException | None = None,
+        ticking: tuple[float, float, float, float] | None = None,
     ) -> None:
-        """Resume (or, new, start) the session of ``conn``; ``ticking``: the soak_tick
-        arguments of a connection that has no heartbeat timer yet."""
-        task = self.loop.create_task(self._resume(conn, ticking))
+        """Resume (or, new, start) the session of ``conn`` (``lost``: how its connection
+        ended); ``ticking``: the soak_tick arguments of a connection that has no heartbeat
+        timer yet."""
+        task = self.loop.create_task(self._resume(conn, lost, ticking))
         self.reconnecting.add(task)
         task.add_done_callback(self.reconnecting.discard)
 
     async def _resume(
-        self, conn: Conn, ticking: tuple[float, float, float, float] | None = None
+        self,
+        conn: Conn,
+        lost: BaseException | None,
+        ticking: tuple[float, float, float, float] | None = None,
     ) -> None:
         """Reconnect with backoff until the session is resumed or the soak ends."""
+        failure = lost
         for attempt in itertools.count():
-            await asyncio.sleep(BACKOFF.delay(attempt))
+            await asyncio.sleep(self.delay(conn, failure, attempt))
             try:
                 await self.open(conn)
             except Exception as exc:
@@ -568,7 +591,7 @@ class Generator:
                 if not retryable(exc):
                     self.gave_up[failure_name(exc)] += 1
                     return
-                await asyncio.sleep(retry_after(exc))
+                failure = exc
                 continue
             if conn.resumed:
                 self.resumed_at[int(time.time() * 10)] += 1  # tenths of a second

@@ -15,7 +15,12 @@ locust's statistics (request type ``WS``):
 A close the user did not ask for, or no reply within 10 s, fails the step it
 interrupted (``CloseError`` with the close code). The user then reconnects and
 resumes with its newest token after a reconnectable code or a lost connection,
-and starts over with a new token after a terminal one.
+and starts over with a new token after a terminal one. It waits before each
+attempt as the Python SDK does (:class:`tokend.client.Backoff`): the first
+reconnect after a 1001 (the server drains, reloads or stops) at a random time
+within ``--going-away-window`` seconds (default 5), an HTTP 503 or 429 at least
+its Retry-After, anything else the SDK's full-jitter backoff; and its resumes
+carry the resume proof made with the session key of its last WELCOME.
 
 Each user mints its token when it starts, with the server's signing keys, found
 like ``tokend issue`` finds them: from the ``TOKEND_*`` settings (``TOKEND_DATA_DIR``
@@ -33,17 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import time
+import uuid
 from typing import Any
 
 import jwt
 from locust import User, events, task
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from tokend import config
 from tokend import protocol as p
+from tokend.client import Backoff, going_away_limit, retry_after
 from tokend.tokens import KeyRing, TokenService
 
 # How long a reply may take before the step counts as failed.
@@ -60,6 +68,14 @@ def _add_options(parser: Any) -> None:
         env_var="TOKEND_LOAD_HEARTBEAT_MS",
         default=0,
         help="heartbeat interval in ms (default 0: the server's cadence from WELCOME)",
+    )
+    parser.add_argument(
+        "--going-away-window",
+        type=float,
+        env_var="TOKEND_LOAD_GOING_AWAY_WINDOW",
+        default=Backoff().going_away_window,
+        help="after a close 1001 the first reconnect waits a random time up to this many "
+        "seconds (default 5)",
     )
 
 
@@ -95,13 +111,18 @@ class TokendUser(User):
         self._held = contextlib.ExitStack()  # closes self.ws
         self.welcome: p.Welcome | None = None
         self.token = ""
+        self.session_key: bytes | None = None  # of the last WELCOME: the resume proof's
         self.exp_ms = 0
+        self.backoff = Backoff()
+        self.failures = 0  # connection attempts in a row that got no heartbeat ACK
         self.seq = 0
         self.interval = 1.0
         self.next_due = time.monotonic()
         self.in_flight: float | None = None  # perf_counter() when the unACKed heartbeat left
 
     def on_start(self) -> None:
+        window = self.environment.parsed_options.going_away_window
+        self.backoff = Backoff(going_away_window=window)
         self.token = _mint()
         self._open()
 
@@ -131,8 +152,14 @@ class TokendUser(User):
         self.ws = None
         self._held.close()
 
+    def _retry_in(self, delay: float) -> None:
+        """The next connection attempt after ``delay`` seconds (one more failure in a row)."""
+        self.failures += 1
+        self.next_due = time.monotonic() + delay
+
     def _open(self) -> None:
-        """Connect and say HELLO with the newest token (a resume if the session lives)."""
+        """Connect and say HELLO with the newest token (a resume if the session lives),
+        proving with the last WELCOME's key if there was one."""
         started = time.perf_counter()
         try:
             ws = self._held.enter_context(
@@ -147,12 +174,22 @@ class TokendUser(User):
                     max_size=p.ACK_HEAD_LENGTH + p.MAX_TOKEN_LENGTH,
                 )
             )
+        except InvalidStatus as exc:  # e.g. 503 with Retry-After
+            self._report("connect+hello", started, exc=exc)
+            asked = retry_after(exc.response.headers.get("Retry-After"))
+            if asked is None:
+                self._retry_in(self.backoff.delay(self.failures))
+            else:
+                self._retry_in(self.backoff.after_refusal(self.failures, asked))
+            return
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             self._report("connect+hello", started, exc=exc)
-            self.next_due = time.monotonic() + 1.0
+            self._retry_in(self.backoff.delay(self.failures))
             return
+        key = self.session_key
+        proof = None if key is None else p.resume_proof(key, self._tid_bytes())
         try:
-            ws.send(p.encode(p.Hello(self.token)))
+            ws.send(p.encode(p.Hello(self.token, proof=proof)))
             frame = p.decode(ws.recv(timeout=REPLY_TIMEOUT))
             if not isinstance(frame, p.Welcome):
                 raise p.ProtocolError(f"expected WELCOME, got {type(frame).__name__}")
@@ -162,22 +199,31 @@ class TokendUser(User):
         except (TimeoutError, p.ProtocolError) as exc:
             self._report("connect+hello", started, exc=exc)
             self._drop()
-            self.next_due = time.monotonic() + 1.0
+            self._retry_in(self.backoff.delay(self.failures))
             return
         self._report("connect+hello", started, length=p.WELCOME_LENGTH)
         self.ws, self.welcome, self.seq = ws, frame, 0
+        self.session_key = frame.session_key
         self.exp_ms = jwt.decode(self.token, options={"verify_signature": False})["exp"] * 1000
         override = self.environment.parsed_options.heartbeat_ms
         self.interval = (override or frame.heartbeat_ms) / 1000
         self.next_due = time.monotonic() + self.interval
+
+    def _tid_bytes(self) -> bytes:
+        claims = jwt.decode(self.token, options={"verify_signature": False})
+        return uuid.UUID(claims["jti"]).bytes
 
     def _closed(self, error: CloseError, started: float, name: str) -> None:
         """An unasked-for close: a failure. Resume later, or move on to a new token."""
         self._report(name, started, exc=error)
         self._drop()
         if error.code is not None and error.code not in p.RECONNECTABLE:
-            self.token = _mint()
-        self.next_due = time.monotonic() + 0.5
+            self.token, self.session_key = _mint(), None
+        if error.code == p.CloseCode.GOING_AWAY:
+            spare = math.inf if self.welcome is None else going_away_limit(self.welcome)
+            self._retry_in(self.backoff.after_going_away(self.failures, spare))
+        else:
+            self._retry_in(self.backoff.delay(self.failures))
 
     @task
     def heartbeat(self) -> None:
@@ -213,6 +259,7 @@ class TokendUser(User):
         if not isinstance(frame, p.HeartbeatAck) or self.in_flight is None:
             raise p.ProtocolError(f"unexpected {type(frame).__name__}")
         started, self.in_flight = self.in_flight, None
+        self.failures = 0  # as the SDK: a connection that got an ACK starts the count again
         self._report("heartbeat", started, length=p.ACK_HEAD_LENGTH)
         if frame.token is not None:
             self.token, self.exp_ms = frame.token, frame.exp_ms

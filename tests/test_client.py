@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import ssl
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jwt
 import pytest
@@ -555,7 +557,7 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
 
 # No stampede after a drain or a refusal (issue 20 point 5), against real tokend nodes
 
-SPREAD_WINDOW = 2.0  # s: the going_away_window of the drained clients
+SPREAD_WINDOW = 3.0  # s: the going_away_window of the drained clients
 SPREAD_SESSIONS = 16
 # drain_period 0: every 1001 at once. A spread reconnect cannot harm these clocks: the
 # session can spare (expire - heartbeat) / 2 = 9.75 s, more than the window.
@@ -660,6 +662,88 @@ async def test_a_503_with_retry_after_is_waited_out_then_the_session_starts(
         assert started[0]["at"] + 1 >= (began + refused.delay) * 1000
     finally:
         await session.close()
+
+
+# Our load generators after a drain: the same spread (issue 20 point 5)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def heartbeating(app: App, count: int) -> None:
+    """Wait until ``app`` holds ``count`` connections that have each sent a heartbeat."""
+
+    def beaten() -> bool:
+        sessions = [c.session for c in app.connections]
+        return len(sessions) == count and all(s is not None and s.last_seq > 0 for s in sessions)
+
+    await eventually(beaten, timeout=20)
+
+
+def assert_spread_without_delays(began: float, resumed: Mapping[str, int], window: float) -> None:
+    """For clients that do not say what they drew: every resume after the closes began,
+    spread over a third of the window at least."""
+    assert min(resumed.values()) + 1 >= began * 1000
+    span = (max(resumed.values()) - min(resumed.values())) / 1000
+    assert span >= window / 3, f"all {len(resumed)} resumed within {span:.3f} s"
+
+
+async def test_the_load_generator_spreads_its_first_reconnects_after_a_drain(
+    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
+):
+    minted = [tokens.mint(f"g{n}") for n in range(SPREAD_SESSIONS)]
+    (tmp_path / "tokens.txt").write_text("\n".join(minted) + "\n")
+    tids = [str(tokens.verify(token).tid) for token in minted]
+    async with balanced(start_app) as nodes:
+        job = {"url": nodes.url, "proto": "tokend", "tokens": str(tmp_path / "tokens.txt"),
+               "first": 0, "count": len(minted), "going_away_window": SPREAD_WINDOW}  # fmt: skip
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.loadgen", json.dumps(job), cwd=ROOT,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdin is not None and process.stdout is not None
+
+        async def ask(command: str, **args: Any) -> None:
+            assert process.stdin is not None
+            process.stdin.write(json.dumps({"cmd": command, **args}).encode() + b"\n")
+            await process.stdin.drain()
+
+        async with killed_on_exit(process):
+            await ask("connect", concurrency=len(minted))
+            assert json.loads(await process.stdout.readline())["opened"] == len(minted)
+            await ask("soak", interval=0.5, duration=SPREAD_WINDOW + 4, reconnect=True)
+            await heartbeating(nodes.first, len(minted))
+            began = await nodes.drain_first()
+            resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
+            soaked = json.loads(await asyncio.wait_for(process.stdout.readline(), 30))
+            await ask("exit")
+            await asyncio.wait_for(process.wait(), 10)
+    assert soaked["closes"] == {"1001": len(minted)} and not soaked["gave_up"], soaked
+    assert sum(soaked["resumed_at"].values()) == len(minted)
+    assert_spread_without_delays(began, resumed, SPREAD_WINDOW)
+
+
+async def test_the_locust_user_spreads_its_first_reconnects_after_a_drain(
+    start_app: StartApp, events: EventLog, keys_dir: Path
+):
+    users = SPREAD_SESSIONS
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+    async with balanced(start_app) as nodes:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests" / "locustfile.py"),
+            "--headless", "-u", str(users), "-r", str(users), "-t", "60s", "--host", nodes.url,
+            "--going-away-window", str(SPREAD_WINDOW), "--loglevel", "WARNING",
+            env={**env, "TOKEND_KEYS_DIR": str(keys_dir)}, cwd=ROOT,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        async with killed_on_exit(process):
+            await heartbeating(nodes.first, users)
+            tids = [event["tid"] for event in events.of("SESSION_STARTED")]
+            began = await nodes.drain_first()
+            resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
+            process.terminate()
+            await asyncio.wait_for(process.wait(), 20)
+    assert len(resumed) == users
+    assert_spread_without_delays(began, resumed, SPREAD_WINDOW)
 
 
 # wss:// with the server's certificate verified (issue 21 point 2)

@@ -211,6 +211,13 @@ class Backoff:
         return retry_after + random.uniform(0.0, max(retry_after, self.ceiling(attempt)))
 
 
+def going_away_limit(welcome: p.Welcome) -> float:
+    """The most seconds a first reconnect after 1001 may wait: half of what the session of
+    ``welcome`` has left at worst when the close comes (expire_after, less the heartbeat
+    interval it may already be behind), so that a spread reconnect cannot expire it."""
+    return (welcome.expire_ms - welcome.heartbeat_ms) / 2000
+
+
 def retry_after(value: str | None) -> float | None:
     """The seconds of a ``Retry-After`` header (RFC 9110 §10.2.3, delay-seconds; tokend
     sends those); None when absent or not a number of seconds (an HTTP-date)."""
@@ -672,10 +679,7 @@ class Session:
 
     def _welcome(self, welcome: p.Welcome) -> None:
         self.session_key = welcome.session_key
-        # The most a first reconnect after 1001 may wait: half of what the session has
-        # left at worst when the close comes (expire_after, less the heartbeat interval
-        # it may already be behind), so that a spread reconnect cannot expire it.
-        self._spare = (welcome.expire_ms - welcome.heartbeat_ms) / 2000
+        self._spare = going_away_limit(welcome)
         self.heartbeat_interval = welcome.heartbeat_ms / 1000
         self.state = SessionState.ACTIVE
         self._sent.clear()
