@@ -687,36 +687,75 @@ def assert_spread_without_delays(began: float, resumed: Mapping[str, int], windo
     assert span >= window / 3, f"all {len(resumed)} resumed within {span:.3f} s"
 
 
-async def test_the_load_generator_spreads_its_first_reconnects_after_a_drain(
-    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
-):
-    minted = [tokens.mint(f"g{n}") for n in range(SPREAD_SESSIONS)]
-    (tmp_path / "tokens.txt").write_text("\n".join(minted) + "\n")
-    tids = [str(tokens.verify(token).tid) for token in minted]
-    async with balanced(start_app) as nodes:
-        job = {"url": nodes.url, "proto": "tokend", "tokens": str(tmp_path / "tokens.txt"),
-               "first": 0, "count": len(minted), "going_away_window": SPREAD_WINDOW}  # fmt: skip
+class LoadGenerator:
+    """``bench/loadgen.py`` as a child process, driven by its JSON lines."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def run(
+        cls, tmp_path: Path, url: str, tokens: list[str], **job: Any
+    ) -> AsyncIterator[LoadGenerator]:
+        (tmp_path / "tokens.txt").write_text("\n".join(tokens) + "\n")
+        job = {"url": url, "proto": "tokend", "tokens": str(tmp_path / "tokens.txt"),
+               "first": 0, "count": len(tokens), **job}  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.loadgen", json.dumps(job), cwd=ROOT,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        assert process.stdin is not None and process.stdout is not None
-
-        async def ask(command: str, **args: Any) -> None:
-            assert process.stdin is not None
-            process.stdin.write(json.dumps({"cmd": command, **args}).encode() + b"\n")
-            await process.stdin.drain()
-
         async with killed_on_exit(process):
-            await ask("connect", concurrency=len(minted))
-            assert json.loads(await process.stdout.readline())["opened"] == len(minted)
-            await ask("soak", interval=0.5, duration=SPREAD_WINDOW + 4, reconnect=True)
-            await heartbeating(nodes.first, len(minted))
-            began = await nodes.drain_first()
-            resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
-            soaked = json.loads(await asyncio.wait_for(process.stdout.readline(), 30))
-            await ask("exit")
+            yield cls(process)
+            await cls(process).send("exit")
             await asyncio.wait_for(process.wait(), 10)
+
+    async def send(self, command: str, **args: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"cmd": command, **args}).encode() + b"\n")
+        await self.process.stdin.drain()
+
+    async def reply(self, timeout: float = 30) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        answer = json.loads(await asyncio.wait_for(self.process.stdout.readline(), timeout))
+        assert answer["ok"], answer
+        return dict(answer)
+
+
+@contextlib.asynccontextmanager
+async def locust_users(url: str, users: int, keys_dir: Path, *args: str) -> AsyncIterator[None]:
+    """``load_tests/locustfile.py`` headless: ``users`` users on ``url``, minting their
+    tokens with the keys of ``keys_dir``; stopped (SIGTERM) on leaving."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests" / "locustfile.py"),
+        "--headless", "-u", str(users), "-r", str(users), "-t", "60s", "--host", url,
+        "--loglevel", "WARNING", *args,
+        env={**env, "TOKEND_KEYS_DIR": str(keys_dir)}, cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    async with killed_on_exit(process):
+        yield
+        process.terminate()
+        await asyncio.wait_for(process.wait(), 20)
+
+
+async def test_the_load_generator_spreads_its_first_reconnects_after_a_drain(
+    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
+):
+    minted = [tokens.mint(f"g{n}") for n in range(SPREAD_SESSIONS)]
+    tids = [str(tokens.verify(token).tid) for token in minted]
+    async with (
+        balanced(start_app) as nodes,
+        LoadGenerator.run(tmp_path, nodes.url, minted, going_away_window=SPREAD_WINDOW) as gen,
+    ):
+        await gen.send("connect", concurrency=len(minted))
+        assert (await gen.reply())["opened"] == len(minted)
+        await gen.send("soak", interval=0.5, duration=SPREAD_WINDOW + 4, reconnect=True)
+        await heartbeating(nodes.first, len(minted))
+        began = await nodes.drain_first()
+        resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
+        soaked = await gen.reply()
     assert soaked["closes"] == {"1001": len(minted)} and not soaked["gave_up"], soaked
     assert sum(soaked["resumed_at"].values()) == len(minted)
     assert_spread_without_delays(began, resumed, SPREAD_WINDOW)
@@ -726,24 +765,72 @@ async def test_the_locust_user_spreads_its_first_reconnects_after_a_drain(
     start_app: StartApp, events: EventLog, keys_dir: Path
 ):
     users = SPREAD_SESSIONS
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-    async with balanced(start_app) as nodes:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests" / "locustfile.py"),
-            "--headless", "-u", str(users), "-r", str(users), "-t", "60s", "--host", nodes.url,
-            "--going-away-window", str(SPREAD_WINDOW), "--loglevel", "WARNING",
-            env={**env, "TOKEND_KEYS_DIR": str(keys_dir)}, cwd=ROOT,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        async with killed_on_exit(process):
-            await heartbeating(nodes.first, users)
-            tids = [event["tid"] for event in events.of("SESSION_STARTED")]
-            began = await nodes.drain_first()
-            resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
-            process.terminate()
-            await asyncio.wait_for(process.wait(), 20)
+    async with (
+        balanced(start_app) as nodes,
+        locust_users(nodes.url, users, keys_dir, "--going-away-window", str(SPREAD_WINDOW)),
+    ):
+        await heartbeating(nodes.first, users)
+        tids = [event["tid"] for event in events.of("SESSION_STARTED")]
+        began = await nodes.drain_first()
+        resumed = await resumed_at(events, tids, timeout=SPREAD_WINDOW + 10)
     assert len(resumed) == users
     assert_spread_without_delays(began, resumed, SPREAD_WINDOW)
+
+
+class FirstCloser:
+    """A server in the test that speaks enough protocol v1 to watch clients resume: each
+    session's first connection gets a key in its WELCOME and a close 1011 after its first
+    heartbeat; the HELLO of the next is kept (``resumes``), and that one is welcomed and
+    kept until BYE."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, bytes] = {}  # tid -> the first WELCOME's key
+        self.resumes: dict[bytes, p.Hello] = {}  # tid -> the HELLO that came next
+
+    async def handler(self, ws: ServerConnection) -> None:
+        data = await ws.recv()
+        hello = p.decode(data)
+        assert isinstance(hello, p.Hello)
+        claims = jwt.decode(hello.token, options={"verify_signature": False})
+        tid = uuid.UUID(claims["jti"]).bytes
+        if tid not in self.keys:
+            self.keys[tid] = os.urandom(p.SESSION_KEY_LENGTH)
+            await ws.send(_welcome_for(data, 200, 5000, self.keys[tid]))
+            await ws.recv()  # its first heartbeat
+            await ws.close(CloseCode.INTERNAL_ERROR)
+            return
+        self.resumes.setdefault(tid, hello)
+        await ws.send(_welcome_for(data, 200, 5000, resumed=True))
+        async for message in ws:  # heartbeats, unanswered; BYE ends it
+            if message == p.encode(p.Bye()):
+                return
+
+    def proofs(self) -> dict[bytes, tuple[bytes | None, bytes]]:
+        """tid -> (the proof its resume carried, the proof its first WELCOME's key makes)."""
+        return {
+            tid: (hello.proof, p.resume_proof(self.keys[tid], tid))
+            for tid, hello in self.resumes.items()
+        }
+
+
+async def test_the_load_generators_prove_their_resumes(
+    tokens: TokenService, keys_dir: Path, tmp_path: Path
+):
+    server = FirstCloser()
+    count = 4
+    async with fake_server(server.handler) as url:
+        minted = [tokens.mint(f"p{n}") for n in range(count)]
+        async with LoadGenerator.run(tmp_path, url, minted) as gen:
+            await gen.send("connect", concurrency=count)
+            assert (await gen.reply())["opened"] == count
+            await gen.send("soak", interval=0.2, duration=3, reconnect=True)
+            await gen.reply()
+            assert len(server.resumes) == count
+        async with locust_users(url, count, keys_dir):
+            await eventually(lambda: len(server.resumes) == 2 * count, timeout=30)
+    proofs = server.proofs()
+    assert len(proofs) == 2 * count
+    assert all(sent == made for sent, made in proofs.values()), proofs
 
 
 # wss:// with the server's certificate verified (issue 21 point 2)
