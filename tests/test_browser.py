@@ -29,8 +29,10 @@ from testkit.events import EventLog
 from testkit.net import LOOPBACK
 from testkit.tokens import minter
 from tests.test_client import (
+    PROOF_CLOCKS,
     SPREAD_SESSIONS,
     SPREAD_WINDOW,
+    Link,
     _unsigned_token,
     _welcome_for,
     assert_spread,
@@ -583,6 +585,30 @@ async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
         (renewed, proof),  # after the reload: the newest token, and the key kept
         (renewed, proof),  # after 4509: the same (no WELCOME came in between)
     ]
+
+
+async def test_a_reloaded_page_takes_its_session_back_from_a_live_connection(
+    page: BrowserPage, site: StaticSite, start_app: StartApp, tokens: TokenService, events: EventLog
+):
+    """Against tokend: the network goes (the server holds the old connection live and
+    hears nothing, not even the reload's close), the page reloads, and the session of the
+    same token resumes at once, proved with the key storage kept: no 4509."""
+    app = await start_app(**PROOF_CLOCKS)
+    token = tokens.mint("reloaded")
+    options = {"backoff": FAST_BACKOFF, "storage": "sessionStorage"}
+    async with Link(app.port) as link:
+        assert await open_session(page, link.url, token, **options) == "started"
+        tid = await page.until("session.stats.acks > 0 && session.tid")
+        link.blackhole()
+        await page.goto(f"{site.origin}/test/sdk.html")
+        reloaded = await open_session(page, url_of(app.port), token, **options)
+        assert reloaded == "started", page.reports
+        assert not changes(page, "reconnecting"), page.reports
+        assert (await wait_change(page, "connected", count=2))["detail"] == (
+            "resumed an existing session"
+        )
+        await events.wait_for("SESSION_RESUMED", tid)
+        await page.eval("session.close()")
 
 
 async def test_the_ca_option_is_refused_where_it_cannot_apply(page: BrowserPage):
