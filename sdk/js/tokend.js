@@ -791,7 +791,9 @@ export class Session {
     let failures = 0; // attempts in a row that did not reach a heartbeat ACK
     try {
       while (!this.ended) {
-        const end = await this._connection(await this._proof);
+        const proof = await this._proof;
+        if (this.ended) return; // closed while the proof was being made
+        const end = await this._connection(proof);
         if (this._closing) {
           this._finish(end.code, closingDetail(end), null, end.reason);
           return;
