@@ -288,8 +288,9 @@ async def test_resume_after_drop_with_older_token(
 async def test_takeover_closes_older_connection(app: App, tokens: TokenService, events: EventLog):
     token = tokens.mint("ivy")
     async with RawClient.connect(app.port) as first, RawClient.connect(app.port) as second:
-        await first.hello(token)
-        resumed = await second.hello(token)
+        welcome = await first.hello(token)
+        # Held live by the first: the proof of its key (spec "Resume proof").
+        resumed = await second.hello(token, p.resume_proof(welcome.session_key, welcome.tid))
         assert resumed.resumed
         assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
         assert isinstance(await second.heartbeat(), p.HeartbeatAck)

@@ -157,6 +157,12 @@ class Settings:
     drain_period: float = _setting(
         10.0, "on SIGTERM, open connections are closed with 1001 spread over this long"
     )
+    restart_grace: float = _setting(
+        60.0,
+        "seconds added to the clocks of a session the server closed with 1001 (drain, reload, "
+        "shutdown), so that a whole restart costs no session: 60 covers drain_period, a "
+        "restart and the clients' jittered reconnects; 0: the close counts as a heartbeat",
+    )
     durable_replicas: str = _setting(
         "auto",
         "replicas that must acknowledge a revocation, BYE or admin DELETE (Redis WAIT) before "
@@ -310,6 +316,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("admin_max_body: must be at least 1 byte")
     if settings.drain_period < 0:
         raise ConfigError("drain_period: must not be negative (0 closes all at once)")
+    if settings.restart_grace < 0:
+        raise ConfigError("restart_grace: must not be negative (0: a close counts as a heartbeat)")
     if settings.redis_pool_size < 4:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:
