@@ -26,7 +26,7 @@ from tokend.config import Settings
 from tokend.server import App
 from tokend.tokens import TokenService
 
-ADMIN_TOKEN = "s3cret-admin-token"
+ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 StartApp = Callable[..., Awaitable[App]]
 
@@ -129,9 +129,9 @@ async def test_request_errors_have_precise_statuses(start_app: StartApp) -> None
         assert_error(reply, 400, "invalid_request")
     raw = await call(app, "", "", raw=b"NONSENSE\r\n\r\n")
     assert_error(raw, 400, "bad_request")
-    chunked = b"POST /v1/tokens HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = b"POST /v1/tokens HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
     assert_error(await call(app, "", "", raw=chunked), 411, "length_required")
-    huge_head = b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
+    huge_head = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
     assert_error(await call(app, "", "", raw=huge_head), 431, "head_too_large")
 
 

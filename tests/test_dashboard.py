@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["tests.browser.harness"]
 
-ADMIN_TOKEN = "dashboard-admin-token"
+ADMIN_TOKEN = "dashboard-admin-token-32-characters"
 StartApp = Callable[..., Awaitable[App]]
 LIVE_SESSIONS = 3
 SCREENSHOT = Path(tempfile.gettempdir()) / "tokend-dashboard.png"

@@ -12,6 +12,7 @@
   control channel, on which the scripts ask it to close or warn a connection it
   holds. (A transition the node sweeps itself for one of its own connections is
   acted on directly, with no message.)
+* :meth:`Node._refresh_keys` follows the keys directory, off the event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import heapq
 import itertools
 import json
+import time
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
@@ -45,7 +47,7 @@ from tokend.store.redis_client import (
 )
 from tokend.store.sessions import Store
 from tokend.store.unavailable import UNAVAILABLE, Retry, StoreUnavailable
-from tokend.tokens import Claims, TokenService
+from tokend.tokens import REFRESH_INTERVAL, Claims, TokenService
 
 if TYPE_CHECKING:
     from tokend.connection import Connection
@@ -291,6 +293,7 @@ class Node:
             spawn(self._sweep(), "sweeper"),
             spawn(self._listen(), "control"),
             spawn(self.revocations.run(lambda: self.running), "revocations"),
+            spawn(self._refresh_keys(), "keys"),
         ]
         if self.settings.shed_lag:
             self._tasks.append(spawn(self.shedder.run(lambda: self.running), "shedder"))
@@ -314,7 +317,7 @@ class Node:
     # The sessions' host (tokend.session.Host)
 
     def verify(self, token: str) -> Claims:
-        return self.tokens.verify(token)
+        return self.tokens.verify(token, time.time())
 
     def sign(self, claims: Claims) -> str:
         return self.tokens.sign(claims)
@@ -436,6 +439,15 @@ class Node:
             log.warning("sessions vanished unswept", count=vanished)
         if expired:
             log.info("sessions expired", count=expired.total(), reasons=dict(expired))
+
+    async def _refresh_keys(self) -> None:
+        """Follow the keys directory (keys rotated in or deleted by another process, files
+        refused), every REFRESH_INTERVAL: the files are read in a thread, so that no
+        HELLO, renewal or JWKS request waits for the disk."""
+        keys = self.tokens.keys
+        while self.running:
+            await asyncio.sleep(REFRESH_INTERVAL)
+            keys.apply(await asyncio.to_thread(keys.scan))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""
