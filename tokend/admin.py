@@ -55,6 +55,11 @@ MAX_HEADERS = 100
 MAX_TARGET = 8192
 # Bytes read from the socket at once.
 READ_SIZE = 16384
+# After answering a request it did not read whole, the listener reads and drops what the
+# client still sends, this long and this much at most, before it closes: closing with
+# unread bytes makes the kernel reset the connection, and the client may lose the answer.
+LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
 # Loopback names every admin listener answers to (admin_allowed_hosts left empty).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # admin_host values that listen on every address: no name of the listener's own.
@@ -280,6 +285,17 @@ class RequestParser:
         )
 
 
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """End the answer (FIN), then drop what the client still sends until it closes, at
+    most :data:`LINGER_S` and :data:`LINGER_BYTES`."""
+    writer.write_eof()
+    dropped = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while dropped < LINGER_BYTES and (data := await reader.read(READ_SIZE)):
+                dropped += len(data)
+
+
 def _malformed(reason: str) -> HTTPError:
     return HTTPError(http.HTTPStatus.BAD_REQUEST, "bad_request", f"malformed request: {reason}")
 
@@ -414,6 +430,7 @@ class AdminServer:
         try:
             if full:
                 await self._send(writer, "-", "-", Response.error(TOO_MANY_CONNECTIONS))
+                await _linger(reader, writer)
             else:
                 await self._answer(reader, writer)
         except (ConnectionError, TimeoutError):
@@ -448,6 +465,8 @@ class AdminServer:
             internal = http.HTTPStatus.INTERNAL_SERVER_ERROR
             response = Response.error(HTTPError(internal, "internal_error", "see the node's log"))
         await self._send(writer, method, path, response)
+        if not parser.whole:
+            await _linger(reader, writer)
 
     async def _send(
         self, writer: asyncio.StreamWriter, method: str, path: str, response: Response
