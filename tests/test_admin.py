@@ -389,110 +389,54 @@ def with_host(request_line: bytes, *headers: bytes) -> bytes:
     return b"\r\n".join([request_line, b"Host: localhost", *headers]) + b"\r\n\r\n"
 
 
-# Each malformed request, and the one answer it must get.
-MALFORMED: list[tuple[str, bytes, int, str]] = [
-    (
-        "Content-Length ²",
-        with_host(b"POST /v1/tokens HTTP/1.1", "Content-Length: ²".encode()),
-        400,
-        "bad_request",
-    ),
-    (
-        "negative Content-Length",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: -1"),
-        400,
-        "bad_request",
-    ),
-    (
-        "Content-Length +1",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: +1"),
-        400,
-        "bad_request",
-    ),
-    (
-        "Content-Length 1 2",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: 1 2"),
-        400,
-        "bad_request",
-    ),
-    (
-        "Content-Length overflow",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: " + b"9" * 30),
-        400,
-        "bad_request",
-    ),
-    (
-        "conflicting Content-Lengths",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: 1", b"Content-Length: 2"),
-        400,
-        "bad_request",
-    ),
-    (
-        "Content-Length and chunked",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: 3", b"Transfer-Encoding: chunked"),
-        400,
-        "bad_request",
-    ),
-    (
-        "chunked",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Transfer-Encoding: chunked"),
-        411,
-        "length_required",
-    ),
-    (
-        "gzip transfer coding",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Transfer-Encoding: gzip"),
-        411,
-        "length_required",
-    ),
-    (
-        "body too large",
-        with_host(b"POST /v1/tokens HTTP/1.1", b"Content-Length: 65"),
-        413,
-        "body_too_large",
-    ),
-    ("target too long", with_host(b"GET /" + b"a" * 9000 + b" HTTP/1.1"), 414, "target_too_long"),
-    (
-        "header too long",
-        with_host(b"GET /healthz HTTP/1.1", b"X-Pad: " + b"a" * 20000),
-        431,
-        "head_too_large",
-    ),
-    (
-        "too many headers",
-        with_host(b"GET /healthz HTTP/1.1", *[b"X-%d: 1" % n for n in range(101)]),
-        431,
-        "head_too_large",
-    ),
-    ("no Host", b"GET /healthz HTTP/1.1\r\n\r\n", 400, "bad_request"),
-    ("two Hosts", with_host(b"GET /healthz HTTP/1.1", b"Host: 127.0.0.1"), 400, "bad_request"),
-    ("DNS rebinding", b"GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n", 421, "wrong_host"),
-    (
-        "absolute target elsewhere",
-        with_host(b"GET http://evil.example/readyz HTTP/1.1"),
-        421,
-        "wrong_host",
-    ),
-    ("HTTP/2.0 request line", with_host(b"GET /healthz HTTP/2.0"), 505, "version_not_supported"),
-    ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, "bad_request"),
-    ("unknown method", b"NONSENSE\r\n\r\n", 400, "bad_request"),
-    ("HTTP/0.9", b"GET /healthz\r\nHost: localhost\r\n\r\n", 505, "version_not_supported"),
-    ("byte 0xff in the target", with_host(b"GET /\xff HTTP/1.1"), 400, "bad_request"),
-    (
-        "space in a header name",
-        with_host(b"GET /healthz HTTP/1.1", b"Bad Header: x"),
-        400,
-        "bad_request",
-    ),
-    (
-        "NUL in a header value",
-        with_host(b"GET /healthz HTTP/1.1", b"X: a\x00b"),
-        400,
-        "bad_request",
-    ),
-    ("folded header", with_host(b"GET /healthz HTTP/1.1", b"X: a", b" folded"), 400, "bad_request"),
-    ("bare LF", b"GET /healthz HTTP/1.1\nHost: localhost\n\n", 400, "bad_request"),
-    ("cut short", b"GET /healthz HTTP/1.1\r\nHost: loc", 400, "bad_request"),
+POST = b"POST /v1/tokens HTTP/1.1"
+GET = b"GET /healthz HTTP/1.1"
+# Each malformed request, by the one answer it must get.
+MALFORMED_BY_ANSWER: dict[tuple[int, str], dict[str, bytes]] = {
+    (400, "bad_request"): {
+        "Content-Length ²": with_host(POST, "Content-Length: ²".encode()),
+        "negative Content-Length": with_host(POST, b"Content-Length: -1"),
+        "Content-Length +1": with_host(POST, b"Content-Length: +1"),
+        "Content-Length 1 2": with_host(POST, b"Content-Length: 1 2"),
+        "Content-Length overflow": with_host(POST, b"Content-Length: " + b"9" * 30),
+        "two Content-Lengths": with_host(POST, b"Content-Length: 1", b"Content-Length: 2"),
+        "Content-Length, chunked": with_host(
+            POST, b"Content-Length: 3", b"Transfer-Encoding: chunked"
+        ),
+        "no Host": GET + b"\r\n\r\n",
+        "two Hosts": with_host(GET, b"Host: 127.0.0.1"),
+        "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        "unknown method": b"NONSENSE\r\n\r\n",
+        "byte 0xff in the target": with_host(b"GET /\xff HTTP/1.1"),
+        "space in a header name": with_host(GET, b"Bad Header: x"),
+        "NUL in a header value": with_host(GET, b"X: a\x00b"),
+        "folded header": with_host(GET, b"X: a", b" folded"),
+        "bare LF": b"GET /healthz HTTP/1.1\nHost: localhost\n\n",
+        "cut short": b"GET /healthz HTTP/1.1\r\nHost: loc",
+    },
+    (411, "length_required"): {
+        "chunked": with_host(POST, b"Transfer-Encoding: chunked"),
+        "gzip transfer coding": with_host(POST, b"Transfer-Encoding: gzip"),
+    },
+    (413, "body_too_large"): {"body too large": with_host(POST, b"Content-Length: 65")},
+    (414, "target_too_long"): {"target too long": with_host(b"GET /" + b"a" * 9000 + b" HTTP/1.1")},
+    (421, "wrong_host"): {
+        "DNS rebinding": b"GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+        "absolute target elsewhere": with_host(b"GET http://evil.example/readyz HTTP/1.1"),
+    },
+    (431, "head_too_large"): {
+        "header too long": with_host(GET, b"X-Pad: " + b"a" * 20000),
+        "too many headers": with_host(GET, *[b"X-%d: 1" % n for n in range(101)]),
+    },
+    (505, "version_not_supported"): {
+        "HTTP/2.0 request line": with_host(b"GET /healthz HTTP/2.0"),
+        "HTTP/0.9": b"GET /healthz\r\nHost: localhost\r\n\r\n",
+    },
+}
+MALFORMED = [
+    (case, raw, status, error)
+    for (status, error), cases in MALFORMED_BY_ANSWER.items()
+    for case, raw in cases.items()
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from testkit.tokend_process import serve_refused
 from tokend import config
 from tokend.config import ConfigError, Settings
 
@@ -308,17 +309,8 @@ def test_derived_values(tmp_path: Path) -> None:
 
 
 def test_cli_exits_2_naming_the_bad_setting(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-    env["XDG_DATA_HOME"] = str(tmp_path)  # should it get that far, it stays in tmp_path
-    result = subprocess.run(
-        [sys.executable, "-m", "tokend", "serve", "--warn-after", "200"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    # Should it get that far, it stays in tmp_path.
+    result = serve_refused({"XDG_DATA_HOME": str(tmp_path)}, "--warn-after", "200")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -352,17 +344,8 @@ def test_strong_admin_tokens_are_accepted(token: str) -> None:
 
 
 def test_tokend_serve_refuses_a_short_admin_token_in_one_line(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-    env |= {"XDG_DATA_HOME": str(tmp_path), "TOKEND_ADMIN_TOKEN": "hunter2"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tokend", "serve", "--port", "0", "--admin-port", "0"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    env = {"XDG_DATA_HOME": str(tmp_path), "TOKEND_ADMIN_TOKEN": "hunter2"}
+    result = serve_refused(env, "--port", "0", "--admin-port", "0")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "tokend: configuration error: admin_token: too weak; use at least 32 characters, 8 of "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from testkit.clients import Closed, RawClient
 from testkit.net import http_get
+from testkit.tokend_process import serve_refused
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.config import Settings
@@ -65,21 +65,8 @@ def test_tokend_serve_with_a_world_readable_key_exits_2_with_one_line(
     kid = KeyRing.open(keys_dir).kids[-1]
     pem = keys_dir / f"{kid}.pem"
     pem.chmod(0o644)
-    env = {
-        **os.environ,
-        "TOKEND_KEYS_DIR": str(keys_dir),
-        "TOKEND_DATA_DIR": str(tmp_path / "data"),
-        "TOKEND_PORT": "0",
-        "TOKEND_ADMIN_PORT": "-1",
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "tokend", "serve"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    env = {"TOKEND_KEYS_DIR": str(keys_dir), "TOKEND_DATA_DIR": str(tmp_path / "data")}
+    done = serve_refused(env, "--port", "0", "--admin-port", "-1")
     assert done.returncode == 2, done.stderr
     # The last line (after the log's "stopped"), and no traceback.
     assert done.stderr.strip().splitlines()[-1] == (
