@@ -187,11 +187,10 @@ class RequestParser:
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
+            # What a callback raised: _Whole, an HTTPError, or a bug (then a 500, logged).
             if isinstance(exc.__context__, _Whole):
                 return
-            if isinstance(exc.__context__, HTTPError):
-                raise exc.__context__ from None
-            raise _malformed(str(exc)) from None
+            raise exc.__context__ or exc from None
         except httptools.HttpParserUpgrade:
             return  # only after the message was whole: _Whole above
         except httptools.HttpParserError as exc:
@@ -443,15 +442,10 @@ class AdminServer:
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = RequestParser(self.settings.admin_max_body, self.allowed_hosts)
-        method, path = "-", "-"
         try:
-            try:
-                request = await self._read_in_time(reader, parser)
-            finally:
-                method, path = parser.method_and_path
+            request = await self._read_in_time(reader, parser)
             if request is None:
                 return
-            method, path = request.method, request.path
             response = await self._route(request)
         except HTTPError as exc:
             response = Response.error(exc)
@@ -461,10 +455,11 @@ class AdminServer:
         except ConnectionError:
             raise
         except Exception:
+            method, path = parser.method_and_path
             log.exception("admin request failed", method=method, path=path)
             internal = http.HTTPStatus.INTERNAL_SERVER_ERROR
             response = Response.error(HTTPError(internal, "internal_error", "see the node's log"))
-        await self._send(writer, method, path, response)
+        await self._send(writer, *parser.method_and_path, response)
         if not parser.whole:
             await _linger(reader, writer)
 
