@@ -11,10 +11,12 @@ from tokend.tokens import Claims, KeyRing, TokenService
 
 
 class WallClockTokens(TokenService):
-    """A :class:`TokenService` whose :meth:`verify` checks times against the wall clock
-    unless given ``now``: a test reads a token the server just gave, as a client would."""
+    """A :class:`TokenService` that reads a token the server just gave as a client of
+    the keys directory would: :meth:`verify` first follows the directory (keys a node
+    rotated in), and checks times against the wall clock unless given ``now``."""
 
     def verify(self, token: str, now: float | None = None) -> Claims:
+        self.keys.refresh()
         return super().verify(token, time.time() if now is None else now)
 
 

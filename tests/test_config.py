@@ -258,6 +258,7 @@ def test_non_positive_duration_is_named(name: str, value: str) -> None:
         ({"stream_maxlen": 0}, "stream_maxlen"),
         ({"jwks_max_age": 900}, "jwks_max_age"),
         ({"key_publish_delay": 10, "jwks_max_age": 10}, "jwks_max_age"),
+        ({"key_publish_delay": 10, "jwks_max_age": 9.5}, "jwks_max_age"),  # refresh: 1 s
         ({"jwks_max_age": -1}, "jwks_max_age"),
         ({"key_publish_delay": 0}, "key_publish_delay"),
         ({"admin_max_connections": 0}, "admin_max_connections"),
@@ -278,6 +279,7 @@ def test_invalid_setting_is_named(overrides: dict[str, Any], name: str) -> None:
         ({"port": "65535"}, {"port": 65535}),
         ({"leeway": 0}, {"leeway": 0.0}),
         ({"max_message_size": 1024}, {"max_message_size": 1024}),
+        ({"key_publish_delay": 10, "jwks_max_age": 9}, {"jwks_max_age": 9.0}),
         ({"log_format": "console", "log_level": "debug"}, {"log_format": "console"}),
     ],
     ids=repr,

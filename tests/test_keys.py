@@ -22,9 +22,9 @@ from testkit.net import http_get
 from testkit.tokend_process import serve_refused
 from testkit.waiting import eventually
 from tokend import protocol as p
-from tokend.config import Settings
+from tokend.config import KEYS_REFRESH_INTERVAL, Settings
 from tokend.server import App
-from tokend.tokens import REFRESH_INTERVAL, KeyFileError, KeyRing, TokenError, TokenService
+from tokend.tokens import KeyFileError, KeyRing, TokenError, TokenService
 
 StartApp = Callable[..., Awaitable[App]]
 GARBAGE = b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n"
@@ -197,7 +197,7 @@ async def test_a_malformed_pem_added_to_a_running_node_is_logged_once_and_shown_
         status, body = await http_get(app.port, "/readyz")
         return status == 200 and body == {"status": "ready", "keys": {bad.name: why}}
 
-    await eventually(shown, timeout=10 * REFRESH_INTERVAL, what="/readyz naming the file")
+    await eventually(shown, timeout=10 * KEYS_REFRESH_INTERVAL, what="/readyz naming the file")
     assert app.admin is not None
     assert await http_get(app.admin.port, "/readyz") == (
         200,
@@ -207,7 +207,9 @@ async def test_a_malformed_pem_added_to_a_running_node_is_logged_once_and_shown_
         await client.hello(tokens.mint("frank"))
     # A key rotated in afterwards is loaded: refreshes went on, without a second line.
     new_kid = await asyncio.to_thread(theirs.rotate)
-    await eventually(lambda: new_kid in app.node.tokens.keys.kids, timeout=10 * REFRESH_INTERVAL)
+    await eventually(
+        lambda: new_kid in app.node.tokens.keys.kids, timeout=10 * KEYS_REFRESH_INTERVAL
+    )
     assert len(refusals(capsys.readouterr().err, bad.name)) == 1
 
 
@@ -248,7 +250,7 @@ async def test_a_key_added_is_used_after_a_refresh_and_no_hello_reads_the_disk(
                     return False
                 return True
 
-        await eventually(welcomed, timeout=10 * REFRESH_INTERVAL, interval=0.1)
+        await eventually(welcomed, timeout=10 * KEYS_REFRESH_INTERVAL, interval=0.1)
         # More HELLOs with the old key and the new: none reads the directory.
         for n in range(5):
             async with RawClient.connect(app.port) as client:

@@ -291,7 +291,7 @@ def test_a_key_deleted_from_the_directory_is_dropped(settings: Settings, ring: K
     token = sign(ring, claims())
     assert service.verify(token, time.time()).sub == "alice"
     (settings.resolved_keys_dir / f"{new_kid}.pem").unlink()
-    ring.refresh()  # a node does it every REFRESH_INTERVAL
+    ring.refresh()  # a node does it every KEYS_REFRESH_INTERVAL
     refused(service, token, "unknown_kid")
     assert [k["kid"] for k in service.jwks()["keys"]] == [old_kid]
 

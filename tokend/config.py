@@ -103,7 +103,9 @@ class Settings:
         "after it was made",
     )
     jwks_max_age: float = _setting(
-        300.0, "Cache-Control max-age of the JWKS; less than key_publish_delay"
+        300.0,
+        "Cache-Control max-age of the JWKS; at most key_publish_delay less 1 s (the time a "
+        "node takes to see a new key)",
     )
     max_message_size: int = _setting(
         16384, "largest WebSocket message, bytes, 1024..1048576 (larger: close 1009)"
@@ -233,6 +235,10 @@ class Settings:
         return round(getattr(self, name) * 1000)
 
 
+# Seconds between two reads of the keys directory by a node (tokend.node, off the event
+# loop): a key rotated in or deleted by another process is used, published or dropped
+# within this long.
+KEYS_REFRESH_INTERVAL = 1.0
 # An admin token's least length: 32 hex digits (secrets.token_hex(16)) are 128 bits;
 # a password-like string that long is still guessable, which no check here can tell.
 ADMIN_TOKEN_MIN_LENGTH = 32
@@ -314,9 +320,13 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("leeway: must not be negative")
     if not settings.algorithm_list:
         raise ConfigError("algorithms: name at least one JWS algorithm")
-    if not 0 <= settings.jwks_max_age < settings.key_publish_delay:
-        # A verifier's cached JWKS must expire before a key missing from it signs.
-        raise ConfigError("jwks_max_age: must be at least 0 and less than key_publish_delay")
+    if not 0 <= settings.jwks_max_age <= settings.key_publish_delay - KEYS_REFRESH_INTERVAL:
+        # A verifier's cached JWKS must expire before a key missing from it signs, though
+        # it was fetched just before the node's refresh found the key.
+        raise ConfigError(
+            f"jwks_max_age: must be at least 0 and at most key_publish_delay less "
+            f"{KEYS_REFRESH_INTERVAL:g} s"
+        )
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
     for name in (

@@ -33,7 +33,7 @@ import structlog
 from tokend import logs
 from tokend.answers import Swept
 from tokend.clocks import State
-from tokend.config import Settings
+from tokend.config import KEYS_REFRESH_INTERVAL, Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
@@ -47,7 +47,7 @@ from tokend.store.redis_client import (
 )
 from tokend.store.sessions import Store
 from tokend.store.unavailable import UNAVAILABLE, Retry, StoreUnavailable
-from tokend.tokens import REFRESH_INTERVAL, Claims, TokenService
+from tokend.tokens import Claims, TokenService
 
 if TYPE_CHECKING:
     from tokend.connection import Connection
@@ -442,11 +442,11 @@ class Node:
 
     async def _refresh_keys(self) -> None:
         """Follow the keys directory (keys rotated in or deleted by another process, files
-        refused), every REFRESH_INTERVAL: the files are read in a thread, so that no
+        refused), every KEYS_REFRESH_INTERVAL: the files are read in a thread, so that no
         HELLO, renewal or JWKS request waits for the disk."""
         keys = self.tokens.keys
         while self.running:
-            await asyncio.sleep(REFRESH_INTERVAL)
+            await asyncio.sleep(KEYS_REFRESH_INTERVAL)
             keys.apply(await asyncio.to_thread(keys.scan))
 
     async def _listen(self) -> None:

@@ -44,9 +44,6 @@ log = structlog.get_logger("tokend.tokens")
 KID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "exp")
 DEFAULT_PRIO = 5
-# Seconds between two reads of the keys directory by a node (tokend.node, off the event
-# loop): a key rotated in or deleted by another process is used, or dropped, within this.
-REFRESH_INTERVAL = 1.0
 PRIO_RANGE = range(10)
 
 
