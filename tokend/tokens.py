@@ -145,6 +145,11 @@ class KeyFileError(ConfigError):
 Stamp = tuple[int, int, int, int]
 
 
+def _too_open(stamp: Stamp) -> bool:
+    """Group or others may read or write the file: ssh's rule for a private key file."""
+    return bool(stat.S_IMODE(stamp[3]) & 0o077)
+
+
 @dataclass(frozen=True, slots=True)
 class KeyFile:
     """One version of a ``.pem`` file of the keys directory: its key, or why it was refused."""
@@ -155,18 +160,18 @@ class KeyFile:
 
     @property
     def too_open(self) -> bool:
-        """Group or others may read or write it: ssh's rule for a private key file."""
-        return bool(stat.S_IMODE(self.stamp[3]) & 0o077)
+        return _too_open(self.stamp)
 
 
 def _read_key_file(path: Path, stamp: Stamp) -> KeyFile:
     """The key of ``path``, or why it is refused (never the key's bytes in the reason)."""
     if not KID_PATTERN.match(path.stem):
         return KeyFile(stamp, None, "not named <YYYYmmddTHHMMSSZ>-<8 hex digits>.pem: ignored")
-    mode = stat.S_IMODE(stamp[3])
-    if mode & 0o077:
-        why = f"readable by group or others (mode {mode:04o}): run chmod 600 {path}"
-        return KeyFile(stamp, None, why)
+    if _too_open(stamp):
+        mode = f"{stat.S_IMODE(stamp[3]):04o}"
+        return KeyFile(
+            stamp, None, f"readable by group or others (mode {mode}): run chmod 600 {path}"
+        )
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except OSError as exc:
