@@ -41,7 +41,7 @@ from tokend.store.unavailable import NotConfirmed
 from tokend.tokens import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
-ADMIN_TOKEN = "failover-admin"
+ADMIN_TOKEN = "failover-admin-token-of-32-characters"
 # Every heartbeat of a token minted for 30 s renews it (renew_window 50 of token_ttl 60),
 # once: the renewed token has 60 s left.
 RENEWING: dict[str, Any] = {"token_ttl": 60, "renew_window": 50}

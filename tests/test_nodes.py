@@ -139,7 +139,8 @@ SLACK_S = 0.5
 async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
     make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
 ):
-    settings = make_settings(**KILL_CLOCKS)
+    # A thousand sessions from 127.0.0.1: no per-address cap.
+    settings = make_settings(**KILL_CLOCKS, max_connections_per_ip=0)
     minted = [tokens.mint(f"crowd-{n}") for n in range(SESSIONS)]
     gate = asyncio.Semaphore(CONCURRENCY)
     with running_nodes(settings, "node-a", "node-b") as (doomed, survivor):

@@ -13,6 +13,7 @@
   control channel, on which the scripts ask it to close or warn a connection it
   holds. (A transition the node sweeps itself for one of its own connections is
   acted on directly, with no message.)
+* :meth:`Node._refresh_keys` follows the keys directory, off the event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import heapq
 import itertools
 import json
+import time
 import uuid
 from collections import Counter
 from collections.abc import Coroutine, Sequence
@@ -32,7 +34,7 @@ import structlog
 from tokend import logs
 from tokend.answers import ReleaseOutcome, Swept
 from tokend.clocks import State
-from tokend.config import Settings
+from tokend.config import KEYS_REFRESH_INTERVAL, Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
@@ -375,6 +377,7 @@ class Node:
             spawn(self._sweep(), "sweeper"),
             spawn(self._listen(), "control"),
             spawn(self.revocations.run(lambda: self.running), "revocations"),
+            spawn(self._refresh_keys(), "keys"),
         ]
         if self.settings.shed_lag:
             self._tasks.append(spawn(self.shedder.run(lambda: self.running), "shedder"))
@@ -401,7 +404,7 @@ class Node:
     # The sessions' host (tokend.session.Host)
 
     def verify(self, token: str) -> Claims:
-        return self.tokens.verify(token)
+        return self.tokens.verify(token, time.time())
 
     def sign(self, claims: Claims) -> str:
         return self.tokens.sign(claims)
@@ -574,6 +577,15 @@ class Node:
             log.warning("sessions vanished unswept", count=vanished)
         if expired:
             log.info("sessions expired", count=expired.total(), reasons=dict(expired))
+
+    async def _refresh_keys(self) -> None:
+        """Follow the keys directory (keys rotated in or deleted by another process, files
+        refused), every KEYS_REFRESH_INTERVAL: the files are read in a thread, so that no
+        HELLO, renewal or JWKS request waits for the disk."""
+        keys = self.tokens.keys
+        while self.running:
+            await asyncio.sleep(KEYS_REFRESH_INTERVAL)
+            keys.apply(await asyncio.to_thread(keys.scan))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""

@@ -53,11 +53,13 @@ BUSY = HttpAnswer(
 
 
 def connection_budget(settings: Settings) -> int:
-    """Client connections this process can hold and still open its Redis connections."""
+    """Client connections this process can hold and still open its Redis connections and
+    every admin connection the admin listener may hold (``admin_max_connections``)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 62
-    return soft - settings.redis_pool_size - FD_RESERVE
+    admin = settings.admin_max_connections if settings.admin_port >= 0 else 0
+    return soft - settings.redis_pool_size - admin - FD_RESERVE
 
 
 class App:
