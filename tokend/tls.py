@@ -146,6 +146,8 @@ def error_text(exc: BaseException) -> str:
     """An error of loading a pair or of a handshake, short, for one log line."""
     if isinstance(exc, ssl.SSLError) and exc.reason:
         return f"{exc.library or 'ssl'}: {exc.reason}"
+    if isinstance(exc, ConnectionError) and not str(exc):
+        return "the connection was closed"
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     return str(exc) or type(exc).__name__
