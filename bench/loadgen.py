@@ -10,7 +10,8 @@ is JSON: ``url``, ``proto`` (``tokend``, ``bare`` or ``socketio``), ``tokens`` (
 one token per line), ``first`` and ``count`` (this process's slice of that file) and
 ``source`` (the local address its connections come from, "" for any: each loopback
 address has its own ephemeral ports, so many processes can hold more connections
-than one address's port range).
+than one address's port range) and ``ca_file`` (for a ``wss://`` url: the CA whose
+certificates it trusts; it verifies the server's, as a real client does).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
 * ``connect {concurrency, retry_for}``: open the connections (tokend and bare:
@@ -49,6 +50,7 @@ import json
 import math
 import resource
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -369,6 +371,8 @@ class Generator:
         self.conns = [Conn(self, t) for t in tokens]
         # A local address of its own: its ephemeral ports are not shared with others.
         self.local_addr = (job["source"], 0) if job.get("source") else None
+        ca_file = job.get("ca_file")
+        self.ssl_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
         self.latencies: array[int] = array("q")
         self.acks = 0
@@ -403,6 +407,7 @@ class Generator:
                     extra_headers=self.headers,
                     websocket_handshake_timeout=CONNECT_TIMEOUT,
                     local_addr=self.local_addr,
+                    ssl_context=self.ssl_context,
                 )
                 await conn.ready
         except BaseException:

@@ -48,3 +48,34 @@ def test_quick_heartbeat_and_connect_storm(tmp_path: Path) -> None:
         # Judged against a target, or (the Sans-I/O floor) reported only.
         assert row["met"] in ((None,) if row["target"] == "(reported)" else (True, False))
     assert "| heartbeat " in done.stdout and "| connect storm " in done.stdout
+
+
+def test_quick_tls(tmp_path: Path) -> None:
+    """The TLS scenario: every server over wss:// with the run's certificate, verified
+    by the clients, beside the same over plain TCP."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "tls",
+            "--quick",
+            "--connections=10",
+            "--warmup=0.3",
+            "--duration=1",
+            "--connects=40",
+            "--clients=1",
+            f"--json={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["baseline_name"] for r in rows] == ["tokend plain", "bare TLS", "bare plain"] * 2
+    for row in rows:
+        assert row["value"] > 0 and row["baseline"] > 0 and row["met"] is None, row
+    assert "clients' ceiling (picows server) TLS" in done.stdout
