@@ -15,10 +15,30 @@ plain TCP, against the bare server over TLS, and the bare server's own TLS cost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bench import connect_storm, heartbeat
 from bench.common import Context, Row, cpu_us_per_op, ratio
+
+# Each server's figures over one transport: tokend, the bare websockets server, and
+# the picows server (the clients' ceiling).
+Figures = dict[str, dict[str, Any]]
+
+
+async def heartbeat_figures(ctx: Context, tls: bool) -> Figures:
+    return {
+        "ceiling": await heartbeat.bare_figures(ctx, "picows", tls=tls),
+        "bare": await heartbeat.bare_figures(ctx, tls=tls),
+        "tokend": await heartbeat.tokend_figures(ctx, tls=tls),
+    }
+
+
+async def storm_figures(ctx: Context, tls: bool) -> Figures:
+    servers = {"ceiling": "picows", "bare": "bare", "tokend": "tokend"}
+    return {
+        name: await connect_storm.figures(ctx, server, tls=tls) for name, server in servers.items()
+    }
 
 
 def _server_cpu(figures: dict[str, Any]) -> float:
@@ -26,120 +46,76 @@ def _server_cpu(figures: dict[str, Any]) -> float:
     return cpu_us_per_op(next(iter(figures["cpu_pct"].values())), figures["rate"])
 
 
-def _rows(
-    what: str, unit_name: str, tokend: dict[str, Any], plain: dict[str, Any], bare: dict[str, Any]
-) -> list[Row]:
-    """Three rows for one measure: tokend TLS vs tokend plain, vs bare TLS; bare's cost.
-    ``bare`` holds the bare server's figures over TLS (``tls``) and plain TCP (``plain``)."""
-    tls_bare, plain_bare = bare["tls"], bare["plain"]
-    cpu = (
-        f"server CPU/{unit_name}: tokend {_server_cpu(tokend):.0f} µs over TLS, "
-        f"{_server_cpu(plain):.0f} µs plain; bare {_server_cpu(tls_bare):.0f} µs over TLS, "
-        f"{_server_cpu(plain_bare):.0f} µs plain"
+def _cpu_pair(tls: dict[str, Any], plain: dict[str, Any]) -> str:
+    return f"{_server_cpu(tls):.0f} µs over TLS, {_server_cpu(plain):.0f} µs plain"
+
+
+def _ceiling(transport: str, figures: Figures) -> str:
+    """The clients' ceiling over a transport against the highest rate measured over it."""
+    highest = max(figures["tokend"]["rate"], figures["bare"]["rate"])
+    ceiling = figures["ceiling"]["rate"]
+    return (
+        f"{transport} {ceiling:,.0f}/s = {ceiling / highest:.2f}x the highest {transport} "
+        f"rate ({highest:,.0f}/s)"
     )
+
+
+def _rows(
+    what: str,
+    unit: str,
+    describe: Callable[[str, dict[str, Any]], str],
+    tls: Figures,
+    plain: Figures,
+) -> list[Row]:
+    """Three rows for one measure: tokend over TLS vs plain, tokend vs bare over TLS,
+    and the bare server's own TLS cost; the first row's note has the CPU per ``unit``
+    of each, and the clients' ceilings."""
+    note = " | ".join(
+        [
+            f"server CPU/{unit}: tokend {_cpu_pair(tls['tokend'], plain['tokend'])}; "
+            f"bare {_cpu_pair(tls['bare'], plain['bare'])}",
+            describe("tokend TLS", tls["tokend"]),
+            describe("bare TLS", tls["bare"]),
+            "clients' ceiling (picows server) "
+            + "; ".join([_ceiling("TLS", tls), _ceiling("plain", plain)]),
+        ]
+    )
+    compared = [
+        ("tokend over TLS vs plain", tls["tokend"], "tokend plain", plain["tokend"]),
+        ("over TLS, tokend vs bare websockets", tls["tokend"], "bare TLS", tls["bare"]),
+        ("bare websockets over TLS vs plain", tls["bare"], "bare plain", plain["bare"]),
+    ]
     return [
         Row(
             "tls",
-            f"{what}, tokend over TLS vs plain",
-            tokend["rate"],
+            f"{what}, {metric}",
+            value["rate"],
             "/s",
             "(reported)",
             None,
-            "tokend plain",
-            plain["rate"],
-            ratio(tokend["rate"], plain["rate"]),
-            cpu,
-            {"tokend_tls": tokend, "tokend_plain": plain},
-        ),
-        Row(
-            "tls",
-            f"{what} over TLS, tokend vs bare websockets",
-            tokend["rate"],
-            "/s",
-            "(reported)",
-            None,
-            "bare TLS",
-            tls_bare["rate"],
-            ratio(tokend["rate"], tls_bare["rate"]),
-            "",
-            {"bare_tls": tls_bare},
-        ),
-        Row(
-            "tls",
-            f"{what}, bare websockets over TLS vs plain",
-            tls_bare["rate"],
-            "/s",
-            "(reported)",
-            None,
-            "bare plain",
-            plain_bare["rate"],
-            ratio(tls_bare["rate"], plain_bare["rate"]),
-            "",
-            {"bare_plain": plain_bare},
-        ),
-    ]
-
-
-def _ceiling_note(name: str, ceilings: dict[str, dict[str, Any]], **measured: Any) -> str:
-    """The clients' ceiling (the picows server) over each transport, against the
-    highest rate measured over it: ``measured`` maps a transport to its figures."""
-    parts = []
-    for transport, figures in measured.items():
-        highest = max(f["rate"] for f in figures)
-        ceiling = ceilings[transport]["rate"]
-        parts.append(
-            f"{transport} {ceiling:,.0f}/s = {ceiling / highest:.2f}x the highest {transport} "
-            f"rate ({highest:,.0f}/s)"
+            baseline_name,
+            baseline["rate"],
+            ratio(value["rate"], baseline["rate"]),
+            note if i == 0 else "",
+            {"value": value, "baseline": baseline},
         )
-    return f"{name}: clients' ceiling (picows server) " + "; ".join(parts)
+        for i, (metric, value, baseline_name, baseline) in enumerate(compared)
+    ]
 
 
 async def run(ctx: Context) -> list[Row]:
     n, connects = ctx.sizes.connections, ctx.sizes.connects
-    beat_ceiling = {
-        "TLS": await heartbeat.bare_figures(ctx, "picows", tls=True),
-        "plain": await heartbeat.bare_figures(ctx, "picows"),
-    }
-    beat_bare = {
-        "tls": await heartbeat.bare_figures(ctx, tls=True),
-        "plain": await heartbeat.bare_figures(ctx),
-    }
-    beat_tls = await heartbeat.tokend_figures(ctx, tls=True)
-    beat_plain = await heartbeat.tokend_figures(ctx)
-    storm_ceiling = {
-        "TLS": await connect_storm.figures(ctx, "picows", tls=True),
-        "plain": await connect_storm.figures(ctx, "picows"),
-    }
-    storm_bare = {
-        "tls": await connect_storm.figures(ctx, "bare", tls=True),
-        "plain": await connect_storm.figures(ctx, "bare"),
-    }
-    storm_tls = await connect_storm.figures(ctx, "tokend", tls=True)
-    storm_plain = await connect_storm.figures(ctx, "tokend")
-    rows = _rows(f"heartbeat ACKs/s, {n} conns", "ACK", beat_tls, beat_plain, beat_bare)
-    rows += _rows(f"sessions opened/s, {connects:,}", "session", storm_tls, storm_plain, storm_bare)
-    rows[0].note += " | " + " | ".join(
-        [
-            heartbeat.describe("tokend TLS", beat_tls),
-            heartbeat.describe("bare TLS", beat_bare["tls"]),
-            _ceiling_note(
-                "heartbeat",
-                beat_ceiling,
-                TLS=[beat_tls, beat_bare["tls"]],
-                plain=[beat_plain, beat_bare["plain"]],
-            ),
-        ]
+    rows = _rows(
+        f"heartbeat ACKs/s, {n} conns",
+        "ACK",
+        heartbeat.describe,
+        await heartbeat_figures(ctx, tls=True),
+        await heartbeat_figures(ctx, tls=False),
     )
-    rows[3].note += " | " + " | ".join(
-        [
-            connect_storm.describe("tokend TLS", storm_tls),
-            connect_storm.describe("bare TLS", storm_bare["tls"]),
-            _ceiling_note(
-                "connect",
-                storm_ceiling,
-                TLS=[storm_tls, storm_bare["tls"]],
-                plain=[storm_plain, storm_bare["plain"]],
-            ),
-        ]
+    return rows + _rows(
+        f"sessions opened/s, {connects:,}",
+        "session",
+        connect_storm.describe,
+        await storm_figures(ctx, tls=True),
+        await storm_figures(ctx, tls=False),
     )
-    return rows
