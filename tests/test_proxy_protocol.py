@@ -17,6 +17,8 @@ from websockets.exceptions import InvalidStatus
 from testkit.clients import RawClient, open_socket
 from testkit.net import LOOPBACK, http_request
 from testkit.waiting import eventually
+from tokend import config
+from tokend.config import ConfigError
 from tokend.proxy_protocol import (
     V2_SIGNATURE,
     ProxyHeader,
@@ -368,3 +370,14 @@ async def _echo_first_line(reader: asyncio.StreamReader, writer: asyncio.StreamW
     writer.write(writer.get_extra_info("peername")[0].encode() + b" " + line)
     await writer.drain()
     writer.close()
+
+
+@pytest.mark.parametrize("value", ["10.0.0.1/8", "balancer.internal", "10.0.0.1,,::1/129"])
+def test_a_bad_proxy_protocol_from_is_named(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^proxy_protocol_from: "):
+        config.load({"proxy_protocol_from": value}, environ={})
+
+
+def test_proxy_protocol_from_lists_addresses_and_networks() -> None:
+    settings = config.load({"proxy_protocol_from": " 10.0.0.5, 10.0.1.0/28,::1 "}, environ={})
+    assert [str(n) for n in settings.proxy_networks] == ["10.0.0.5/32", "10.0.1.0/28", "::1/128"]

@@ -220,11 +220,6 @@ class Settings:
         ]
 
     @property
-    def tls(self) -> bool:
-        """Whether the port serves TLS."""
-        return bool(self.tls_cert_file)
-
-    @property
     def origin_list(self) -> list[str]:
         return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
