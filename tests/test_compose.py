@@ -133,7 +133,7 @@ def test_haproxy_balances_over_exactly_the_compose_nodes():
         (name, service["environment"]["TOKEND_PORT"]) for name, service in NODES.items()
     }
     assert re.search(r"^\s*balance\s+roundrobin", HAPROXY, re.MULTILINE)
-    # tokend speaks HTTP/1.1 only: HAProxy's default HTTP/1.0 check would fail.
+    # The check as a client asks: HTTP/1.1 with a Host header (HAProxy's default: 1.0).
     assert re.search(r"^\s*option httpchk$", HAPROXY, re.MULTILINE)
     assert re.search(r"http-check send meth GET uri /readyz ver HTTP/1.1 hdr Host ", HAPROXY)
     # An upgraded connection idles between heartbeats: the tunnel must outlast them.
