@@ -15,6 +15,8 @@ import json
 import os
 import socket
 import ssl
+import subprocess
+import sys
 import urllib.request
 import warnings
 from collections.abc import Awaitable, Callable
@@ -116,6 +118,11 @@ async def test_a_websockets_client_with_verification_on_speaks_protocol_v1_over_
         assert ssl_object.selected_alpn_protocol() is None  # the client offered none
         assert served_serial(ssl_object) == SERIAL
         client = RawClient(ws)
+        # A client that offers HTTP/2 first (as browsers do) is given HTTP/1.1.
+        trusting.set_alpn_protocols(["h2", "http/1.1"])
+        _, writer = await asyncio.open_connection(LOOPBACK, app.port, ssl=trusting)
+        assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == "http/1.1"
+        writer.close()
         welcome = await client.hello(tokens.mint("over-tls"))
         for _ in range(3):
             ack = await client.heartbeat()
@@ -402,9 +409,33 @@ async def test_tokend_serve_on_uvloop_serves_wss_and_reloads(
                 )
             failed = (await asyncio.to_thread(node.wait_logged, "TLS handshake failed", 2))[1]
             assert "UNSUPPORTED_PROTOCOL" in failed["error"].upper().replace(" ", "_"), failed
+            with socket.create_connection((LOOPBACK, node.port), timeout=5) as plain:
+                plain.sendall(b"GET /readyz HTTP/1.1\r\nHost: tokend\r\n\r\n")
+                assert b"ready" not in plain.recv(1000)
+            failed = (await asyncio.to_thread(node.wait_logged, "TLS handshake failed", 3))[2]
+            assert "HTTP_REQUEST" in failed["error"].upper().replace(" ", "_"), failed
             replace_pair(authority, pair, NEW_SERIAL)
             await asyncio.to_thread(node.wait_logged, "TLS certificate reloaded")
             assert await serial_served(node.port, trusting) == NEW_SERIAL
             await client.heartbeat()
     finally:
         node.stop()
+
+
+def test_tokend_serve_exits_2_naming_a_pair_that_does_not_load(
+    make_settings: Callable[..., Settings], pair: tuple[Path, Path]
+) -> None:
+    pair[1].write_text("not a key")
+    settings = make_settings(tls_cert_file=str(pair[0]), tls_key_file=str(pair[1]))
+    done = subprocess.run(
+        [sys.executable, "-m", "tokend", "serve"],
+        env={**os.environ, **node_env(settings)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        f"tokend: configuration error: tls_cert_file, tls_key_file: cannot load {pair[0]} "
+        f"with {pair[1]}: not PEM, or not the kind expected ("
+    )

@@ -144,8 +144,11 @@ class ServerCertificate:
 
 def error_text(exc: BaseException) -> str:
     """An error of loading a pair or of a handshake, short, for one log line."""
-    if isinstance(exc, ssl.SSLError) and exc.reason:
-        return f"{exc.library or 'ssl'}: {exc.reason}"
+    if isinstance(exc, ssl.SSLError):
+        if exc.reason:
+            return f"{exc.library or 'ssl'}: {exc.reason}"
+        # OpenSSL's "PEM lib": a file that holds no PEM block of the kind expected.
+        return f"not PEM, or not the kind expected ({exc.strerror})"
     if isinstance(exc, ConnectionError) and not str(exc):
         return "the connection was closed"
     if isinstance(exc, OSError) and exc.strerror:
