@@ -9,9 +9,9 @@ import contextlib
 import ipaddress
 import struct
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
-from structlog.testing import capture_logs
 from websockets.exceptions import InvalidStatus
 
 from testkit.clients import RawClient, open_socket
@@ -29,6 +29,7 @@ from tokend.proxy_protocol import (
 from tokend.server import App
 from tokend.tokens import TokenService
 
+Logs = list[dict[str, Any]]  # the tokend_logs fixture's lines
 REST = b"GET /v1/ws HTTP/1.1\r\n"
 UNTRUSTED = "closed: PROXY protocol header from an address not in proxy_protocol_from"
 
@@ -241,7 +242,7 @@ async def refused(port: int, *chunks: bytes) -> bytes:
 
 
 async def test_the_header_address_is_the_client_for_the_per_ip_cap_and_logs(
-    start_app: Callable[..., Awaitable[App]], tokens: TokenService
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService, tokend_logs: Logs
 ) -> None:
     """Two clients behind one balancer address: each is itself for the cap, in v1 or v2;
     the refusal names the header's address, never the balancer's."""
@@ -250,11 +251,12 @@ async def test_the_header_address_is_the_client_for_the_per_ip_cap_and_logs(
     async with RawClient.connect(app.port, preface=v1(alice)) as first:
         await first.hello(tokens.mint("alice"))
         assert dict(app.connections_per_ip) == {"203.0.113.7": 1}
-        with capture_logs() as logs, pytest.raises(InvalidStatus) as over:
+        with pytest.raises(InvalidStatus) as over:
             async with RawClient.connect(app.port, preface=v2((alice[0], 40003))):
                 pass
         assert over.value.response.status_code == 429
-        (line,) = [e for e in logs if e["event"] == "handshake refused: connections per IP"]
+        (line,) = tokend_logs
+        assert line["event"] == "handshake refused: connections per IP"
         assert line["peer"] == "203.0.113.7"
         async with RawClient.connect(app.port, preface=v2(bob, ("2001:db8::1", 8765))) as other:
             await other.hello(tokens.mint("bob"))
@@ -284,12 +286,14 @@ async def test_a_health_check_local_header_stands_for_the_balancer_itself(
     ids=["no header", "bad v1", "bad v2, split"],
 )
 async def test_a_trusted_source_without_a_valid_header_is_closed_with_one_line(
-    start_app: Callable[..., Awaitable[App]], chunks: tuple[bytes, ...], error: str
+    start_app: Callable[..., Awaitable[App]],
+    tokend_logs: Logs,
+    chunks: tuple[bytes, ...],
+    error: str,
 ) -> None:
     app = await start_app(proxy_protocol_from=LOOPBACK)
-    with capture_logs() as logs:
-        assert await refused(app.port, *chunks) == b""
-    (line,) = [e for e in logs if e["log_level"] != "debug"]
+    assert await refused(app.port, *chunks) == b""
+    (line,) = tokend_logs
     assert line["event"] == "closed: bad PROXY protocol header"
     assert error in line["error"]
     assert line["peer"].startswith(f"{LOOPBACK}:")
@@ -297,12 +301,13 @@ async def test_a_trusted_source_without_a_valid_header_is_closed_with_one_line(
 
 
 async def test_a_trusted_source_silent_past_hello_timeout_is_closed_with_one_line(
-    start_app: Callable[..., Awaitable[App]],
+    start_app: Callable[..., Awaitable[App]], tokend_logs: Logs
 ) -> None:
     app = await start_app(proxy_protocol_from=LOOPBACK, hello_timeout=0.3)
-    with capture_logs() as logs:
-        assert await refused(app.port, b"PROXY TCP4 1.2.3.4") == b""
-    assert [e["event"] for e in logs] == ["closed: no PROXY protocol header within hello_timeout"]
+    assert await refused(app.port, b"PROXY TCP4 1.2.3.4") == b""
+    assert [e["event"] for e in tokend_logs] == [
+        "closed: no PROXY protocol header within hello_timeout"
+    ]
     assert not app.connections_per_ip  # never counted: its address never came
 
 
@@ -318,19 +323,21 @@ async def test_a_trusted_source_silent_past_hello_timeout_is_closed_with_one_lin
     ids=["v1", "v1 split", "v2", "v2 split"],
 )
 async def test_a_header_from_anyone_else_is_refused_not_parsed(
-    start_app: Callable[..., Awaitable[App]], trusted: str, chunks: tuple[bytes, ...]
+    start_app: Callable[..., Awaitable[App]],
+    tokend_logs: Logs,
+    trusted: str,
+    chunks: tuple[bytes, ...],
 ) -> None:
     """Closed before any HTTP, one line naming the sender's own address, and the
     address it claimed never counted."""
     app = await start_app(proxy_protocol_from=trusted)
     seen: set[str] = set()
-    with capture_logs() as logs:
-        counting = asyncio.create_task(_watch_counts(app, seen))
-        try:
-            assert await refused(app.port, *chunks) == b""
-        finally:
-            counting.cancel()
-    (line,) = logs
+    counting = asyncio.create_task(_watch_counts(app, seen))
+    try:
+        assert await refused(app.port, *chunks) == b""
+    finally:
+        counting.cancel()
+    (line,) = tokend_logs
     assert (
         line["event"] == "closed: PROXY protocol header from an address not in proxy_protocol_from"
     )

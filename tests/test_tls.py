@@ -21,9 +21,9 @@ import urllib.request
 import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from structlog.testing import capture_logs
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -250,21 +250,21 @@ async def test_a_bad_pair_on_disk_keeps_the_served_one_logged_once_and_flagged(
     authority: Authority,
     pair: tuple[Path, Path],
     trusting: ssl.SSLContext,
+    tokend_logs: list[dict[str, Any]],
 ) -> None:
     app = await tls_app(tls_reload_interval=0.05)
     metrics = app.node.metrics
-    with capture_logs() as logs:
-        pair[0].write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
-        await eventually(lambda: metrics.tls_failing, what="the bad file seen")
-        await asyncio.sleep(0.3)  # several more checks of the same bad file
-        assert await serial_served(app.port, trusting) == SERIAL
-        lines = [e for e in logs if e["event"].startswith("TLS certificate not reloaded")]
-        assert len(lines) == 1 and lines[0]["log_level"] == "error", logs
-        assert lines[0]["cert_file"] == str(pair[0])
-        assert metrics.tls_reloads["failed"] == 1
-        scraped = metrics.exposition().decode()
-        assert "tokend_tls_reload_failing 1.0" in scraped
-        assert 'tokend_tls_reloads_total{result="failed"} 1.0' in scraped
+    pair[0].write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    await eventually(lambda: metrics.tls_failing, what="the bad file seen")
+    await asyncio.sleep(0.3)  # several more checks of the same bad file
+    assert await serial_served(app.port, trusting) == SERIAL
+    lines = [e for e in tokend_logs if e["event"].startswith("TLS certificate not reloaded")]
+    assert len(lines) == 1 and lines[0]["log_level"] == "error", tokend_logs
+    assert lines[0]["cert_file"] == str(pair[0])
+    assert metrics.tls_reloads["failed"] == 1
+    scraped = metrics.exposition().decode()
+    assert "tokend_tls_reload_failing 1.0" in scraped
+    assert 'tokend_tls_reloads_total{result="failed"} 1.0' in scraped
     replace_pair(authority, pair, NEW_SERIAL)
     await eventually(_serves(app.port, trusting, NEW_SERIAL), timeout=10, what="the good pair")
     assert not metrics.tls_failing
