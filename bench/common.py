@@ -455,6 +455,8 @@ def tokend_child(ctx: Context, redis_url: str, **settings: float | int | str) ->
         "TOKEND_KEY_PREFIX": KEY_PREFIX,
         "TOKEND_NODE_NAME": "bench",
         "TOKEND_ADMIN_PORT": "0",  # ephemeral: never collide with another server's
+        # Thousands of connections from each loopback address: no per-address cap.
+        "TOKEND_MAX_CONNECTIONS_PER_IP": "0",
         "TOKEND_LOG_FORMAT": "json",
         "TOKEND_LOG_LEVEL": ctx.log_level,
         **{config.env_name(k): str(v) for k, v in {**settings, **ctx.settings}.items()},

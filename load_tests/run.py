@@ -90,6 +90,8 @@ def server_env(plan: Plan, data_dir: Path, port: int) -> dict[str, str]:
         TOKEND_NODE_NAME="load",
         # Ephemeral unless the dashboard is asked for: never collide with another server.
         TOKEND_ADMIN_PORT=str(plan.dashboard_port or 0),
+        # Every locust user connects from 127.0.0.1: no per-address cap.
+        TOKEND_MAX_CONNECTIONS_PER_IP="0",
         TOKEND_HEARTBEAT_INTERVAL=str(plan.heartbeat),
         TOKEND_WARN_AFTER=str(plan.warn_after),
         TOKEND_EXPIRE_AFTER=str(plan.expire_after),

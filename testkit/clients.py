@@ -104,8 +104,9 @@ class RawClient:
         assert isinstance(data, bytes), "server sent a text message"
         return p.decode(data)
 
-    async def hello(self, token: str) -> p.Welcome:
-        await self.send(p.encode(p.Hello(token)))
+    async def hello(self, token: str, proof: bytes | None = None) -> p.Welcome:
+        """HELLO, with the resume ``proof`` after the token when given (spec revision 2)."""
+        await self.send(p.encode(p.Hello(token, proof=proof)))
         frame = await self.recv()
         assert isinstance(frame, p.Welcome), frame
         self.welcome = frame

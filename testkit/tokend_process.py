@@ -143,3 +143,17 @@ def running_nodes(settings: Settings, *names: str) -> Iterator[list[TokendProces
         for node in nodes:
             if node.process is not None:
                 node.stop()
+
+
+def serve_refused(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    """``tokend serve`` that must refuse to start: run to its end (at most 60 s, else
+    TimeoutExpired: it served), with ``env`` added to the environment less its TOKEND_*."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+    return subprocess.run(
+        [sys.executable, "-m", "tokend", "serve", *flags],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

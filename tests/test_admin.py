@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import random
 import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,10 +25,10 @@ from testkit.waiting import eventually
 from tokend import cli as tokend_cli
 from tokend import protocol as p
 from tokend.config import Settings
-from tokend.server import App
+from tokend.server import App, connection_budget
 from tokend.tokens import TokenService
 
-ADMIN_TOKEN = "s3cret-admin-token"
+ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 StartApp = Callable[..., Awaitable[App]]
 
@@ -129,9 +131,9 @@ async def test_request_errors_have_precise_statuses(start_app: StartApp) -> None
         assert_error(reply, 400, "invalid_request")
     raw = await call(app, "", "", raw=b"NONSENSE\r\n\r\n")
     assert_error(raw, 400, "bad_request")
-    chunked = b"POST /v1/tokens HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = b"POST /v1/tokens HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
     assert_error(await call(app, "", "", raw=chunked), 411, "length_required")
-    huge_head = b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
+    huge_head = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
     assert_error(await call(app, "", "", raw=huge_head), 431, "head_too_large")
 
 
@@ -376,3 +378,224 @@ async def test_redis_down_is_503_store_unavailable(
     ready = await call(app, "GET", "/readyz")
     assert ready.status == 503 and "redis" in ready.json()
     assert (await call(app, "GET", "/metrics")).status == 200
+
+
+# --- malformed requests, Host, connection cap (issue 21.4) --------------------------------------
+
+GOOD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def with_host(request_line: bytes, *headers: bytes) -> bytes:
+    return b"\r\n".join([request_line, b"Host: localhost", *headers]) + b"\r\n\r\n"
+
+
+POST = b"POST /v1/tokens HTTP/1.1"
+GET = b"GET /healthz HTTP/1.1"
+# Each malformed request, by the one answer it must get.
+MALFORMED_BY_ANSWER: dict[tuple[int, str], dict[str, bytes]] = {
+    (400, "bad_request"): {
+        "Content-Length ²": with_host(POST, "Content-Length: ²".encode()),
+        "negative Content-Length": with_host(POST, b"Content-Length: -1"),
+        "Content-Length +1": with_host(POST, b"Content-Length: +1"),
+        "Content-Length 1 2": with_host(POST, b"Content-Length: 1 2"),
+        "Content-Length overflow": with_host(POST, b"Content-Length: " + b"9" * 30),
+        "two Content-Lengths": with_host(POST, b"Content-Length: 1", b"Content-Length: 2"),
+        "Content-Length, chunked": with_host(
+            POST, b"Content-Length: 3", b"Transfer-Encoding: chunked"
+        ),
+        "no Host": GET + b"\r\n\r\n",
+        "two Hosts": with_host(GET, b"Host: 127.0.0.1"),
+        "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        "unknown method": b"NONSENSE\r\n\r\n",
+        "byte 0xff in the target": with_host(b"GET /\xff HTTP/1.1"),
+        "space in a header name": with_host(GET, b"Bad Header: x"),
+        "NUL in a header value": with_host(GET, b"X: a\x00b"),
+        "folded header": with_host(GET, b"X: a", b" folded"),
+        "bare LF": b"GET /healthz HTTP/1.1\nHost: localhost\n\n",
+        "cut short": b"GET /healthz HTTP/1.1\r\nHost: loc",
+    },
+    (411, "length_required"): {
+        "chunked": with_host(POST, b"Transfer-Encoding: chunked"),
+        "gzip transfer coding": with_host(POST, b"Transfer-Encoding: gzip"),
+    },
+    (413, "body_too_large"): {"body too large": with_host(POST, b"Content-Length: 65")},
+    (414, "target_too_long"): {"target too long": with_host(b"GET /" + b"a" * 9000 + b" HTTP/1.1")},
+    (421, "wrong_host"): {
+        "DNS rebinding": b"GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+        "absolute target elsewhere": with_host(b"GET http://evil.example/readyz HTTP/1.1"),
+    },
+    (431, "head_too_large"): {
+        "header too long": with_host(GET, b"X-Pad: " + b"a" * 20000),
+        "too many headers": with_host(GET, *[b"X-%d: 1" % n for n in range(101)]),
+    },
+    (505, "version_not_supported"): {
+        "HTTP/2.0 request line": with_host(b"GET /healthz HTTP/2.0"),
+        "HTTP/0.9": b"GET /healthz\r\nHost: localhost\r\n\r\n",
+    },
+}
+MALFORMED = [
+    (case, raw, status, error)
+    for (status, error), cases in MALFORMED_BY_ANSWER.items()
+    for case, raw in cases.items()
+]
+
+
+async def send_and_half_close(port: int, raw: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``raw``, end the sending side, read the answer until the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        writer.write_eof()
+        async with asyncio.timeout(timeout):
+            return await reader.read()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def admin_lines(captured: str) -> list[str]:
+    return [line for line in captured.splitlines() if "admin request" in line]
+
+
+@pytest.mark.parametrize(
+    ("case", "raw", "status", "error"), MALFORMED, ids=[m[0] for m in MALFORMED]
+)
+async def test_a_malformed_request_gets_its_4xx_and_one_log_line(
+    start_app: StartApp,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    raw: bytes,
+    status: int,
+    error: str,
+) -> None:
+    app = await start_app(admin_token=ADMIN_TOKEN, admin_max_body=64)
+    capsys.readouterr()
+    reply = await send_and_half_close(admin_port(app), raw)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == str(status).encode(), (case, reply[:200])
+    assert json.loads(body)["error"] == error
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = admin_lines(err)
+    assert len(lines) == 1 and f"status={status}" in lines[0] and f"error={error}" in lines[0]
+    assert (await call(app, "GET", "/healthz")).status == 200  # and the listener serves on
+
+
+async def test_a_slow_loris_gets_408_while_still_sending(admin_app: App) -> None:
+    """hello_timeout (1 s here) bounds the whole request, however the bytes trickle in."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", admin_port(admin_app))
+
+    async def trickle() -> None:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        while True:
+            writer.write(b"a")
+            await asyncio.sleep(0.05)
+
+    dribbler = asyncio.create_task(trickle())
+    try:
+        async with asyncio.timeout(10):
+            reply = await reader.read()
+        assert reply.startswith(b"HTTP/1.1 408 ") and not dribbler.done()
+    finally:
+        dribbler.cancel()
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+FUZZ_SEED = int(os.environ.get("TOKEND_FUZZ_SEED", random.randrange(2**32)))
+FUZZ_REQUESTS = 200
+FUZZ_BASES = [
+    GOOD,
+    b'POST /v1/tokens HTTP/1.1\r\nHost: localhost:1\r\nContent-Length: 13\r\n\r\n{"sub": "a"}\n',
+    b"GET /v1/sessions?limit=2 HTTP/1.1\r\nHost: [::1]\r\nAuthorization: Bearer x\r\n\r\n",
+]
+FUZZ_BYTES = b'\x00\r\n :;\t"%?/\xff\xc2\xb2-+9aZ'
+
+
+def mutate(rng: random.Random) -> bytes:
+    """A request from :data:`FUZZ_BASES` with bytes flipped, inserted, cut or repeated."""
+    raw = bytearray(rng.choice(FUZZ_BASES))
+    for _ in range(rng.randint(1, 4)):
+        if not raw:
+            break
+        at = rng.randrange(len(raw))
+        match rng.randrange(5):
+            case 0:
+                raw[at] ^= 1 << rng.randrange(8)
+            case 1:
+                raw[at:at] = bytes(rng.choices(FUZZ_BYTES, k=rng.randint(1, 8)))
+            case 2:
+                del raw[at : at + rng.randint(1, 8)]
+            case 3:
+                raw[at:at] = raw[at : at + rng.randint(1, 40)] * rng.randint(2, 300)
+            case _:
+                raw = raw[:at]
+    return bytes(raw) or b"\r\n"
+
+
+async def test_fuzzed_requests_get_a_4xx_never_a_500_and_the_listener_serves_on(
+    start_app: StartApp, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = await start_app(admin_token=ADMIN_TOKEN)
+    rng = random.Random(FUZZ_SEED)
+    statuses: list[int] = []
+    for _ in range(FUZZ_REQUESTS):
+        raw = mutate(rng)
+        reply = await send_and_half_close(admin_port(app), raw)
+        status = int(reply.split(b" ", 2)[1])
+        assert status < 500 or status == 505, (FUZZ_SEED, raw[:200], reply[:200])
+        statuses.append(status)
+    assert "Traceback" not in capsys.readouterr().err, FUZZ_SEED
+    assert sum(400 <= s < 500 for s in statuses) > FUZZ_REQUESTS // 2, statuses
+    assert (await call(app, "GET", "/healthz")).status == 200
+
+
+async def test_host_names_answered_by_default_and_by_setting(start_app: StartApp) -> None:
+    app = await start_app()
+    port = admin_port(app)
+    for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", "[::1]"):
+        reply = await call(
+            app, "", "", raw=f"GET /readyz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        )
+        assert reply.status == 200, host
+    # A page of evil.example whose name now resolves to 127.0.0.1 (DNS rebinding).
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.2", "localhost.evil.example"):
+        for path in ("/metrics", "/readyz", "/healthz"):
+            raw = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+            assert_error(await call(app, "", "", raw=raw), 421, "wrong_host")
+    named = await start_app(admin_allowed_hosts="admin.internal, admin.internal:9000")
+    ok = b"GET /healthz HTTP/1.1\r\nHost: admin.internal:9000\r\n\r\n"
+    assert (await call(named, "", "", raw=ok)).status == 200
+    assert_error(await call(named, "GET", "/healthz"), 421, "wrong_host")  # 127.0.0.1:port
+    anyone = await start_app(admin_allowed_hosts="*")
+    evil = b"GET /healthz HTTP/1.1\r\nHost: evil.example\r\n\r\n"
+    assert (await call(anyone, "", "", raw=evil)).status == 200
+
+
+async def test_admin_connections_beyond_the_cap_get_503_and_one_log_line(
+    start_app: StartApp, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = await start_app(admin_max_connections=2, hello_timeout=30)
+    assert app.admin is not None
+    port = admin_port(app)
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    await eventually(lambda: app.admin is not None and app.admin.open == 2)
+    capsys.readouterr()
+    assert_error(await call(app, "GET", "/healthz"), 503, "too_many_connections")
+    lines = admin_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "error=too_many_connections" in lines[0]
+    for _, writer in idle:
+        writer.close()
+    await eventually(lambda: app.admin is not None and app.admin.open == 0)
+    assert (await call(app, "GET", "/healthz")).status == 200
+
+
+def test_the_main_port_budget_keeps_the_admin_connections_free(
+    make_settings: Callable[..., Settings],
+) -> None:
+    with_admin = connection_budget(make_settings(admin_max_connections=64))
+    without = connection_budget(make_settings(admin_port=-1, admin_max_connections=64))
+    assert without - with_admin == 64
+    assert with_admin - connection_budget(make_settings(admin_max_connections=100)) == 36

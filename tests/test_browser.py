@@ -291,13 +291,37 @@ async def test_revocation_ends_the_session_without_reconnecting(
     assert (await stats(page))["reconnects"] == 0
 
 
+# Every WELCOME the page's WebSockets receive, as lists of bytes, in window.welcomes.
+RECORD_WELCOMES = """(() => {
+  window.welcomes = [];
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(...args) {
+      super(...args);
+      this.addEventListener('message', (event) => {
+        const bytes = new Uint8Array(event.data);
+        if (event.data instanceof ArrayBuffer && bytes[0] === 0x02) {
+          window.welcomes.push(Array.from(bytes));
+        }
+      });
+    }
+  };
+  return true;
+})()"""
+
+
 async def test_a_newer_connection_takes_the_session_over(
     page: BrowserPage, app: App, tokens: TokenService
 ):
     token = tokens.mint("twice")
+    # The newcomer shows the proof of the key of the page's WELCOME (the session is held
+    # live: spec "Resume proof"), read off the page's own connection.
+    await page.eval(RECORD_WELCOMES)
     assert await open_session(page, app.port, token, backoff=FAST_BACKOFF) == "started"
+    first = p.decode(bytes(await page.eval("window.welcomes[0]")))
+    assert isinstance(first, p.Welcome)
     async with RawClient.connect(app.port) as newcomer:
-        welcome = await newcomer.hello(token)
+        welcome = await newcomer.hello(token, p.resume_proof(first.session_key, first.tid))
         assert welcome.resumed
         ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4507, "session taken over")

@@ -12,7 +12,7 @@ from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
 from .test_session import CADENCE, EXP_MS, IAT_S, Host, host, tokens
-from .test_store import control, started, store
+from .test_store import control, proof_of, started, store
 
 __all__ = ["control", "host", "store", "tokens"]  # fixtures, shared with their modules
 
@@ -24,10 +24,13 @@ async def test_a_resume_on_a_connection_of_the_same_id_closes_nothing(
     the id of the connection it was held on before the restart (at 75,000 sessions over
     4 workers, about one does). That connection is this one: it must not be closed."""
     tid = await started(store, "node-a/1")
-    resumed = await store.hello(tid, "alice", 5, 0, 0, "node-a/1")
+    proof = proof_of("node-a/1")
+    resumed = await store.hello(tid, "alice", 5, 0, 0, "node-a/1", proof, proof)
     assert resumed.outcome == "resumed"
-    for conn in ("node-a/2", "node-a/3"):  # real takeovers, each closing the one before
-        await store.hello(tid, "alice", 5, 0, 0, conn)
+    # Real takeovers, each closing the one before (live: with the proof of its key).
+    for before, conn in (("node-a/1", "node-a/2"), ("node-a/2", "node-a/3")):
+        taken = await store.hello(tid, "alice", 5, 0, 0, conn, proof_of(before), proof_of(conn))
+        assert taken.outcome == "resumed"
     log = control["node-a"]
     await log.wait_until(lambda: len(log.events) >= 2)  # messages arrive in order
     assert [(m["op"], m["conn"], m["code"]) for m in log.events] == [

@@ -10,12 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokend.clocks import (
+    HELD_LIVE_SLACK_MS,
     Clocks,
     ExpiryReason,
     State,
     Transition,
     deadline,
     due_transition,
+    held_live,
+    parked_heartbeat,
     serving_rank,
 )
 
@@ -158,6 +161,68 @@ def test_active_never_skips_to_warn_past_expiry(hb: int, exp: int, clk: Clocks, 
         assert result == TO_WARN
     else:
         assert result is None
+
+
+# --- a planned close (the server's 1001): parked_heartbeat --------------------------------------
+
+GRACE = 60_000
+
+
+def test_a_planned_close_restarts_an_active_sessions_clocks_plus_the_grace() -> None:
+    """Silent 100 s of its 120 s when the drain closes it: the restart is not charged."""
+    closed_at = HB + WARN - 1
+    parked = parked_heartbeat(State.ACTIVE, HB, EXP, closed_at, CLOCKS, GRACE)
+    assert parked == closed_at + GRACE
+    # Where the old clocks expired it, the parked ones have not even warned.
+    assert due_transition(State.ACTIVE, HB, EXP, HB + EXPIRE, CLOCKS) == HB_TIMEOUT
+    assert due_transition(State.ACTIVE, parked, EXP, HB + EXPIRE, CLOCKS) is None
+    assert deadline(State.ACTIVE, parked, EXP, CLOCKS) == closed_at + GRACE + WARN
+    # Grace 0: the close counts as a heartbeat.
+    assert parked_heartbeat(State.ACTIVE, HB, EXP, closed_at, CLOCKS, 0) == closed_at
+
+
+@pytest.mark.parametrize(
+    ("state", "exp", "now"),
+    [
+        (State.WARN, EXP, HB + WARN + 1),  # silent past warn_after before the close
+        (State.ACTIVE, EXP, HB + WARN),  # due for WARN, not yet swept
+        (State.ACTIVE, EXP, HB + EXPIRE),  # due to expire
+        (State.ACTIVE, HB + 1_000, HB + 1_000),  # its token's exp has come
+    ],
+    ids=["warn", "due-warn", "due-expire", "token-expired"],
+)
+def test_a_session_silent_before_the_close_keeps_its_clocks(
+    state: State, exp: int, now: int
+) -> None:
+    assert parked_heartbeat(state, HB, exp, now, CLOCKS, GRACE) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(times, times, clocks(), st.integers(0, 2**40), st.integers(0, 10**7))
+def test_parking_only_ever_moves_the_deadline_later_and_never_past_exp(
+    hb: int, exp: int, clk: Clocks, dt: int, grace: int
+) -> None:
+    now = hb + dt
+    parked = parked_heartbeat(State.ACTIVE, hb, exp, now, clk, grace)
+    if due_transition(State.ACTIVE, hb, exp, now, clk) is not None:
+        assert parked is None
+        return
+    assert parked is not None
+    assert deadline(State.ACTIVE, hb, exp, clk) <= deadline(State.ACTIVE, parked, exp, clk) <= exp
+    assert due_transition(State.ACTIVE, parked, exp, now, clk) is None
+
+
+# --- held live (spec "Resume proof", revision 2) -------------------------------------------------
+
+
+def test_a_session_is_held_live_up_to_an_interval_and_15_s_after_the_last_heartbeat() -> None:
+    interval = 30_000
+    assert HELD_LIVE_SLACK_MS == 15_000
+    assert held_live(True, HB, HB, interval)
+    assert held_live(True, HB, HB + interval + HELD_LIVE_SLACK_MS, interval)
+    assert not held_live(True, HB, HB + interval + HELD_LIVE_SLACK_MS + 1, interval)
+    # No connection holds it (the one that did ended): never held live.
+    assert not held_live(False, HB, HB, interval)
 
 
 # --- Clocks validation ------------------------------------------------------------------------

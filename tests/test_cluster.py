@@ -51,6 +51,7 @@ from tests.test_server import (  # noqa: F401 - collected here, against the clus
 )
 from tokend import events
 from tokend import protocol as p
+from tokend.answers import ReleaseOutcome
 from tokend.config import ConfigError, Settings
 from tokend.server import App
 from tokend.store.keyspace import SHARDS, Keyspace
@@ -224,12 +225,27 @@ async def drive_end(store: Store) -> None:
         assert ended == 1
 
 
+async def drive_release(store: Store) -> None:
+    tids = await start_sessions(store)
+    # Half closed by the server (1001: parked), half ended otherwise.
+    reasons = ["going_away" if n % 2 else "" for n in range(len(tids))]
+    outcomes = await store.releases(
+        [
+            store.release_request(tid, f"c-{tid}", int(since), reason)
+            for tid, reason in zip(tids, reasons, strict=True)
+            for since in [await store.redis.hget(store.keys.session_keys(tid)[0], "since")]
+        ]
+    )
+    assert outcomes == [ReleaseOutcome.PARKED if r else ReleaseOutcome.RELEASED for r in reasons]
+
+
 DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
     "hello": drive_hello,
     "heartbeat": drive_heartbeat,
     "claim": drive_claim,
     "transition": drive_transition,
     "end": drive_end,
+    "release": drive_release,
 }
 LUA_SCRIPTS = sorted(
     Path(f.name).stem
@@ -269,7 +285,8 @@ async def test_two_nodes_resume_across_and_close_the_old_connection_with_4507(
     token = tokens.mint("roamer")
     async with RawClient.connect(node_a.port) as first, RawClient.connect(node_b.port) as second:
         welcome = await first.hello(token)
-        resumed = await second.hello(token)
+        # The first holds it live: the proof of its key (spec "Resume proof").
+        resumed = await second.hello(token, p.resume_proof(welcome.session_key, welcome.tid))
         assert resumed.resumed and resumed.tid == welcome.tid
         assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
         assert isinstance(await second.heartbeat(), p.HeartbeatAck)

@@ -22,6 +22,7 @@ from testkit.events import EventLog
 from testkit.proxies import RoundRobinProxy
 from testkit.tokend_process import CALM_CLOCKS, running_nodes
 from tokend import config
+from tokend import protocol as p
 from tokend.cli import build_parser
 from tokend.config import Settings
 from tokend.tokens import TokenService
@@ -157,14 +158,17 @@ async def test_the_same_topology_on_loopback_survives_a_node_kill(
             RoundRobinProxy([node.port for node in nodes]) as lb,
         ):
             async with RawClient.connect(lb.port) as client:
-                tid = str(uuid.UUID(bytes=(await client.hello(token)).tid))
+                tid = str(uuid.UUID(bytes=(welcome := await client.hello(token)).tid))
                 await client.heartbeat()
                 (started,) = await events.wait_for("SESSION_STARTED", tid)
                 held_by = started["node"]
                 assert by_name[held_by].kill() == -signal.SIGKILL
                 await client.expect_close()  # the balancer passes the drop on
+            # The killed node's connection held it live: the proof of its key resumes it
+            # at once (spec "Resume proof").
+            proof = p.resume_proof(welcome.session_key, welcome.tid)
             async with RawClient.connect(lb.port) as client:
-                assert (await client.hello(token)).resumed
+                assert (await client.hello(token, proof)).resumed
                 await client.heartbeat()
             (resumed,) = await events.wait_for("SESSION_RESUMED", tid)
     assert resumed["node"] != held_by

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tomllib
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from testkit.tokend_process import serve_refused
 from tokend import config
 from tokend.config import ConfigError, Settings
 
@@ -256,8 +258,10 @@ def test_non_positive_duration_is_named(name: str, value: str) -> None:
         ({"stream_maxlen": 0}, "stream_maxlen"),
         ({"jwks_max_age": 900}, "jwks_max_age"),
         ({"key_publish_delay": 10, "jwks_max_age": 10}, "jwks_max_age"),
+        ({"key_publish_delay": 10, "jwks_max_age": 9.5}, "jwks_max_age"),  # refresh: 1 s
         ({"jwks_max_age": -1}, "jwks_max_age"),
         ({"key_publish_delay": 0}, "key_publish_delay"),
+        ({"admin_max_connections": 0}, "admin_max_connections"),
     ],
 )
 def test_invalid_setting_is_named(overrides: dict[str, Any], name: str) -> None:
@@ -275,6 +279,7 @@ def test_invalid_setting_is_named(overrides: dict[str, Any], name: str) -> None:
         ({"port": "65535"}, {"port": 65535}),
         ({"leeway": 0}, {"leeway": 0.0}),
         ({"max_message_size": 1024}, {"max_message_size": 1024}),
+        ({"key_publish_delay": 10, "jwks_max_age": 9}, {"jwks_max_age": 9.0}),
         ({"log_format": "console", "log_level": "debug"}, {"log_format": "console"}),
     ],
     ids=repr,
@@ -306,23 +311,49 @@ def test_derived_values(tmp_path: Path) -> None:
 
 
 def test_cli_exits_2_naming_the_bad_setting(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-    env["XDG_DATA_HOME"] = str(tmp_path)  # should it get that far, it stays in tmp_path
-    result = subprocess.run(
-        [sys.executable, "-m", "tokend", "serve", "--warn-after", "200"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    # Should it get that far, it stays in tmp_path.
+    result = serve_refused({"XDG_DATA_HOME": str(tmp_path)}, "--warn-after", "200")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "warn_after" in lines[0]
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "s3cret-admin-token",  # 18 characters
+        "x" * 64,  # one character
+        "changeme" * 4,  # 7 different characters
+        "0123456789abcdef" * 2 + "\n",  # not printable
+        " " + secrets.token_urlsafe(32),  # a space around it, lost in the header
+    ],
+)
+def test_a_weak_admin_token_is_refused_naming_how_to_make_one(token: str) -> None:
+    message = config_error({"admin_token": token})
+    assert message.startswith("admin_token: too weak"), message
+    assert "python -c 'import secrets; print(secrets.token_urlsafe(32))'" in message
+    assert token.strip() not in message  # never the token itself
+
+
+@pytest.mark.parametrize(
+    "token", ["", secrets.token_urlsafe(32), secrets.token_hex(16), secrets.token_urlsafe(24)]
+)
+def test_strong_admin_tokens_are_accepted(token: str) -> None:
+    assert config.load({"admin_token": token}, environ={}).admin_token == token
+
+
+def test_tokend_serve_refuses_a_short_admin_token_in_one_line(tmp_path: Path) -> None:
+    env = {"XDG_DATA_HOME": str(tmp_path), "TOKEND_ADMIN_TOKEN": "hunter2"}
+    result = serve_refused(env, "--port", "0", "--admin-port", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tokend: configuration error: admin_token: too weak; use at least 32 characters, 8 of "
+        "them different, printable, no spaces around them, e.g. python -c 'import secrets; "
+        "print(secrets.token_urlsafe(32))'"
+    ]
 
 
 # --- config/tokend.toml -----------------------------------------------------------------------

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["tests.browser.harness"]
 
-ADMIN_TOKEN = "dashboard-admin-token"
+ADMIN_TOKEN = "dashboard-admin-token-32-characters"
 StartApp = Callable[..., Awaitable[App]]
 LIVE_SESSIONS = 3
 SCREENSHOT = Path(tempfile.gettempdir()) / "tokend-dashboard.png"
@@ -133,6 +133,12 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
             "document.querySelectorAll('#stages tbody tr').length === 4"
             " && document.querySelector('polyline[data-series=\"ACTIVE\"]')"
             ".getAttribute('points').split(' ').length >= 3",
+        )
+        # The page's stats poll has seen the expiry too (its events poll, above, may
+        # come first on a busy machine).
+        await browser.until(
+            "document.querySelector('[data-stat=\"expiries\"]').textContent === '1'"
+            " && document.querySelector('[data-stat=\"sessions.WARN\"]').textContent === '0'"
         )
         # The counters that hold still while the sessions just heartbeat: one poll of
         # the page and one of ours see the same values.

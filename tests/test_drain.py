@@ -1,24 +1,32 @@
-"""Graceful drain on SIGTERM (tokend/server.py App.drain) with real tokend processes."""
+"""Graceful drain on SIGTERM (tokend/server.py App.drain) with real tokend processes, and what
+a planned close does to the sessions it closes (parked: docs/protocol.md §5)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis
+from websockets.frames import Frame, Opcode
 
 from testkit import tokend_process
-from testkit.clients import RawClient
-from testkit.events import EventLog
+from testkit.clients import RawClient, WireClient, tid_of
+from testkit.events import EventLog, read_events
 from testkit.net import http_request
 from testkit.tokend_process import TokendProcess
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.config import Settings
+from tokend.server import App
 from tokend.tokens import TokenService
+
+from .conftest import SHORT_CLOCKS
 
 SESSIONS = 50
 DRAIN_PERIOD = 2.0
@@ -63,8 +71,12 @@ async def test_sigterm_spreads_closes_and_sessions_resume_elsewhere(
                 closed = await client.expect_close(timeout=DRAIN_PERIOD + EXIT_MARGIN + 5)
             closed_at.append(time.monotonic())
             assert closed.code == p.CloseCode.GOING_AWAY, closed
+            # node-a records its release when the connection has ended, which may be after
+            # this HELLO reaches Redis: a client shows the proof of its key (spec "Resume proof").
+            assert client.welcome is not None
+            proof = p.resume_proof(client.welcome.session_key, client.welcome.tid)
             async with RawClient.connect(b.port) as client:
-                welcome = await client.hello(token)
+                welcome = await client.hello(token, proof)
                 assert welcome.resumed
                 await client.heartbeat()
                 resumed.append(str(uuid.UUID(bytes=welcome.tid)))
@@ -116,3 +128,144 @@ async def test_second_signal_closes_everything_at_once(
             assert codes == [p.CloseCode.GOING_AWAY] * 2
     finally:
         a.stop(signal.SIGKILL)
+
+
+# A planned close costs no session (issue 20.2; docs/protocol.md §5, "Planned close") --------
+
+# A session silent for PARK_AT_S of its EXPIRE_S when the drain closes it: still ACTIVE
+# (WARN_S away), and expired by its old clocks long before the grace runs out.
+PARK_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 12.0, "expire_after": 13.0}
+PARK_AT_S = 6.0
+GRACE_S = 40.0
+PARKED = 20
+
+
+async def test_a_whole_drain_of_sessions_silent_most_of_their_clocks_costs_none(
+    make_settings: Callable[..., Settings], tokens: TokenService, events: EventLog
+) -> None:
+    """`tokend serve` SIGTERMed while its sessions have been silent most of expire_after:
+    after the drain, and a pause past their old expiry (another node sweeping all along),
+    every one resumes; SESSION_PARKED for each, no TOKEN_EXPIRED."""
+    env = tokend_process.node_env(
+        make_settings(**PARK_CLOCKS, drain_period=1.0, restart_grace=GRACE_S)
+    )
+    a, b = start_node(env, "node-a"), start_node(env, "node-b")
+    try:
+        minted = [tokens.mint(f"parked-{n}") for n in range(PARKED)]
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(RawClient.connect(a.port)) for _ in minted]
+            first_hello = time.monotonic()
+            tids = [tid_of(await c.hello(token)) for c, token in zip(clients, minted, strict=True)]
+            last_hello = time.monotonic()
+            await asyncio.sleep(first_hello + PARK_AT_S - time.monotonic())  # silent
+            assert a.process is not None
+            a.process.send_signal(signal.SIGTERM)
+            assert await exit_status(a, 10) == 0
+            for client in clients:
+                assert (await client.expect_close()).code == p.CloseCode.GOING_AWAY
+        assert time.monotonic() - last_hello < PARK_CLOCKS["warn_after"], "drained too late"
+        # Past the old clocks: without the park, node-b's sweeps would have expired them.
+        await asyncio.sleep(last_hello + PARK_CLOCKS["expire_after"] + 2 - time.monotonic())
+        for token in minted:
+            async with RawClient.connect(b.port) as client:
+                assert (await client.hello(token)).resumed
+        parked = events.of("SESSION_PARKED")
+        assert sorted(e["tid"] for e in parked) == sorted(tids)
+        assert {(e["reason"], e["node"]) for e in parked} == {("going_away", "node-a")}
+        assert events.of("TOKEN_EXPIRED") == events.of("SESSION_WARN") == []
+    finally:
+        for node in (a, b):
+            node.stop(signal.SIGKILL)
+
+
+async def test_a_warn_session_closed_by_the_drain_keeps_its_clocks(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService, events: EventLog
+) -> None:
+    """Silent past warn_after before the close: it expires on its old schedule (swept by
+    the other node), while an ACTIVE one closed by the same drain is parked."""
+    clocks = {
+        **SHORT_CLOCKS,
+        "warn_after": 1.5,
+        "expire_after": 4.0,
+        "restart_grace": 30.0,
+        "drain_period": 0.1,
+    }
+    a = await start_app(node_name="node-a", **clocks)
+    b = await start_app(node_name="node-b", **clocks)
+    async with RawClient.connect(a.port) as silent, RawClient.connect(a.port) as active:
+        warned = tid_of(await silent.hello(tokens.mint("silent")))
+        silent_since = (await events.wait_for("SESSION_STARTED", warned))[0]["at"]
+        kept = tid_of(await active.hello(tokens.mint("active")))
+        await events.wait_for("SESSION_WARN", warned)
+        await active.heartbeat()
+        await a.drain(asyncio.Event())
+        for client in (silent, active):
+            assert (await client.expect_close()).code == p.CloseCode.GOING_AWAY
+    (expired,) = await events.wait_for("TOKEN_EXPIRED", warned, timeout=10)
+    # On its old schedule: expire_after after its last sign of life, one sweep late at most.
+    assert 0 <= expired["at"] - silent_since - 4_000 < 1_000, expired
+    assert events.of("SESSION_PARKED", warned) == []
+    assert [e["reason"] for e in events.of("SESSION_PARKED", kept)] == ["going_away"]
+    async with RawClient.connect(b.port) as client:
+        assert (await client.hello(tokens.mint("active", tid=uuid.UUID(kept)))).resumed
+    assert events.of("TOKEN_EXPIRED", kept) == []
+
+
+async def test_the_session_is_parked_before_its_client_hears_the_1001(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    redis: Redis,
+    events: EventLog,
+) -> None:
+    """The client that reconnects at once, with a v1 HELLO, to another node finds its
+    session parked, not held live by the connection being closed (4509): here the client
+    does not even answer the close, so that connection lingers on node-a."""
+    a = await start_app(node_name="node-a", restart_grace=30.0, drain_period=0.1)
+    b = await start_app(node_name="node-b")
+    token = tokens.mint("quick")
+    client = await WireClient.open(a.port)
+    try:
+        await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(token))))
+        tid = tid_of(await client.welcome())
+        drain = asyncio.create_task(a.drain(asyncio.Event()))
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(5):  # read the close frame, and answer nothing
+            while client.protocol.close_rcvd is None:
+                client.protocol.receive_data(await loop.sock_recv(client.sock, 65536))
+                list(client.protocol.events_received())
+        assert client.protocol.close_rcvd.code == p.CloseCode.GOING_AWAY
+        fields = await redis.hgetall(a.node.store.keys.session_keys(uuid.UUID(tid))[0])
+        assert "conn" not in fields and fields["left"].startswith("node-a/")
+        async with RawClient.connect(b.port) as again:
+            assert (await again.hello(token)).resumed
+        assert [e["reason"] for e in events.of("SESSION_PARKED", tid)] == ["going_away"]
+        await drain
+    finally:
+        client.close()
+
+
+async def test_an_unplanned_end_releases_the_session_and_changes_no_clock(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService, redis: Redis
+) -> None:
+    """The client's network drops (the server sees its TCP connection end): no connection
+    holds the session now, its clocks and deadline are as they were, nothing is emitted."""
+    app = await start_app(heartbeat_interval=1, warn_after=20, expire_after=30)
+    async with RawClient.connect(app.port) as client:
+        tid = tid_of(await client.hello(tokens.mint("dropped")))
+        await client.heartbeat()
+        hash_key = app.node.store.keys.session_keys(uuid.UUID(tid))[0]
+        due_key = app.node.store.keys.script_keys(uuid.UUID(tid))[0]
+        before = await redis.hgetall(hash_key)
+        deadline = await redis.zscore(due_key, tid)
+        assert client.ws.transport is not None
+        client.ws.transport.abort()  # a reset, no closing handshake
+
+        async def released() -> dict[str, str] | None:
+            fields = await redis.hgetall(hash_key)
+            return fields if "conn" not in fields else None
+
+        after = await eventually(released, what="the session released")
+    assert after == {**{k: v for k, v in before.items() if k != "conn"}, "left": before["conn"]}
+    assert await redis.zscore(due_key, tid) == deadline
+    stream = await read_events(redis, app.settings.key_prefix)  # written with the release
+    assert [e["type"] for e in stream if e["tid"] == tid] == ["SESSION_STARTED"]

@@ -232,6 +232,12 @@ async def test_every_event_type_has_the_fields_documented(
         await app.node.store.redis.delete(app.node.store.keys.session_keys(uuid.UUID(lost))[0])
         await client.heartbeat()
         await events.wait_for("SESSION_RESTORED", lost)
+    parker = await start_app(node_name="parker")
+    async with RawClient.connect(parker.port) as client:
+        tids.append(parked := tid_of(await client.hello(tokens.mint("parked"))))
+        await parker.stop()  # closes it with 1001: a planned close
+    (parking,) = await events.wait_for("SESSION_PARKED", parked)
+    assert (parking["reason"], parking["node"]) == ("going_away", "parker")
 
     rows = documented_event_fields()
     emitted = [event for event in events.events if event["tid"] in tids]
@@ -249,6 +255,7 @@ async def test_every_event_type_has_the_fields_documented(
         "TOKEN_EXPIRED",
         "TOKEN_REVOKED",
         "SESSION_RESTORED",
+        "SESSION_PARKED",
     }
     (closed,) = [e for e in emitted if e["type"] == "SESSION_CLOSED"]
     assert closed["reason"] == "bye"

@@ -41,7 +41,7 @@ from tokend.store.unavailable import NotConfirmed
 from tokend.tokens import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
-ADMIN_TOKEN = "failover-admin"
+ADMIN_TOKEN = "failover-admin-token-of-32-characters"
 # Every heartbeat of a token minted for 30 s renews it (renew_window 50 of token_ttl 60),
 # once: the renewed token has 60 s left.
 RENEWING: dict[str, Any] = {"token_ttl": 60, "renew_window": 50}
@@ -79,7 +79,7 @@ async def test_a_session_redis_lost_is_restored_by_the_node_holding_it(
         await redis.zrem(due_key, tid)
         assert (await client.heartbeat()).exp_ms == welcome.exp_ms
         after = await redis.hgetall(hash_key)
-        kept = ("sub", "exp", "iat", "prio", "conn", "since", "st")
+        kept = ("sub", "exp", "iat", "prio", "conn", "since", "st", "proof")
         assert {k: after[k] for k in kept} == {k: before[k] for k in kept}
         assert await redis.zscore(due_key, tid) is not None  # swept again
         assert await redis.pexpiretime(hash_key) == welcome.exp_ms + app.settings.ms("expire_after")
@@ -111,7 +111,9 @@ async def test_a_lost_session_that_ended_or_expired_is_not_restored(
     store = store_of(app)
     tid = uuid.uuid4()
     now_ms = int(time.time() * 1000)
-    past = Known("gone", 5, iat_s=now_ms // 1000 - 60, exp_ms=now_ms - 1000, since_ms=now_ms)
+    past = Known(
+        "gone", 5, iat_s=now_ms // 1000 - 60, exp_ms=now_ms - 1000, since_ms=now_ms, proof=bytes(16)
+    )
     request = store.heartbeat_request(tid, "node-a/9")
     answers = await store.record_heartbeats([request], known=lambda i: past)
     assert [a.outcome for a in answers] == ["gone"]
@@ -125,10 +127,11 @@ async def test_a_resume_redis_lost_is_taken_back_from_the_older_connection(
     node_b = await start_app(node_name="node-b")
     token = tokens.mint("roamer")
     async with RawClient.connect(node_a.port) as first, RawClient.connect(node_b.port) as second:
-        tid = tid_of(await first.hello(token))
+        tid = tid_of(welcome := await first.hello(token))
         hash_key = session_keys(node_a, tid)[0]
         held_by_first = await redis.hmget(hash_key, ["conn", "since"])
-        assert (await second.hello(token)).resumed
+        # The first holds it live: the proof of its key (spec "Resume proof").
+        assert (await second.hello(token, p.resume_proof(welcome.session_key, welcome.tid))).resumed
         assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
         # A failover to a replica that never got the resume: Redis names the first again.
         await redis.hset(hash_key, mapping=dict(zip(("conn", "since"), held_by_first, strict=True)))
@@ -638,9 +641,14 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
         assert (await client.expect_close()).code == p.CloseCode.NORMAL
         # A renewed token that Redis lost keeps working: resumed at least until its exp.
         renewed_tid = renewing[1][1]
-        await next(h for h in holding if h.tid == renewed_tid).stop()
+        renewed_holder = next(h for h in holding if h.tid == renewed_tid)
+        await renewed_holder.stop()
+        # Its connection is still open, and held it live: the proof of its key.
+        welcome = renewed_holder.client.welcome
+        assert welcome is not None
+        proof = p.resume_proof(welcome.session_key, welcome.tid)
         client = await stack.enter_async_context(RawClient.connect(app.port))
-        resumed = await client.hello(renewed_tokens[renewed_tid])
+        resumed = await client.hello(renewed_tokens[renewed_tid], proof)
         assert resumed.resumed
         assert resumed.exp_ms >= tokens.verify(renewed_tokens[renewed_tid]).exp * 1000
 

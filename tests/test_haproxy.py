@@ -33,6 +33,7 @@ from testkit.haproxy import HAProxy, on_loopback
 from testkit.net import LOOPBACK
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, running_nodes
 from testkit.waiting import eventually
+from tokend import protocol as p
 from tokend.config import Settings
 from tokend.tokens import TokenService
 
@@ -80,12 +81,16 @@ async def checked_up(lb: HAProxy, names: Sequence[str]) -> None:
     await eventually(lambda: checks_passed(lb, names), timeout=15, what="every server checked UP")
 
 
-async def resume(port: int, source: str, token: str) -> int | None:
+async def resume(port: int, source: str, token: str, proof: bytes) -> int | None:
     """Connect through the balancer, resume the session and heartbeat; the client's
-    port. None if HAProxy answered 503 (no server it can reach), to be tried again."""
+    port. None if HAProxy answered 503 (no server it can reach), to be tried again.
+
+    With the resume proof of the last WELCOME's key, as the SDKs send it: the killed
+    node's connection held the session live, and only a proof takes it at once
+    (spec "Resume proof"; without one, 4509 until the session has been silent)."""
     try:
         async with RawClient.connect(port, source=source) as client:
-            assert (await client.hello(token)).resumed
+            assert (await client.hello(token, proof)).resumed
             await client.heartbeat()
             return client_port(client)
     except InvalidStatus as refused:
@@ -183,11 +188,13 @@ async def test_behind_haproxy_each_node_sees_caps_and_resumes_the_clients(
             # A node killed behind the balancer: its session resumes on another through it.
             source = SOURCES[1]
             client, token, tid = held[source]
+            assert client.welcome is not None
+            proof = p.resume_proof(client.welcome.session_key, client.welcome.tid)
             victim = next(e["node"] for e in starts if e["tid"] == tid)
             assert by_name[victim].kill() == -signal.SIGKILL
             assert isinstance(await client.expect_close(), Closed)
             port = await eventually(
-                lambda: resume(lb.port, source, token), timeout=10, interval=0.2, what="resumed"
+                lambda: resume(lb.port, source, token, proof), timeout=10, what="resumed"
             )
             node, line = await logged_for(nodes, "session resumed", tid)
             assert line["peer"] == f"{source}:{port}"

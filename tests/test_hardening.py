@@ -98,7 +98,8 @@ IDLE_CPU_SHARE = 0.25
 
 
 async def test_descriptors_exhausted(make_settings, tokens: TokenService, tmp_path):
-    env = node_env(make_settings(**CALM_CLOCKS, redis_pool_size=4))
+    # The admin listener's share of the 64 descriptors kept small (admin_max_connections).
+    env = node_env(make_settings(**CALM_CLOCKS, redis_pool_size=4, admin_max_connections=2))
     node = TokendProcess(env, max_open_files=MAX_OPEN_FILES)
     await asyncio.to_thread(node.start)
     assert node.process is not None
@@ -160,7 +161,9 @@ async def resumed_at(session: client.Session) -> float:
 
 async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens: TokenService):
     clocks = {"heartbeat_interval": 2.0, "warn_after": 10.0, "expire_after": 15.0}
-    app = await start_app(max_pending_hellos=STORM_PENDING_CAP, **clocks)
+    # The storm must run into the pending cap; its 300 clients come from 127.0.0.1.
+    limits = {"max_pending_hellos": STORM_PENDING_CAP, "max_connections_per_ip": 0}
+    app = await start_app(**limits, **clocks)
     port = app.port
     url = f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
     backoff = client.Backoff(base=STORM_SPREAD, cap=STORM_SPREAD)
@@ -176,7 +179,7 @@ async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens:
         watchers = [asyncio.create_task(resumed_at(s)) for s in sessions]
         await app.stop()  # every connection closed with 1001: all reconnect at once
         restarted_at = loop.time()
-        app = await start_app(port=port, max_pending_hellos=STORM_PENDING_CAP, **clocks)
+        app = await start_app(port=port, **limits, **clocks)
         # The node keeps answering other requests through the storm (how fast is the
         # benchmarks' business: bench connect).
         async with asyncio.timeout(30):

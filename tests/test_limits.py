@@ -48,13 +48,14 @@ async def test_sessions_per_sub_cap_allows_resume(start_app, tokens: TokenServic
     app = await start_app(max_sessions_per_sub=1)
     first = tokens.mint("carl")
     async with RawClient.connect(app.port) as one:
-        await one.hello(first)
+        welcome = await one.hello(first)
         async with RawClient.connect(app.port) as two:
             await two.send(p.encode(p.Hello(tokens.mint("carl"))))
             assert (await two.expect_close()).code == p.CloseCode.RATE_LIMITED
-        # Taking over one's own session is not a second session.
+        # Taking over one's own session (with the proof of its key) is not a second session.
         async with RawClient.connect(app.port) as again:
-            assert (await again.hello(first)).resumed
+            proof = p.resume_proof(welcome.session_key, welcome.tid)
+            assert (await again.hello(first, proof)).resumed
         async with RawClient.connect(app.port) as other_sub:
             await other_sub.hello(tokens.mint("dora"))
 

@@ -4,7 +4,10 @@
   of the field list Python declares), never a field by its position in a reply.
 * Close codes, states and outcomes come from Python's enums, never Lua literals.
 * heartbeat.lua and hello.lua expire a session exactly when :mod:`tokend.clocks` says it
-  is expired, for the same reason; transition.lua makes the transitions it says are due.
+  is expired, for the same reason; transition.lua makes the transitions it says are due;
+  release.lua parks a session exactly when it says so (``parked_heartbeat``), and
+  hello.lua refuses a resume without the proof exactly when it says the session is held
+  live by another connection (``held_live``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,29 @@ from importlib import resources
 import pytest
 from redis.asyncio import Redis
 
-from tokend.answers import Ended, HeartbeatOutcome, HelloOutcome
-from tokend.clocks import ExpiryReason, State, deadline, due_transition
+from tokend.answers import Ended, HeartbeatOutcome, HelloOutcome, ReleaseOutcome
+from tokend.clocks import (
+    ExpiryReason,
+    State,
+    deadline,
+    due_transition,
+    held_live,
+    parked_heartbeat,
+)
 from tokend.store.keyspace import SESSION_FIELDS, Keyspace
 from tokend.store.scripts import SCRIPTS, lua_constants
-from tokend.store.sessions import Store
+from tokend.store.sessions import HelloRequest, Store, proof_digest
 
-from .test_store import CLOCKS, EXPIRE_MS, WARN_MS, redis_ms, store, sweep
+from .test_store import (
+    CLOCKS,
+    EXPIRE_MS,
+    HEARTBEAT_MS,
+    RESTART_GRACE_MS,
+    WARN_MS,
+    redis_ms,
+    store,
+    sweep,
+)
 
 __all__ = ["store"]  # a fixture
 
@@ -108,6 +127,8 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
         "prio": 4,
         "conn": "node-a/5",
         "since": 66,
+        "left": "node-b/6",
+        "proof": "0f" * 16,
     }
     assert set(fields) == set(SESSION_FIELDS)
     await redis.hset(skey, mapping=fields)
@@ -128,6 +149,9 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
 SILENCES = (1_000, WARN_MS - 1_000, WARN_MS + 1_000, EXPIRE_MS - 1_000, EXPIRE_MS + 1_000)
 TOKEN_LEFT = (-1_000, 3_000, WARN_MS + 3_000, 3_600_000)
 Case = tuple[State, int, int]  # state, last heartbeat, exp
+# The resume proof of the grid's sessions: each is held by a connection of its own, some
+# live (tokend.clocks.held_live), and a resume shows it unless a test is about that.
+PROOF = bytes(range(16))
 
 
 async def _sessions(store: Store, redis: Redis, now: int) -> dict[uuid.UUID, Case]:
@@ -150,20 +174,28 @@ async def _sessions(store: Store, redis: Redis, now: int) -> dict[uuid.UUID, Cas
                 "prio": 5,
                 "conn": f"node-z/{tid}",
                 "since": 1,
+                "proof": proof_digest(PROOF),
             },
         )
     return cases
 
 
-async def _expiry_reasons(store: Store, redis: Redis) -> dict[str, str]:
-    """The reason of each TOKEN_EXPIRED event in the shards' streams, by tid."""
-    reasons = {}
+async def _events(store: Store, redis: Redis, kind: str) -> dict[str, dict[str, object]]:
+    """The last event of type ``kind`` of each tid in the shards' streams."""
+    found = {}
     for stream in store.keys.streams():
         for _, fields in await redis.xrange(stream):
             event = json.loads(fields["event"])
-            if event["type"] == "TOKEN_EXPIRED":
-                reasons[event["tid"]] = event["reason"]
-    return reasons
+            if event["type"] == kind:
+                found[event["tid"]] = event
+    return found
+
+
+async def _expiry_reasons(store: Store, redis: Redis) -> dict[str, str]:
+    """The reason of each TOKEN_EXPIRED event in the shards' streams, by tid."""
+    return {
+        tid: str(e["reason"]) for tid, e in (await _events(store, redis, "TOKEN_EXPIRED")).items()
+    }
 
 
 def _expected(
@@ -215,7 +247,9 @@ async def test_a_resume_expires_as_clocks_does(store: Store, redis: Redis) -> No
     cases = await _sessions(store, redis, now)
     tids = list(cases)
     # exp 0: the token is no newer than the session, so the session's exp is judged.
-    answers = await store.hellos([(tid, "s", 5, 0, 0, "node-a/1") for tid in tids])
+    answers = await store.hellos(
+        [HelloRequest(tid, "s", 5, 0, 0, "node-a/1", PROOF) for tid in tids]
+    )
     reasons = await _expiry_reasons(store, redis)
     for tid, answer in zip(tids, answers, strict=True):
         expected = _expected(cases[tid], now)
@@ -252,3 +286,134 @@ async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None
             assert made[str(tid)] == (expected.reason, ""), case
             assert not fields and score is None, case
     assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}
+
+
+# --- release.lua parks as tokend.clocks does; hello.lua holds a live session as it does ------
+
+
+async def test_a_planned_close_parks_as_clocks_does(store: Store, redis: Redis) -> None:
+    """The server closed each connection with 1001: an ACTIVE session with nothing due
+    restarts its clocks at the close plus restart_grace, the others keep theirs; every
+    one is released (``conn`` moves to ``left``)."""
+    now = await redis_ms(store)
+    cases = await _sessions(store, redis, now)
+    tids = list(cases)
+    outcomes = await store.releases(
+        [store.release_request(tid, f"node-z/{tid}", 1, "going_away") for tid in tids]
+    )
+    parked = await _events(store, redis, "SESSION_PARKED")
+    for tid, outcome in zip(tids, outcomes, strict=True):
+        state, hb, exp = cases[tid]
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        score = await redis.zscore(store.keys.script_keys(tid)[0], str(tid))
+        expected = parked_heartbeat(state, hb, exp, now, CLOCKS, RESTART_GRACE_MS)
+        case = (state, now - hb, exp - now)
+        assert "conn" not in fields and fields["left"] == f"node-z/{tid}", case
+        assert fields["st"] == state.value, case
+        if expected is None:
+            assert outcome is ReleaseOutcome.RELEASED, case
+            assert int(fields["hb"]) == hb and score is None and str(tid) not in parked, case
+        else:
+            assert outcome is ReleaseOutcome.PARKED, case
+            # The script's now is the few milliseconds after the test's.
+            assert 0 <= int(fields["hb"]) - expected < 1_000, case
+            assert score == deadline(State.ACTIVE, int(fields["hb"]), exp, CLOCKS), case
+            event = parked[str(tid)]
+            assert (event["reason"], event["node"], event["sub"]) == ("going_away", "node-z", "s")
+    assert set(outcomes) == {ReleaseOutcome.PARKED, ReleaseOutcome.RELEASED}
+
+
+async def test_an_unplanned_end_releases_and_changes_no_clock(store: Store, redis: Redis) -> None:
+    now = await redis_ms(store)
+    cases = await _sessions(store, redis, now)
+    tids = list(cases)
+    outcomes = await store.releases(
+        [store.release_request(tid, f"node-z/{tid}", 1, "") for tid in tids]
+    )
+    assert outcomes == [ReleaseOutcome.RELEASED] * len(tids)
+    for tid, (state, hb, _) in cases.items():
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        assert "conn" not in fields and fields["left"] == f"node-z/{tid}"
+        assert (fields["st"], int(fields["hb"])) == (state.value, hb)
+        assert await redis.zscore(store.keys.script_keys(tid)[0], str(tid)) is None
+    assert await _events(store, redis, "SESSION_PARKED") == {}
+
+
+async def test_a_connection_that_lost_its_session_releases_nothing(
+    store: Store, redis: Redis
+) -> None:
+    """Taken over (another conn), or a connection of a node that restarted under the same
+    name and numbered alike (same conn, other since), or ended (no session)."""
+    now = await redis_ms(store)
+    cases = await _sessions(store, redis, now)
+    tid, other, ended = list(cases)[:3]
+    await redis.delete(store.keys.session_keys(ended)[0])
+    before = await redis.hgetall(store.keys.session_keys(tid)[0])
+    outcomes = await store.releases(
+        [
+            store.release_request(tid, "node-a/1", 1, "going_away"),
+            store.release_request(other, f"node-z/{other}", 2, "going_away"),
+            store.release_request(ended, f"node-z/{ended}", 1, ""),
+        ]
+    )
+    assert outcomes == [ReleaseOutcome.NOT_HELD] * 3
+    assert await redis.hgetall(store.keys.session_keys(tid)[0]) == before
+    assert "conn" in await redis.hgetall(store.keys.session_keys(other)[0])
+    assert not await redis.exists(store.keys.session_keys(ended)[0])
+
+
+LIVE_MS = HEARTBEAT_MS + 15_000  # spec "Resume proof": heartbeat_interval + 15 s
+
+
+@pytest.mark.parametrize(
+    "shown", [None, b"not the proof...", PROOF], ids=["none", "wrong", "right"]
+)
+async def test_a_resume_is_refused_exactly_while_clocks_say_held_live(
+    store: Store, redis: Redis, shown: bytes | None
+) -> None:
+    """A HELLO without the proof of the holding connection's key cannot take a session held
+    live (4509, nothing written); with it, or once the session is not held live (no
+    connection holds it, or it has been silent past the window), it resumes."""
+    now = await redis_ms(store)
+    cases = {
+        uuid.uuid4(): (held, now - silence)
+        for held in (True, False)
+        for silence in (1_000, LIVE_MS - 1_000, LIVE_MS + 1_000)
+    }
+    for tid, (held, hb) in cases.items():
+        holder = {"conn": f"node-z/{tid}"} if held else {"left": f"node-z/{tid}"}
+        await redis.hset(
+            store.keys.session_keys(tid)[0],
+            mapping={
+                "sub": "s",
+                "st": "ACTIVE",
+                "hb": hb,
+                "exp": now + 3_600_000,
+                "iat": now // 1000,
+                "prio": 5,
+                "since": 1,
+                "proof": proof_digest(PROOF),
+                **holder,
+            },
+        )
+    before = {tid: await redis.hgetall(store.keys.session_keys(tid)[0]) for tid in cases}
+    tids = list(cases)
+    answers = await store.hellos(
+        [HelloRequest(tid, "s", 5, 0, 0, "node-a/1", shown, b"next") for tid in tids]
+    )
+    resumed = await _events(store, redis, "SESSION_RESUMED")
+    for tid, answer in zip(tids, answers, strict=True):
+        held, hb = cases[tid]
+        case = (held, now - hb, shown)
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        if held_live(held, hb, now, HEARTBEAT_MS) and shown != PROOF:
+            assert answer.outcome is HelloOutcome.IN_USE, case
+            assert fields == before[tid] and str(tid) not in resumed, case
+        else:
+            assert answer.outcome is HelloOutcome.RESUMED, case
+            assert (fields["conn"], fields["proof"]) == ("node-a/1", proof_digest(b"next")), case
+            assert "left" not in fields and str(tid) in resumed, case
+    outcomes = {a.outcome for a in answers}
+    assert outcomes == (
+        {HelloOutcome.RESUMED} if shown == PROOF else {HelloOutcome.RESUMED, HelloOutcome.IN_USE}
+    )

@@ -316,3 +316,61 @@ async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Nod
     node.detach(alice_2)  # type: ignore[arg-type]
     node.detach(bob)  # type: ignore[arg-type]
     assert node.sessions == {} and node.sub_sessions == {}
+
+
+# Releases: the sessions of connections that ended (docs/protocol.md §5).
+
+CALM = {"heartbeat_interval": 5, "warn_after": 20, "expire_after": 40, "redis_timeout": 0.5}
+
+
+@contextlib.asynccontextmanager
+async def running_node(settings: Settings) -> AsyncIterator[Node]:
+    client = open_client(settings.redis_url, settings)
+    made = Node(settings, client, minter(settings))
+    await made.start()
+    try:
+        yield made
+    finally:
+        if made.running:
+            await made.stop()
+        await client.aclose()
+
+
+async def test_a_release_waiting_when_the_node_stops_is_recorded_before_redis_is_closed(
+    make_settings: Callable[..., Settings], redis: Any
+) -> None:
+    async with running_node(make_settings(**CALM)) as node:
+        [waiter] = await started(Host(node.tokens), node.store, ["parked"])
+        before = await node.store.redis.time()
+        waiter.session.close(p.CloseCode.GOING_AWAY, "going_away")  # as the drain closes it
+        node.release(waiter)  # type: ignore[arg-type]
+        await node.stop()  # at once: the release still waits for its flush
+    claims = waiter.session.claims
+    assert claims is not None
+    fields = await redis.hgetall(node.store.keys.session_keys(claims.tid)[0])
+    assert "conn" not in fields and fields["left"] == waiter.session.conn
+    # Parked: its clocks restart at the close plus restart_grace (60 s by default).
+    assert int(fields["hb"]) >= before[0] * 1000 + 59_000
+
+
+async def test_releases_redis_cannot_take_at_the_stop_are_logged_once_and_the_stop_goes_on(
+    make_settings: Callable[..., Settings],
+    own_redis: RedisProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = make_settings(redis_url=own_redis.url, **CALM)
+    async with running_node(settings) as node:
+        waiters = await started(Host(node.tokens), node.store, ["gone-1", "gone-2"])
+        own_redis.kill()
+        with capture_logs() as logs:
+            monkeypatch.setattr(node_module, "log", structlog.get_logger("tokend.node"))
+            for waiter in waiters:
+                waiter.session.close(p.CloseCode.GOING_AWAY, "going_away")
+                node.release(waiter)  # type: ignore[arg-type]
+            began = time.monotonic()
+            await node.stop()
+            stopped_in = time.monotonic() - began
+    lines = [(e["event"], e.get("count")) for e in logs if "release" in e["event"]]
+    assert lines == [("sessions not released at stop: store unavailable", 2)]
+    # Bounded by redis_timeout (then the background tasks' own stop, of what is left).
+    assert stopped_in < settings.redis_timeout + 5

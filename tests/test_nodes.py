@@ -32,6 +32,11 @@ from tokend.tokens import TokenService
 CROSS_NODE_CLOSE_S = 1.0
 
 
+def proof_of(welcome: p.Welcome) -> bytes:
+    """The resume proof a client shows after ``welcome`` (spec "Resume proof")."""
+    return p.resume_proof(welcome.session_key, welcome.tid)
+
+
 async def refused_with(port: int, token: str) -> int | None:
     async with RawClient.connect(port) as client:
         await client.send(p.encode(p.Hello(token)))
@@ -47,17 +52,19 @@ async def test_session_hops_three_nodes_then_revocation_finds_it(
         a, b, c = nodes
         async with EventLog(redis, f"{settings.key_prefix}:events") as events:
             async with RawClient.connect(a.port) as on_a:
-                tid = tid_of(await on_a.hello(token))
+                tid = tid_of(welcome := await on_a.hello(token))
                 await on_a.heartbeat()
-                # Takeover: B resumes while A's connection is still open.
+                # Takeover: B resumes while A's connection is still open (and live: with
+                # the proof of its key, spec "Resume proof").
                 async with RawClient.connect(b.port) as on_b:
-                    assert (await on_b.hello(token)).resumed
+                    welcome = await on_b.hello(token, proof_of(welcome))
+                    assert welcome.resumed
                     closed = await on_a.expect_close(timeout=CROSS_NODE_CLOSE_S)
                     assert closed.code == p.CloseCode.TAKEN_OVER
                     await on_b.heartbeat()
             # B's connection dropped without BYE: the session resumes on C.
             async with RawClient.connect(c.port) as on_c:
-                assert (await on_c.hello(token)).resumed
+                assert (await on_c.hello(token, proof_of(welcome))).resumed
                 await on_c.heartbeat()
                 revoke = await asyncio.to_thread(
                     subprocess.run,
@@ -97,15 +104,16 @@ async def test_a_restarted_node_keeps_its_new_connections_when_old_sessions_move
     old_token, new_token = tokens.mint("before-crash"), tokens.mint("after-restart")
     with running_nodes(settings, "node-a", "node-b") as (a, b):
         async with RawClient.connect(a.port) as before:
-            await before.hello(old_token)
+            welcome = await before.hello(old_token)
             a.kill()
         restarted = TokendProcess(a.env, port=a.port)
         restarted.start()
         try:
             async with RawClient.connect(restarted.port) as after:
                 await after.hello(new_token)
+                # The dead node's connection held it live: the proof of its key.
                 async with RawClient.connect(b.port) as moved:
-                    assert (await moved.hello(old_token)).resumed
+                    assert (await moved.hello(old_token, proof_of(welcome))).resumed
                     await moved.heartbeat()
                 # Still open: a heartbeat is answered.
                 assert isinstance(await after.heartbeat(), p.HeartbeatAck)
@@ -131,7 +139,8 @@ SLACK_S = 0.5
 async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
     make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
 ):
-    settings = make_settings(**KILL_CLOCKS)
+    # A thousand sessions from 127.0.0.1: no per-address cap.
+    settings = make_settings(**KILL_CLOCKS, max_connections_per_ip=0)
     minted = [tokens.mint(f"crowd-{n}") for n in range(SESSIONS)]
     gate = asyncio.Semaphore(CONCURRENCY)
     with running_nodes(settings, "node-a", "node-b") as (doomed, survivor):
@@ -164,13 +173,21 @@ async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
             async with asyncio.timeout(10):
                 await asyncio.gather(*(client.ws.wait_closed() for _, client in sessions))
 
-            async def resume(token: str) -> None:
+            async def resume(token: str, before: RawClient) -> None:
+                # At once, though the dead node's connections hold the sessions live: with
+                # the proof of the key each had (spec "Resume proof").
+                assert before.welcome is not None
                 async with gate, RawClient.connect(survivor.port) as client:
-                    assert (await client.hello(token)).resumed
+                    assert (await client.hello(token, proof_of(before.welcome))).resumed
                     await client.send(p.encode(p.Bye()))
                     assert (await client.expect_close()).code == p.CloseCode.NORMAL
 
-            await asyncio.gather(*(resume(token) for token in minted[::2]))
+            await asyncio.gather(
+                *(
+                    resume(token, client)
+                    for token, (_, client) in zip(minted[::2], sessions[::2], strict=True)
+                )
+            )
             resumed = {tid for tid, _ in sessions[::2]}
             left = {tid for tid, _ in sessions[1::2]}
             await events.wait_for(

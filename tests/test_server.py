@@ -19,7 +19,9 @@ from testkit.net import http_get, http_request
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.tokens import minter
+from testkit.waiting import eventually
 from tokend import protocol as p
+from tokend.config import KEYS_REFRESH_INTERVAL
 from tokend.server import App
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import Store
@@ -288,8 +290,9 @@ async def test_resume_after_drop_with_older_token(
 async def test_takeover_closes_older_connection(app: App, tokens: TokenService, events: EventLog):
     token = tokens.mint("ivy")
     async with RawClient.connect(app.port) as first, RawClient.connect(app.port) as second:
-        await first.hello(token)
-        resumed = await second.hello(token)
+        welcome = await first.hello(token)
+        # Held live by the first: the proof of its key (spec "Resume proof").
+        resumed = await second.hello(token, p.resume_proof(welcome.session_key, welcome.tid))
         assert resumed.resumed
         assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
         assert isinstance(await second.heartbeat(), p.HeartbeatAck)
@@ -458,7 +461,7 @@ async def test_a_verifier_that_knows_only_the_jwks_url_accepts_every_token_acros
     start_app, settings
 ):
     """``tokend keys rotate`` on two nodes, one busy (a session renewing), one idle: the
-    new key is in both JWKS at once, signs only once every cached JWKS has expired, and
+    new key is in both JWKS within a refresh, signs only once every cached JWKS has expired, and
     the old key stays published until every token it signed has expired."""
     # Calm session clocks: the busy session must outlive the slowest loop of this test.
     clocks = {
@@ -468,14 +471,17 @@ async def test_a_verifier_that_knows_only_the_jwks_url_accepts_every_token_acros
     busy = await start_app(**clocks)
     idle = await start_app(node_name="node-b", **clocks)
     verifiers = [JwksVerifier(busy.port), JwksVerifier(idle.port)]
-    old_kid = busy.node.tokens.signing_kid
+    old_kid = busy.node.tokens.signing_kid(time.time())
     for verifier in verifiers:
         assert list(await verifier.fetch()) == [old_kid]  # cached before the rotation
     async with RawClient.connect(busy.port) as client:
         await client.hello(busy.node.tokens.mint("busy"))
         new_kid = await rotate_keys(settings)
-        for verifier in verifiers:  # published on every node at once
-            assert list(await verifier.fetch()) == [new_kid, old_kid]
+
+        async def published() -> bool:  # on every node, at its next keys refresh
+            return all([list(await v.fetch()) == [new_kid, old_kid] for v in verifiers])
+
+        await eventually(published, timeout=10 * KEYS_REFRESH_INTERVAL)
         retired_at = busy.node.tokens.schedule.retires_at(old_kid, [old_kid, new_kid])
         signers: set[str] = set()
         while time.time() < retired_at:

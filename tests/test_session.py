@@ -18,13 +18,14 @@ from testkit.tokens import minter_in
 from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.clocks import serving_rank
-from tokend.session import Ask, Cadence, Close, Phase, Session
+from tokend.session import Ask, Cadence, Close, Phase, Release, Session
 from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(heartbeat_ms=1_000, warn_ms=3_000, expire_ms=4_000, max_frame_rate=5)
 IAT_S = int(time.time())  # at import: a whole run later, tokens minted then are still valid
 SESSION_S = 3600
 EXP_MS = (IAT_S + SESSION_S) * 1000  # the session's exp, as the store says it
+SINCE_MS = IAT_S * 1000 + 7  # when the connection took the session, as the store says it
 OK = HeartbeatOutcome.OK
 
 
@@ -86,7 +87,7 @@ def welcome(
     otherwise), the store's answer; the WELCOME sent."""
     assert session.receive(p.Hello(tokens.mint("alice", ttl_s=ttl_s, iat=IAT_S))) is Ask.START
     outcome = HelloOutcome.RESUMED if resumed else HelloOutcome.STARTED
-    out = session.started(HelloAnswer(outcome, EXP_MS, IAT_S))
+    out = session.started(HelloAnswer(outcome, EXP_MS, IAT_S, SINCE_MS))
     assert isinstance(out, bytes)
     frame = p.decode(out)
     assert isinstance(frame, p.Welcome)
@@ -206,6 +207,50 @@ def test_each_connection_gets_its_own_session_key(host: Host, tokens: TokenServi
 
 def test_a_resume_says_so(session: Session, tokens: TokenService) -> None:
     assert welcome(session, tokens, resumed=True).resumed
+
+
+# The resume proof (spec "Resume proof", revision 2)
+
+
+def test_the_key_is_made_before_the_store_is_asked_and_welcome_carries_it(
+    session: Session, tokens: TokenService
+) -> None:
+    """The store keeps (a digest of) the proof the key makes, for the next resume: so the
+    key exists when the HELLO goes to the store, and WELCOME hands over that very key."""
+    assert session.receive(p.Hello(tokens.mint("alice"))) is Ask.START
+    key = session.key
+    assert len(key) == p.SESSION_KEY_LENGTH
+    assert session.claims is not None
+    assert session.next_proof == p.resume_proof(key, session.claims.tid.bytes)
+    out = session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S, SINCE_MS))
+    assert isinstance(out, bytes)
+    w = p.decode(out)
+    assert isinstance(w, p.Welcome) and w.session_key == key
+    # The client proves with it: the proof its next HELLO shows is the one the store keeps.
+    assert p.resume_proof(w.session_key, w.tid) == session.next_proof
+
+
+def test_the_proof_a_hello_shows_goes_to_the_store_once(
+    session: Session, tokens: TokenService
+) -> None:
+    proof = bytes(range(16))
+    session.receive(p.Hello(tokens.mint("alice"), proof=proof))
+    assert session.shown_proof == proof
+    session.started(HelloAnswer(HelloOutcome.RESUMED, EXP_MS, IAT_S, SINCE_MS))
+    assert session.shown_proof is None  # not kept by an idle session
+    v1 = Session(session.host, CADENCE, "node-a/2", time.monotonic)
+    v1.receive(p.Hello(tokens.mint("alice")))
+    assert v1.shown_proof is None
+
+
+def test_a_session_held_live_by_another_connection_is_4509(
+    session: Session, tokens: TokenService
+) -> None:
+    session.receive(p.Hello(tokens.mint("alice"), proof=bytes(16)))
+    answer = HelloAnswer(HelloOutcome.IN_USE)
+    closed(session.started(answer), p.CloseCode.SESSION_IN_USE, "session_in_use")
+    assert p.CloseCode.SESSION_IN_USE.reconnectable
+    assert session.take_release() is None  # it never held the session
 
 
 # How a session the store found ended (its tombstone) is closed, at HELLO or heartbeat.
@@ -472,6 +517,100 @@ def test_told_to_close(
 ) -> None:
     welcome(session, tokens)
     closed(session.told_to_close(code), expected, reason)
+
+
+# The connection's end: what the store must record (docs/protocol.md §5)
+
+
+def _abandoned(session: Session) -> None:
+    assert session.abandon()
+
+
+def _closed_by_the_drain(session: Session) -> None:
+    session.close(p.CloseCode.GOING_AWAY, "going_away")
+
+
+def _bad_heartbeat(session: Session) -> None:
+    session.receive(p.Heartbeat(bytes(16), 1, 0, bytes(16)))
+
+
+def _shed(session: Session) -> None:
+    session.close(p.CloseCode.TRY_AGAIN_LATER, "overloaded")
+
+
+def _taken_at_a_heartbeat(session: Session) -> None:
+    assert session.claims is not None
+    w = p.make_heartbeat(session.key, session.claims.tid.bytes, 1, EXP_MS)
+    session.receive(w)
+    session.take_heartbeats()
+    session.stored(HeartbeatAnswer(HeartbeatOutcome.TAKEN))
+
+
+def _logged_out(session: Session) -> None:
+    session.receive(p.Bye())
+    session.ended()
+
+
+def _dropped_during_bye(session: Session) -> None:
+    session.receive(p.Bye())
+    session.abandon()
+
+
+@pytest.mark.parametrize(
+    ("end", "release"),
+    [
+        (_abandoned, Release("")),  # the client left, the network dropped it
+        (_closed_by_the_drain, Release("going_away")),  # planned: the session is parked
+        (_bad_heartbeat, Release("")),
+        (_shed, Release("")),
+        # Dropped while its BYE is on the way: released; end.lua still takes the BYE.
+        (_dropped_during_bye, Release("")),
+        (_taken_at_a_heartbeat, None),
+        (_logged_out, None),
+        *[(lambda s, c=code: s.told_to_close(c), None) for code in (4505, 4506, 4507)],
+    ],
+    ids=[
+        "abandoned",
+        "drain",
+        "bad-heartbeat",
+        "shed",
+        "dropped-during-bye",
+        "taken",
+        "bye",
+        "expired",
+        "revoked",
+        "taken-over",
+    ],
+)
+def test_a_connection_that_held_its_session_releases_it_unless_it_lost_it(
+    session: Session, tokens: TokenService, end: object, release: Release | None
+) -> None:
+    welcome(session, tokens)
+    assert session.take_release() is None  # open: nothing yet
+    end(session)  # type: ignore[operator]
+    assert session.phase is Phase.CLOSED
+    assert session.take_release() == release
+    assert session.take_release() is None  # asked once
+
+
+def test_a_connection_closed_before_welcome_releases_nothing(
+    session: Session, tokens: TokenService
+) -> None:
+    session.receive(p.Hello(tokens.mint("alice")))
+    session.close(p.CloseCode.GOING_AWAY, "going_away")
+    assert session.take_release() is None
+
+
+def test_a_session_the_store_gave_after_the_close_is_released(
+    session: Session, tokens: TokenService
+) -> None:
+    """The client gave up waiting (1013 hello_unanswered) and its HELLO was stored anyway:
+    the session is released at once, not held by a connection that is gone."""
+    session.receive(p.Hello(tokens.mint("alice")))
+    closed(session.hello_timed_out(), p.CloseCode.TRY_AGAIN_LATER, "hello_unanswered")
+    assert session.started(HelloAnswer(HelloOutcome.RESUMED, EXP_MS, IAT_S, SINCE_MS)) is None
+    assert session.since_ms == SINCE_MS
+    assert session.take_release() == Release("")
 
 
 def test_nothing_comes_out_after_the_close(session: Session, tokens: TokenService) -> None:

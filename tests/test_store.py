@@ -22,7 +22,7 @@ from tokend.store.keyspace import Keyspace
 from tokend.store.packing import FASTER, HiredisConnection, HiredisPacking
 from tokend.store.redis_client import open_client
 from tokend.store.scripts import HEARTBEAT
-from tokend.store.sessions import Store
+from tokend.store.sessions import HelloRequest, Store
 from tokend.store.unavailable import StoreUnavailable
 
 COMMANDS: list[tuple[Any, ...]] = [
@@ -115,13 +115,17 @@ async def test_round_trips_through_real_redis(
 # Clocks long enough that no session changes state while a test reads it.
 WARN_MS, EXPIRE_MS = 20_000, 40_000
 CLOCKS = Clocks(WARN_MS, EXPIRE_MS)
+HEARTBEAT_MS, RESTART_GRACE_MS = 5_000, 30_000
 
 
 @pytest.fixture
 async def store(make_settings: Callable[..., Settings]) -> AsyncIterator[Store]:
     """The store of node-a (the settings' node name)."""
     settings = make_settings(
-        heartbeat_interval=5, warn_after=WARN_MS / 1000, expire_after=EXPIRE_MS / 1000
+        heartbeat_interval=HEARTBEAT_MS / 1000,
+        warn_after=WARN_MS / 1000,
+        expire_after=EXPIRE_MS / 1000,
+        restart_grace=RESTART_GRACE_MS / 1000,
     )
     client = open_client(settings.redis_url, settings)
     yield Store(client, settings, "node-a")
@@ -138,10 +142,16 @@ async def control(redis: Redis, store: Store) -> AsyncIterator[dict[str, EventLo
         yield {"node-a": node_a, "node-b": node_b}
 
 
+def proof_of(conn: str) -> bytes:
+    """A resume proof for connection ``conn`` to keep with its session (any 16 bytes do)."""
+    return conn.encode().ljust(16, b".")[:16]
+
+
 async def started(store: Store, conn: str) -> uuid.UUID:
     tid = uuid.uuid4()
     now = int(time.time())
-    assert (await store.hello(tid, "alice", 5, now, now + 60, conn)).outcome == "started"
+    answer = await store.hello(tid, "alice", 5, now, now + 60, conn, proof=proof_of(conn))
+    assert answer.outcome == "started"
     return tid
 
 
@@ -175,13 +185,17 @@ async def test_a_resume_never_takes_over_the_connection_resuming(
     a resume from elsewhere still takes over the old connection."""
     tid, other = await started(store, "node-a/1"), await started(store, "node-a/2")
     now = int(time.time())
-    assert (await store.hello(tid, "alice", 5, now, now + 60, "node-a/1")).outcome == "resumed"
+    proof = proof_of("node-a/1")
+    again = await store.hello(tid, "alice", 5, now, now + 60, "node-a/1", proof, proof)
+    assert again.outcome == "resumed"
     await store.revoke(other, by="test")  # published after any the resume would have sent
     await control["node-a"].wait_until(lambda: len(control["node-a"].events) >= 1)
     assert control["node-a"].events == [
         {"op": "close", "tid": str(other), "conn": "node-a/2", "code": 4506}
     ]
-    assert (await store.hello(tid, "alice", 5, now, now + 60, "node-b/1")).outcome == "resumed"
+    # node-a/1 holds it live: the resume shows the proof its key makes.
+    elsewhere = await store.hello(tid, "alice", 5, now, now + 60, "node-b/1", proof)
+    assert elsewhere.outcome == "resumed"
     await control["node-a"].wait_until(lambda: len(control["node-a"].events) == 2)
     assert control["node-a"].events[1] == {
         "op": "close",
@@ -235,8 +249,8 @@ async def test_a_batch_of_hellos_is_one_round_trip(store: Store) -> None:
     tids = [uuid.uuid4() for _ in range(20)]
     now = int(time.time())
     results = await store.hellos(
-        [(tid, "alice", 5, now, now + 60, f"node-a/{n}") for n, tid in enumerate(tids)]
-        + [(tids[0], "mallory", 5, now, now + 60, "node-a/99")]  # after tids[0]'s
+        [HelloRequest(tid, "alice", 5, now, now + 60, f"node-a/{n}") for n, tid in enumerate(tids)]
+        + [HelloRequest(tids[0], "mallory", 5, now, now + 60, "node-a/99")]  # after tids[0]'s
     )
     assert [r.outcome for r in results] == ["started"] * 20 + ["mismatch"]
     assert round_trips == ["hello"]
@@ -256,7 +270,7 @@ async def test_hellos_fail_together_when_redis_is_gone(
     try:
         with pytest.raises(StoreUnavailable):
             await store.hellos(
-                [(uuid.uuid4(), "a", 5, now, now + 60, f"node-a/{n}") for n in range(3)]
+                [HelloRequest(uuid.uuid4(), "a", 5, now, now + 60, f"node-a/{n}") for n in range(3)]
             )
     finally:
         await client.aclose()

@@ -110,7 +110,7 @@ def service(settings: Settings, ring: KeyRing) -> TokenService:
 def refused(service: TokenService, token: str, reason: str) -> None:
     """``token`` is refused as invalid (4501) for ``reason`` (docs/protocol.md §7)."""
     with pytest.raises(TokenError) as info:
-        service.verify(token)
+        service.verify(token, time.time())
     assert info.value.expired is False
     assert info.value.reason == reason
 
@@ -122,14 +122,16 @@ def test_mint_verify_round_trip(service: TokenService) -> None:
     tid = uuid.uuid4()
     iat = int(time.time())
     token = service.mint("alice", ttl_s=600, prio=7, tid=tid, iat=iat)
-    assert service.verify(token) == Claims(tid=tid, sub="alice", iat=iat, exp=iat + 600, prio=7)
+    assert service.verify(token, time.time()) == Claims(
+        tid=tid, sub="alice", iat=iat, exp=iat + 600, prio=7
+    )
 
 
 def test_mint_defaults(service: TokenService, ring: KeyRing) -> None:
     before = int(time.time())
     token = service.mint("bob")
     after = int(time.time())
-    got = service.verify(token)
+    got = service.verify(token, time.time())
     assert got.sub == "bob"
     assert got.prio == 5
     assert before <= got.iat <= after
@@ -155,13 +157,16 @@ def test_tokens_are_the_bytes_pyjwt_makes(service: TokenService, ring: KeyRing, 
 
 
 def test_minted_tokens_have_fresh_ids(service: TokenService) -> None:
-    assert service.verify(service.mint("a")).tid != service.verify(service.mint("a")).tid
+    assert (
+        service.verify(service.mint("a"), time.time()).tid
+        != service.verify(service.mint("a"), time.time()).tid
+    )
 
 
 @pytest.mark.parametrize("prio", [0, 9])
 def test_mint_prio_bounds(service: TokenService, prio: int) -> None:
     token = service.mint("alice", prio=prio)
-    assert service.verify(token).prio == prio
+    assert service.verify(token, time.time()).prio == prio
     assert jwt.decode(token, options={"verify_signature": False})["prio"] == prio
 
 
@@ -176,7 +181,7 @@ def test_issuer_and_audience_come_from_settings(tmp_path: Path, ring: KeyRing) -
     token = other.mint("alice")
     payload = jwt.decode(token, options={"verify_signature": False})
     assert (payload["iss"], payload["aud"]) == ("auth", "api")
-    assert other.verify(token).sub == "alice"
+    assert other.verify(token, time.time()).sub == "alice"
     # The same key, but another issuer and audience: refused by the default service.
     refused(TokenService(make_settings(tmp_path), ring), token, "wrong_issuer")
 
@@ -214,7 +219,7 @@ def test_second_open_reuses_the_key(settings: Settings) -> None:
     assert second.kids[-1] == first.kids[-1]
     assert kids_on_disk(directory) == [first.kids[-1]]
     token = TokenService(settings, first).mint("alice")
-    assert TokenService(settings, second).verify(token).sub == "alice"
+    assert TokenService(settings, second).verify(token, time.time()).sub == "alice"
 
 
 def test_a_rotated_key_verifies_at_once_and_signs_after_the_publish_delay(
@@ -225,11 +230,11 @@ def test_a_rotated_key_verifies_at_once_and_signs_after_the_publish_delay(
     assert new_kid > old_kid
     assert kids_on_disk(settings.resolved_keys_dir) == ring.kids == [old_kid, new_kid]
     # Published at once: a token of the new key verifies, and the JWKS lists it.
-    assert service.verify(sign(ring, claims())).sub == "alice"
-    assert service.published_kids() == [old_kid, new_kid]
+    assert service.verify(sign(ring, claims()), time.time()).sub == "alice"
+    assert service.published_kids(time.time()) == [old_kid, new_kid]
     # It signs only after key_publish_delay (900 s by default): the old key goes on.
     token = service.mint("alice")
-    assert jwt.get_unverified_header(token)["kid"] == old_kid == service.signing_kid
+    assert jwt.get_unverified_header(token)["kid"] == old_kid == service.signing_kid(time.time())
     due = service.schedule.signs_from(new_kid)
     assert time.time() + 899 < due <= time.time() + 901
     assert service.schedule.signing(ring.kids, due - 0.001) == old_kid
@@ -273,20 +278,20 @@ def test_a_retired_key_neither_verifies_nor_is_published(settings: Settings) -> 
     _write_private_key(directory / f"{T0}.pem", retired)
     _write_private_key(directory / f"{T1}.pem", successor)
     service = TokenService(settings, KeyRing.open(directory))
-    assert service.published_kids() == [T1] == [k["kid"] for k in service.jwks()["keys"]]
+    assert service.published_kids(time.time()) == [T1] == [k["kid"] for k in service.jwks()["keys"]]
     old = jwt.encode(claims(), retired, algorithm="EdDSA", headers={"kid": T0})
     refused(service, old, "unknown_kid")
     new = jwt.encode(claims(), successor, algorithm="EdDSA", headers={"kid": T1})
-    assert service.verify(new).sub == "alice"
+    assert service.verify(new, time.time()).sub == "alice"
 
 
 def test_a_key_deleted_from_the_directory_is_dropped(settings: Settings, ring: KeyRing) -> None:
     service = TokenService(settings, ring)
     old_kid, new_kid = ring.kids[-1], ring.rotate()
     token = sign(ring, claims())
-    assert service.verify(token).sub == "alice"
+    assert service.verify(token, time.time()).sub == "alice"
     (settings.resolved_keys_dir / f"{new_kid}.pem").unlink()
-    ring._checked = 0  # verification looks at the directory once a second at most
+    ring.refresh()  # a node does it every KEYS_REFRESH_INTERVAL
     refused(service, token, "unknown_kid")
     assert [k["kid"] for k in service.jwks()["keys"]] == [old_kid]
 
@@ -342,32 +347,23 @@ def test_jwks_lists_every_key(ring: KeyRing, service: TokenService) -> None:
         assert payload["sub"] == "alice"
 
 
-def test_verify_picks_up_a_key_rotated_by_another_ring(settings: Settings) -> None:
+def test_verify_picks_up_a_key_rotated_by_another_ring_at_the_next_refresh(
+    settings: Settings,
+) -> None:
     mine = KeyRing.open(settings.resolved_keys_dir)
     service = TokenService(settings, mine)
     theirs = KeyRing.open(settings.resolved_keys_dir)
     new_kid = theirs.rotate()
     token = sign(theirs, claims(sub="carol"))
+    # Verification reads no file: the new key is unknown until the ring is refreshed.
+    refused(service, token, "unknown_kid")
     assert mine.public_key(new_kid) is None
-    mine._checked = 0  # the directory is looked at once a second at most
-    assert service.verify(token).sub == "carol"
+    mine.refresh()
+    assert service.verify(token, time.time()).sub == "carol"
     assert mine.public_key(new_kid) is not None
 
 
-def test_reload_on_unknown_kid_is_rate_limited(settings: Settings) -> None:
-    mine = KeyRing.open(settings.resolved_keys_dir)
-    service = TokenService(settings, mine)
-    theirs = KeyRing.open(settings.resolved_keys_dir)
-    theirs.rotate()
-    token = sign(theirs, claims(sub="carol"))
-    mine._checked = time.monotonic()  # just looked: no second look yet
-    refused(service, token, "unknown_kid")
-    mine._checked = 0
-    assert service.verify(token).sub == "carol"
-
-
 def test_unknown_kid_in_a_fresh_service(settings: Settings, ring: KeyRing) -> None:
-    # A fresh service reloads once on an unknown kid, then refuses it.
     token = sign(ring, claims(), kid="20000101T000000Z-deadbeef")
     refused(TokenService(settings, ring), token, "unknown_kid")
 
@@ -401,7 +397,7 @@ def test_concurrent_open_from_several_processes(settings: Settings) -> None:
     assert len(kids) == 1  # exactly one key was generated, and every process uses it
     assert kids_on_disk(directory) == sorted(kids)
     service = TokenService(settings, KeyRing.open(directory))
-    assert len({service.verify(token).sub for _, token in got}) == 4
+    assert len({service.verify(token, time.time()).sub for _, token in got}) == 4
 
 
 # --- refused tokens ---------------------------------------------------------------------------
@@ -468,7 +464,9 @@ def test_missing_alg_is_refused(service: TokenService, ring: KeyRing) -> None:
 def test_malformed_kid_is_refused(service: TokenService, ring: KeyRing, kid: Any) -> None:
     body = claims()
     good = sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": ring.kids[-1]}, body)
-    assert service.verify(good).sub == "alice"  # the hand-made token is fine but for its kid
+    assert (
+        service.verify(good, time.time()).sub == "alice"
+    )  # the hand-made token is fine but for its kid
     refused(
         service, sign_raw(ring, {"alg": "EdDSA", "typ": "JWT", "kid": kid}, body), "unknown_kid"
     )
@@ -550,11 +548,11 @@ def test_each_required_claim_missing_is_refused(
 
 @pytest.mark.parametrize("prio", [0, 9])
 def test_prio_bounds_are_accepted(service: TokenService, ring: KeyRing, prio: int) -> None:
-    assert service.verify(sign(ring, claims(prio=prio))).prio == prio
+    assert service.verify(sign(ring, claims(prio=prio)), time.time()).prio == prio
 
 
 def test_sub_of_256_characters_is_accepted(service: TokenService, ring: KeyRing) -> None:
-    assert service.verify(sign(ring, claims(sub="x" * 256))).sub == "x" * 256
+    assert service.verify(sign(ring, claims(sub="x" * 256)), time.time()).sub == "x" * 256
 
 
 def test_signed_malformed_payload_is_refused(service: TokenService, ring: KeyRing) -> None:
@@ -593,21 +591,21 @@ def test_garbage_is_refused(service: TokenService, token: str) -> None:
 def test_expired_beyond_leeway_is_refused_as_expired(service: TokenService, ring: KeyRing) -> None:
     now = int(time.time())
     with pytest.raises(TokenError) as info:
-        service.verify(sign(ring, claims(iat=now - 910, exp=now - 10)))
+        service.verify(sign(ring, claims(iat=now - 910, exp=now - 10)), now)
     assert info.value.expired is True
 
 
 def test_expired_within_leeway_is_accepted(service: TokenService, ring: KeyRing) -> None:
     now = int(time.time())
     token = sign(ring, claims(iat=now - 903, exp=now - 3))
-    assert service.verify(token).exp == now - 3
+    assert service.verify(token, now).exp == now - 3
 
 
 def test_zero_leeway_refuses_just_expired(tmp_path: Path, ring: KeyRing) -> None:
     service = TokenService(make_settings(tmp_path, leeway=0), ring)
     now = int(time.time())
     with pytest.raises(TokenError) as info:
-        service.verify(sign(ring, claims(iat=now - 903, exp=now - 3)))
+        service.verify(sign(ring, claims(iat=now - 903, exp=now - 3)), now)
     assert info.value.expired is True
 
 
@@ -618,7 +616,7 @@ def test_iat_in_the_future_beyond_leeway_is_refused(service: TokenService, ring:
 
 def test_iat_in_the_future_within_leeway_is_accepted(service: TokenService, ring: KeyRing) -> None:
     now = int(time.time())
-    assert service.verify(sign(ring, claims(iat=now + 3, exp=now + 903))).iat == now + 3
+    assert service.verify(sign(ring, claims(iat=now + 3, exp=now + 903)), now).iat == now + 3
 
 
 def test_expired_token_with_another_fault_is_not_reported_as_merely_expired(
@@ -641,7 +639,7 @@ def test_expired_token_with_another_fault_is_not_reported_as_merely_expired(
 def test_verify_raises_only_token_error_on_any_text(text: str) -> None:
     service = _fuzz_service()
     with contextlib.suppress(TokenError):
-        service.verify(text)
+        service.verify(text, time.time())
 
 
 @hsettings(max_examples=300, deadline=None)
@@ -652,11 +650,11 @@ def test_verify_raises_only_token_error_on_mutated_tokens(at: int, junk: bytes) 
     at %= len(token)
     mutated = token[:at] + junk.decode("latin-1") + token[at + 1 :]
     try:
-        service.verify(mutated)
+        service.verify(mutated, time.time())
     except TokenError:
         pass
     else:
-        assert mutated == token or service.verify(mutated).sub == "fuzz"
+        assert mutated == token or service.verify(mutated, time.time()).sub == "fuzz"
 
 
 _FUZZ: list[TokenService] = []

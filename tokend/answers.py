@@ -28,6 +28,9 @@ class HelloOutcome(StrEnum):
     ENDED = "ended"  # a tombstone: the token's session ended (``HelloAnswer.ended`` says how)
     EXPIRED = "expired"  # the token's exp has passed
     MISMATCH = "mismatch"  # a live session of this tid belongs to another sub
+    # Another connection holds the session live and the HELLO has no valid resume proof
+    # (spec "Resume proof", revision 2): nothing was written.
+    IN_USE = "in_use"
 
 
 class HelloAnswer(NamedTuple):
@@ -61,6 +64,14 @@ class EndOutcome(IntEnum):
     ALREADY_ENDED = 0  # no live session (for BYE: none of this connection's)
     ENDED = 1  # a live session was ended
     BARRED = 2  # no live session: only the tombstone was written, to bar the token
+
+
+class ReleaseOutcome(IntEnum):
+    """What the release of a session by a connection that ended did (release.lua)."""
+
+    NOT_HELD = 0  # the connection no longer held the session (taken over, ended): nothing
+    RELEASED = 1  # no connection holds the session now; its clocks run on
+    PARKED = 2  # released after a planned close; clocks restarted (clocks.parked_heartbeat)
 
 
 class Swept(StrEnum):

@@ -402,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
         "keys",
         help="show or rotate signing keys",
         description="'show' prints the JWKS as served; 'rotate' adds a key, published "
-        "at once, that signs after key_publish_delay (older keys keep verifying until "
-        "their tokens have expired).",
+        "by every node within a second, that signs after key_publish_delay (older keys "
+        "keep verifying until their tokens have expired).",
     )
     keys.add_argument("action", choices=("show", "rotate"))
     keys.set_defaults(func=cmd_keys)

@@ -6,8 +6,10 @@ current time as an argument, so tests drive it with a fake clock.
 This is the reference the server's decisions are held to: they are made in Redis,
 on Redis ``TIME`` (so that no node's own clock decides an expiry), by
 ``heartbeat.lua`` when it records a heartbeat, ``hello.lua`` when it resumes a session
-and ``transition.lua`` when a sweep judges due sessions; ``tests/test_clocks.py`` tests
-these rules and ``tests/test_lua_contract.py`` holds those scripts to them.
+(and decides whether another connection holds it live), ``release.lua`` when a
+connection that held its session ended, and ``transition.lua`` when a sweep judges due
+sessions; ``tests/test_clocks.py`` tests these rules and ``tests/test_lua_contract.py``
+holds those scripts to them.
 """
 
 from __future__ import annotations
@@ -78,6 +80,41 @@ def due_transition(
     if state is State.ACTIVE and silent_ms >= clocks.warn_after_ms:
         return Transition(State.WARN)
     return None
+
+
+def parked_heartbeat(
+    state: State, last_heartbeat_ms: int, exp_ms: int, now_ms: int, clocks: Clocks, grace_ms: int
+) -> int | None:
+    """The heartbeat time a session's clocks run from once the server itself closed its
+    connection with 1001 (a planned close: drain, reload, shutdown), or None when they
+    keep running from the last one (docs/protocol.md §5, "Planned close").
+
+    A session ACTIVE with nothing due is not charged for the time the server needs to
+    come back: its clocks restart at the close as a heartbeat's would, plus ``grace_ms``
+    (``restart_grace``), so it is next due at ``deadline(ACTIVE, that time, exp)``. A
+    session in WARN, or one already due (its client was silent before the close; a sweep
+    would make it WARN or EXPIRED), keeps its clocks.
+    """
+    if state is not State.ACTIVE:
+        return None
+    if due_transition(state, last_heartbeat_ms, exp_ms, now_ms, clocks) is not None:
+        return None
+    return now_ms + grace_ms
+
+
+# Spec "Resume proof" (revision 2): how much older than one heartbeat interval the last
+# valid heartbeat (or WELCOME) of the connection holding a session may be, and the session
+# still held live by it. The spec fixes it at 15 s: a heartbeat late by that much (a busy
+# client, a slow network) still keeps a thief without the resume proof out.
+HELD_LIVE_SLACK_MS = 15_000
+
+
+def held_live(held: bool, last_heartbeat_ms: int, now_ms: int, heartbeat_interval_ms: int) -> bool:
+    """Spec "Resume proof": whether a connection holds the session live, so that a HELLO
+    without a valid resume proof cannot take it (close 4509). ``held``: a connection holds
+    the session (none once its connection ended: ``release.lua``); it must have heartbeat
+    (or been WELCOMEd) at most ``heartbeat_interval`` + :data:`HELD_LIVE_SLACK_MS` ago."""
+    return held and now_ms - last_heartbeat_ms <= heartbeat_interval_ms + HELD_LIVE_SLACK_MS
 
 
 # Ranks run 0..RANKS-1.

@@ -122,7 +122,9 @@ class Settings:
         "after it was made",
     )
     jwks_max_age: float = _setting(
-        300.0, "Cache-Control max-age of the JWKS; less than key_publish_delay"
+        300.0,
+        "Cache-Control max-age of the JWKS; at most key_publish_delay less 1 s (the time a "
+        "node takes to see a new key)",
     )
     max_message_size: int = _setting(
         16384, "largest WebSocket message, bytes, 1024..1048576 (larger: close 1009)"
@@ -130,15 +132,21 @@ class Settings:
     allowed_origins: str = _setting(
         "",
         "exact Origin values allowed, comma-separated (a wrong one gets 403; none, from a "
-        "non-browser client, is always allowed); empty: no check",
+        "non-browser client, is always allowed); empty: no check, safe since the token "
+        "travels in HELLO, never in a cookie a foreign page could make a browser send",
     )
     max_connections_per_ip: int = _setting(
-        0, "open connections per client IP; beyond it the handshake gets 429; 0: no cap"
+        256,
+        "open connections per client IP; beyond it the handshake gets 429; 256 lets an "
+        "office behind one NAT in but no single address take a quarter of "
+        "max_pending_hellos; raise it where many clients share an address (carrier NAT); "
+        "0: no cap",
     )
     max_sessions_per_sub: int = _setting(
-        0,
+        64,
         "live sessions of one sub on this node (a resume does not count twice); beyond it "
-        "close 4029; 0: no cap",
+        "close 4029; 64 fits one person's tabs and devices, yet one account given many "
+        "tokens cannot hold the node's connections from many addresses; 0: no cap",
     )
     max_frame_rate: float = _setting(
         5.0,
@@ -164,7 +172,10 @@ class Settings:
     log_format: str = _setting("json", "json or console")
     log_level: str = _setting("info", "debug, info, warning or error")
     admin_token: str = _setting(
-        "", "bearer token of the admin API (never logged); empty: admin API and dashboard off"
+        "",
+        "bearer token of the admin API (never logged), at least 32 characters, 8 of them "
+        "different: python -c 'import secrets; print(secrets.token_urlsafe(32))'; empty: "
+        "admin API and dashboard off",
     )
     admin_host: str = _setting(
         "127.0.0.1", "address of the admin listener (metrics, health, admin API, dashboard)"
@@ -173,8 +184,25 @@ class Settings:
         8766, "port of the admin listener; 0 picks a free one; -1 turns it off"
     )
     admin_max_body: int = _setting(16384, "largest admin request body, bytes (larger: 413)")
+    admin_allowed_hosts: str = _setting(
+        "",
+        "Host header values the admin listener answers, comma-separated (name or name:port; "
+        "another gets 421, so a DNS-rebinding page cannot read it); * allows any",
+        shown="localhost, 127.0.0.1, [::1] and admin_host, each with and without the port",
+    )
+    admin_max_connections: int = _setting(
+        64,
+        "admin connections open at once; beyond it 503 and close; the main port's descriptor "
+        "budget keeps this many free",
+    )
     drain_period: float = _setting(
         10.0, "on SIGTERM, open connections are closed with 1001 spread over this long"
+    )
+    restart_grace: float = _setting(
+        60.0,
+        "seconds added to the clocks of a session the server closed with 1001 (drain, reload, "
+        "shutdown), so that a whole restart costs no session: 60 covers drain_period, a "
+        "restart and the clients' jittered reconnects; 0: the close counts as a heartbeat",
     )
     durable_replicas: str = _setting(
         "auto",
@@ -220,6 +248,10 @@ class Settings:
         ]
 
     @property
+    def admin_host_list(self) -> list[str]:
+        return [h.strip().lower() for h in self.admin_allowed_hosts.split(",") if h.strip()]
+
+    @property
     def origin_list(self) -> list[str]:
         return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
@@ -236,6 +268,17 @@ class Settings:
         """A duration setting in whole milliseconds."""
         return round(getattr(self, name) * 1000)
 
+
+# Seconds between two reads of the keys directory by a node (tokend.node, off the event
+# loop): a key rotated in or deleted by another process is used, published or dropped
+# within this long.
+KEYS_REFRESH_INTERVAL = 1.0
+# An admin token's least length: 32 hex digits (secrets.token_hex(16)) are 128 bits;
+# a password-like string that long is still guessable, which no check here can tell.
+ADMIN_TOKEN_MIN_LENGTH = 32
+# Fewer different characters is a placeholder ("changeme" x 4), not a random token: 32
+# random hex digits have 8 or more different ones but for a chance under 1e-7.
+ADMIN_TOKEN_MIN_DISTINCT = 8
 
 _DURATIONS = (
     "heartbeat_interval",
@@ -318,9 +361,13 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("leeway: must not be negative")
     if not settings.algorithm_list:
         raise ConfigError("algorithms: name at least one JWS algorithm")
-    if not 0 <= settings.jwks_max_age < settings.key_publish_delay:
-        # A verifier's cached JWKS must expire before a key missing from it signs.
-        raise ConfigError("jwks_max_age: must be at least 0 and less than key_publish_delay")
+    if not 0 <= settings.jwks_max_age <= settings.key_publish_delay - KEYS_REFRESH_INTERVAL:
+        # A verifier's cached JWKS must expire before a key missing from it signs, though
+        # it was fetched just before the node's refresh found the key.
+        raise ConfigError(
+            f"jwks_max_age: must be at least 0 and at most key_publish_delay less "
+            f"{KEYS_REFRESH_INTERVAL:g} s"
+        )
     if not 1024 <= settings.max_message_size <= 1 << 20:
         raise ConfigError("max_message_size: must be 1024..1048576 bytes")
     for name in (
@@ -343,8 +390,23 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("admin_port: must be -1 (off) or 0..65535")
     if settings.admin_max_body < 1:
         raise ConfigError("admin_max_body: must be at least 1 byte")
+    if settings.admin_max_connections < 1:
+        raise ConfigError("admin_max_connections: must be at least 1")
+    if settings.admin_token and (
+        len(settings.admin_token) < ADMIN_TOKEN_MIN_LENGTH
+        or len(set(settings.admin_token)) < ADMIN_TOKEN_MIN_DISTINCT
+        or not settings.admin_token.isprintable()
+        or settings.admin_token != settings.admin_token.strip()
+    ):
+        raise ConfigError(
+            f"admin_token: too weak; use at least {ADMIN_TOKEN_MIN_LENGTH} characters, "
+            f"{ADMIN_TOKEN_MIN_DISTINCT} of them different, printable, no spaces around them, "
+            "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
     if settings.drain_period < 0:
         raise ConfigError("drain_period: must not be negative (0 closes all at once)")
+    if settings.restart_grace < 0:
+        raise ConfigError("restart_grace: must not be negative (0: a close counts as a heartbeat)")
     if settings.redis_pool_size < 4:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:

@@ -494,6 +494,8 @@ class Connection(asyncio.Protocol):
         welcome = session.started(answer)
         if not isinstance(welcome, bytes):
             self._close(welcome)
+            # Closed before the answer came, which gave it the session: released at once.
+            self.gate.node.release(self)
         elif self.transport is not None and not self.transport.is_closing():
             self._disarm()
             node = self.gate.node
@@ -572,7 +574,14 @@ class Connection(asyncio.Protocol):
         if session is None or session.claims is None or not session.since_ms:
             return None
         claims = session.claims
-        return Known(claims.sub, claims.prio, session.iat_s, session.exp_ms, session.since_ms)
+        return Known(
+            claims.sub,
+            claims.prio,
+            session.iat_s,
+            session.exp_ms,
+            session.since_ms,
+            session.next_proof,
+        )
 
     def replayed(self, answer: HeartbeatAnswer) -> None:
         """A heartbeat held through an outage was stored at last."""
@@ -625,7 +634,12 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        self._close(self.session.close(code, reason))
+        self.send_close(self.session.close(code, reason))
+
+    def send_close(self, close: Close | None) -> None:
+        """Carry out a close the session decided (the node's planned close sends it once
+        the session's release is recorded: Node.going_away)."""
+        self._close(close)
         self._write()
 
     # Outgoing

@@ -17,7 +17,12 @@ def liveness(node: Node) -> HttpAnswer:
 
 
 async def readiness(node: Node, draining: bool) -> HttpAnswer:
-    """``/readyz``: 200 when this node can take sessions; else 503 naming each failing part."""
+    """``/readyz``: 200 when this node can take sessions; else 503 naming each failing part.
+
+    Either way ``keys`` lists the key files the node refused (by file name: why), while
+    it serves with the others: every node sharing the directory refuses the same file,
+    so taking them all out of the balancer for it would be an outage, not a fix.
+    """
     problems = {}
     redis_problem = await node.store.ready()
     failed = node.failed_task()
@@ -29,8 +34,9 @@ async def readiness(node: Node, draining: bool) -> HttpAnswer:
         problems["control"] = "control subscription not established"
     if draining:
         problems["drain"] = "shutting down: not accepting connections"
+    keys = {"keys": node.tokens.keys.problems} if node.tokens.keys.problems else {}
     if problems:
         return HttpAnswer(
-            http.HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unavailable", **problems}
+            http.HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unavailable", **problems, **keys}
         )
-    return HttpAnswer(http.HTTPStatus.OK, {"status": "ready"})
+    return HttpAnswer(http.HTTPStatus.OK, {"status": "ready", **keys})

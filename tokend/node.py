@@ -3,7 +3,8 @@
 * :class:`HeartbeatBatcher` stores the heartbeats of many connections in one
   Redis round trip per flush and writes their ACKs from the flush; it holds and
   later replays those Redis could not take. :class:`HelloBatcher` does the same
-  for HELLOs.
+  for HELLOs, :class:`ReleaseBatcher` for the sessions of connections that ended
+  (flushed once more when the node stops).
 * :meth:`Node._sweep` claims due sessions from every shard's deadline set and
   makes their WARN/EXPIRED transitions (decided in the script, as
   :mod:`tokend.clocks` decides).
@@ -12,6 +13,7 @@
   control channel, on which the scripts ask it to close or warn a connection it
   holds. (A transition the node sweeps itself for one of its own connections is
   acted on directly, with no message.)
+* :meth:`Node._refresh_keys` follows the keys directory, off the event loop.
 """
 
 from __future__ import annotations
@@ -21,17 +23,18 @@ import contextlib
 import heapq
 import itertools
 import json
+import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import structlog
 
 from tokend import logs
-from tokend.answers import Swept
+from tokend.answers import ReleaseOutcome, Swept
 from tokend.clocks import State
-from tokend.config import Settings
+from tokend.config import KEYS_REFRESH_INTERVAL, Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
@@ -43,12 +46,13 @@ from tokend.store.redis_client import (
     subscription,
     through_sentinel,
 )
-from tokend.store.sessions import Store
+from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
 from tokend.store.unavailable import UNAVAILABLE, Retry, StoreUnavailable
 from tokend.tokens import Claims, TokenService
 
 if TYPE_CHECKING:
     from tokend.connection import Connection
+    from tokend.session import Close, Session
 
 log = structlog.get_logger("tokend.node")
 
@@ -58,6 +62,8 @@ SWEEP_BATCH = 1000
 MIN_SWEEP_PAUSE = 0.005
 # Through Sentinel, how often the master's name is asked while the subscription is down.
 SENTINEL_POLL = 0.1
+
+Item = TypeVar("Item")
 
 
 class Background:
@@ -81,24 +87,25 @@ class Background:
             await asyncio.wait(tasks, timeout=timeout)
 
 
-class Batcher:
-    """Connections waiting for one store round trip; the next starts when one ends.
+class Batcher(Generic[Item]):
+    """Connections (or requests) waiting for one store round trip; the next starts when one
+    ends.
 
-    A lone request waits for no timer, while a busy node sends large batches. A
-    connection waits at most once (a dict keyed by it, in arrival order).
+    A lone request waits for no timer, while a busy node sends large batches. An item
+    waits at most once (a dict keyed by it, in arrival order).
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.waiting: dict[Connection, None] = {}
+        self.waiting: dict[Item, None] = {}
         self._wake = asyncio.Event()
 
-    def submit(self, connection: Connection) -> None:
-        self.waiting[connection] = None
+    def submit(self, item: Item) -> None:
+        self.waiting[item] = None
         self._wake.set()
 
-    def forget(self, connection: Connection) -> None:
-        self.waiting.pop(connection, None)
+    def forget(self, item: Item) -> None:
+        self.waiting.pop(item, None)
 
     async def run(self, node: Node, lanes: int = 1) -> None:
         """Flush until the node stops, with up to ``lanes`` round trips in flight at once:
@@ -115,7 +122,7 @@ class Batcher:
         raise NotImplementedError
 
 
-class HelloBatcher(Batcher):
+class HelloBatcher(Batcher["Connection"]):
     """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush."""
 
     async def flush(self) -> None:
@@ -125,7 +132,18 @@ class HelloBatcher(Batcher):
             session = connection.session
             assert session is not None and session.claims is not None
             c = session.claims
-            requests.append((c.tid, c.sub, c.prio, c.iat, c.exp, session.conn))
+            requests.append(
+                HelloRequest(
+                    c.tid,
+                    c.sub,
+                    c.prio,
+                    c.iat,
+                    c.exp,
+                    session.conn,
+                    session.shown_proof,
+                    session.next_proof,
+                )
+            )
         try:
             answers = await self.store.hellos(requests)
         except Exception as exc:  # StoreUnavailable (1013) or a script error (1011)
@@ -138,7 +156,7 @@ class HelloBatcher(Batcher):
             connection.hello_answered(answer)
 
 
-class HeartbeatBatcher(Batcher):
+class HeartbeatBatcher(Batcher["Connection"]):
     """Heartbeats of many connections in one store call per flush; ACKs written from it.
 
     A flush takes at most ``batch_size`` connections; when more wait (Redis or the
@@ -236,6 +254,70 @@ class HeartbeatBatcher(Batcher):
             connection.replayed(answer)
 
 
+class ReleaseBatcher(Batcher[ReleaseRequest]):
+    """Sessions whose connection ended, released in one store call per flush (release.lua):
+    no connection holds them now, and those the server closed with 1001 are parked
+    (docs/protocol.md §5, "When a connection ends").
+
+    A release Redis could not take is not retried: its session keeps its clocks, and
+    counts as held live by the ended connection (spec "Resume proof") until that has been
+    silent for ``heartbeat_interval`` + 15 s. An outage is logged when it starts and
+    when it ends, with the count; the node's stop (:meth:`finish`) once, with its own.
+    """
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.in_flight = 0  # releases sent to Redis and not answered yet
+        self.lost = 0  # releases Redis could not take since the outage began
+        self.stopping = False
+        self.released: Counter[ReleaseOutcome] = Counter()
+
+    async def record(self, batch: list[ReleaseRequest]) -> bool:
+        """Release ``batch`` in one round trip; False when Redis could not take it."""
+        self.in_flight += len(batch)  # still counted if the stop cancels the call
+        try:
+            outcomes = await self.store.releases(batch)
+        except Exception as exc:  # StoreUnavailable, or a script error
+            self.in_flight -= len(batch)
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("release failed")
+            return False
+        self.in_flight -= len(batch)
+        self.released.update(outcomes)
+        if self.lost and not self.stopping:
+            log.warning("store back: sessions not released meanwhile", count=self.lost)
+            self.lost = 0
+        return True
+
+    async def flush(self) -> None:
+        batch, self.waiting = list(self.waiting), {}
+        if batch and not await self.record(batch):
+            if not self.lost and not self.stopping:
+                log.warning("store unavailable: sessions not released", count=len(batch))
+            self.lost += len(batch)
+
+    async def finish(self, lanes: asyncio.Task[None] | None, timeout: float) -> None:
+        """At the node's stop (it no longer runs): record the releases under way and those
+        waiting, within ``timeout``; what Redis could not take is logged once, counted."""
+        self.stopping = True
+        lost_before = self.lost
+        self._wake.set()  # a lane waiting for work flushes what waits, then ends
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                if lanes is not None:
+                    await lanes  # the flush under way, if any, ends first
+                await self.flush()  # what came in meanwhile
+        lost = self.lost - lost_before + self.in_flight + len(self.waiting)
+        if lost:
+            log.warning("sessions not released at stop: store unavailable", count=lost)
+        if self.released:
+            log.info(
+                "sessions released",
+                parked=self.released[ReleaseOutcome.PARKED],
+                released=self.released[ReleaseOutcome.RELEASED],
+            )
+
+
 class Node:
     """Shared state of a tokend process; :mod:`tokend.server` drives it.
 
@@ -253,6 +335,7 @@ class Node:
         self.tokens = tokens
         self.heartbeat_batcher = HeartbeatBatcher(self.store, settings.heartbeat_batch)
         self.hello_batcher = HelloBatcher(self.store)
+        self.release_batcher = ReleaseBatcher(self.store)
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.sessions_by_state
         self.store.observe = self.metrics.redis_call
@@ -268,6 +351,7 @@ class Node:
         self.subscribed = asyncio.Event()
         self._conn_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
+        self._releases: asyncio.Task[None] | None = None
         # Loops also check this: on Python 3.11 a cancel that lands as an inner
         # asyncio.timeout() expires can be swallowed (fixed in 3.12).
         self.running = False
@@ -285,12 +369,15 @@ class Node:
         self.running = True
         spawn = self.background.spawn
         lanes = self.settings.flush_lanes
+        self._releases = spawn(self.release_batcher.run(self), "releases")
         self._tasks = [
             spawn(self.heartbeat_batcher.run(self, lanes), "heartbeats"),
             spawn(self.hello_batcher.run(self, lanes), "hellos"),
+            self._releases,
             spawn(self._sweep(), "sweeper"),
             spawn(self._listen(), "control"),
             spawn(self.revocations.run(lambda: self.running), "revocations"),
+            spawn(self._refresh_keys(), "keys"),
         ]
         if self.settings.shed_lag:
             self._tasks.append(spawn(self.shedder.run(lambda: self.running), "shedder"))
@@ -308,13 +395,16 @@ class Node:
 
     async def stop(self) -> None:
         self.running = False
+        # Before Redis is closed: a session released here (its connection closed by the
+        # drain) must not wait out its old clocks (ReleaseBatcher).
+        await self.release_batcher.finish(self._releases, self.settings.redis_timeout)
         await self.background.stop()
         await self.redis.aclose()
 
     # The sessions' host (tokend.session.Host)
 
     def verify(self, token: str) -> Claims:
-        return self.tokens.verify(token)
+        return self.tokens.verify(token, time.time())
 
     def sign(self, claims: Claims) -> str:
         return self.tokens.sign(claims)
@@ -342,7 +432,10 @@ class Node:
         self.hello_batcher.forget(connection)
         self.heartbeat_batcher.forget(connection)
         session = connection.session
-        if session is None or self.sessions.get(session.conn) is not connection:
+        if session is None:
+            return
+        self.release(connection)
+        if self.sessions.get(session.conn) is not connection:
             return
         del self.sessions[session.conn]
         if not self.settings.max_sessions_per_sub or session.claims is None:
@@ -353,6 +446,54 @@ class Node:
             del tids[session.claims.tid]
             if not tids:
                 del self.sub_sessions[session.claims.sub]
+
+    def release(self, connection: Connection) -> None:
+        """A closed connection no longer serves its session: the store records it, batched
+        (:meth:`tokend.session.Session.take_release` says whether, and how)."""
+        request = self._release_request(connection.session)
+        if request is not None:
+            self.release_batcher.submit(request)
+
+    def _release_request(self, session: Session | None) -> ReleaseRequest | None:
+        release = session.take_release() if session is not None else None
+        if release is None:
+            return None
+        assert session is not None and session.claims is not None
+        return self.store.release_request(
+            session.claims.tid, session.conn, session.since_ms, release.reason
+        )
+
+    async def going_away(
+        self, connections: Sequence[Connection], reason: str, *, wait: bool = True
+    ) -> bool:
+        """Close ``connections`` with 1001, a planned close (drain, reload, shutdown).
+
+        Their sessions are released, and parked, in the store first, in one round trip
+        (bounded by ``redis_timeout``), and only then are their clients told: a client that
+        reconnects at once, to another node, finds its session parked, not held live by a
+        connection of this one (4509 without its resume proof). Without ``wait``, or when
+        Redis cannot take them, the releases go to the batcher and the closes out at once.
+        Returns False when it waited for Redis and Redis did not take them.
+        """
+        closes: list[tuple[Connection, Close | None]] = []
+        requests = []
+        for connection in connections:
+            session = connection.session
+            if session is None:  # still in the opening handshake
+                connection.close(CloseCode.GOING_AWAY, reason)
+                continue
+            closes.append((connection, session.close(CloseCode.GOING_AWAY, reason)))
+            request = self._release_request(session)
+            if request is not None:
+                requests.append(request)
+        asked = wait and bool(requests)
+        recorded = asked and await self.release_batcher.record(requests)
+        if not recorded:
+            for request in requests:
+                self.release_batcher.submit(request)
+        for connection, close in closes:
+            connection.send_close(close)
+        return recorded or not asked
 
     def sessions_by_state(self) -> dict[str, int]:
         warned = sum(1 for c in self.sessions.values() if c.session and c.session.warned)
@@ -436,6 +577,15 @@ class Node:
             log.warning("sessions vanished unswept", count=vanished)
         if expired:
             log.info("sessions expired", count=expired.total(), reasons=dict(expired))
+
+    async def _refresh_keys(self) -> None:
+        """Follow the keys directory (keys rotated in or deleted by another process, files
+        refused), every KEYS_REFRESH_INTERVAL: the files are read in a thread, so that no
+        HELLO, renewal or JWKS request waits for the disk."""
+        keys = self.tokens.keys
+        while self.running:
+            await asyncio.sleep(KEYS_REFRESH_INTERVAL)
+            keys.apply(await asyncio.to_thread(keys.scan))
 
     async def _listen(self) -> None:
         """The node's one subscription: control messages for connections it holds."""

@@ -56,11 +56,13 @@ BUSY = HttpAnswer(
 
 
 def connection_budget(settings: Settings) -> int:
-    """Client connections this process can hold and still open its Redis connections."""
+    """Client connections this process can hold and still open its Redis connections and
+    every admin connection the admin listener may hold (``admin_max_connections``)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 62
-    return soft - settings.redis_pool_size - FD_RESERVE
+    admin = settings.admin_max_connections if settings.admin_port >= 0 else 0
+    return soft - settings.redis_pool_size - admin - FD_RESERVE
 
 
 class App:
@@ -221,7 +223,9 @@ class App:
 
         Connections are closed in batches, one every :data:`DRAIN_TICK` or so, so that
         their clients do not all reconnect (to other nodes) at once; sessions stay
-        resumable. Once ``hurry`` is set, the rest are closed at once.
+        resumable, each parked before its client is told (:meth:`tokend.node.Node.going_away`:
+        one round trip per batch, none more once Redis failed to answer one). Once
+        ``hurry`` is set, the rest are closed at once.
         """
         assert self.server is not None
         self.draining = True
@@ -231,12 +235,16 @@ class App:
         n = len(connections)
         ticks = max(1, min(n, int(period / DRAIN_TICK)))
         log.info("draining", connections=n, period=period)
+        park_first = True
         for tick in range(ticks):
             if hurry.is_set():
                 log.warning("second signal: closing every connection now")
             end = n if hurry.is_set() else (tick + 1) * n // ticks
-            for connection in connections[tick * n // ticks : end]:
-                connection.close(p.CloseCode.GOING_AWAY, GOING_AWAY)
+            batch = connections[tick * n // ticks : end]
+            if not await self.node.going_away(
+                batch, GOING_AWAY, wait=park_first and not hurry.is_set()
+            ):
+                park_first = False  # Redis did not answer: the rest close without waiting
             if end == n:
                 break
             with contextlib.suppress(TimeoutError):
@@ -255,14 +263,20 @@ class App:
         for connection in list(self.connections):
             if connection.transport is not None:
                 connection.transport.abort()
+        if self.connections:
+            # Each aborted connection ends at the loop's next turn (connection_lost), where
+            # its node is told to release its session: before the node stops, not after.
+            self._all_closed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1):
+                    await self._all_closed.wait()
 
     async def stop(self) -> None:
         """Stop accepting, close connections with 1001 (sessions stay resumable)."""
         if self.server is not None:
             self.draining = True
             self.server.close()
-            for connection in list(self.connections):
-                connection.close(p.CloseCode.GOING_AWAY, GOING_AWAY)
+            await self.node.going_away(list(self.connections), GOING_AWAY)
             await self._closed_within(CLOSE_TIMEOUT + 1)
             await self.server.wait_closed()
         if self.admin is not None:

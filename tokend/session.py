@@ -8,7 +8,9 @@ a WebSocket, ``tests/test_session.py`` from lists of frames and a fake clock.
 Every check of the spec (``shared/spec/protocol-v1.md``) that concerns one
 connection lives here: frame order, token verification, the sub's session cap, the
 frame rate, the heartbeat proof (mac, then tid, then seq), the renew / re-send
-decision, WARN notice and recovery, heartbeats held through a store outage, and
+decision, WARN notice and recovery, heartbeats held through a store outage, the resume
+proof a HELLO shows and the one the next resume must show (spec "Resume proof",
+revision 2), what the store must record when the connection ends (its release), and
 the close code of every failure (docs/protocol.md, "Close reasons").
 """
 
@@ -55,6 +57,25 @@ class Close(NamedTuple):
 _ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
 # The reason of a 1013 given because the node sheds load (tokend.shedding).
 OVERLOADED = "overloaded"
+# Closes after which the connection no longer holds its session in the store: logged out,
+# ended, or taken by another connection. Nothing is released for them.
+_NOT_HELD_AFTER = frozenset(
+    {
+        p.CloseCode.NORMAL,
+        p.CloseCode.SESSION_EXPIRED,
+        p.CloseCode.TOKEN_REVOKED,
+        p.CloseCode.TAKEN_OVER,
+    }
+)
+
+
+class Release(NamedTuple):
+    """A connection that held its session ended: the store is to record that no connection
+    holds it now (docs/protocol.md §5, "When a connection ends")."""
+
+    # The close's reason when the server itself closed it with 1001 (a planned close: drain,
+    # reload, shutdown; the session is parked, tokend.clocks.parked_heartbeat); else "".
+    reason: str
 
 
 class Ask(Enum):
@@ -122,7 +143,8 @@ class Session:
 
     Invariants: ``unanswered`` holds, oldest first, the (seq, exp) of every heartbeat
     verified and not yet acknowledged; the first ``storing`` of them are in the
-    store's hands. Once :attr:`phase` is CLOSED every input returns nothing.
+    store's hands. Once :attr:`phase` is CLOSED every input returns nothing. ``since_ms``
+    is set once the store gave this connection the session.
     """
 
     __slots__ = (
@@ -131,6 +153,7 @@ class Session:
         "claims",
         "clock",
         "conn",
+        "ended_by",
         "exp_ms",
         "frames",
         "held",
@@ -140,7 +163,9 @@ class Session:
         "last_beat",
         "last_seq",
         "phase",
+        "released",
         "resumed",
+        "shown_proof",
         "since_ms",
         "storing",
         "tid_bytes",
@@ -157,7 +182,8 @@ class Session:
         self.phase = Phase.HELLO
         self.claims: Claims | None = None
         self.tid_bytes = b""
-        self.key = b""
+        self.key = b""  # the session key, made at HELLO; WELCOME carries it
+        self.shown_proof: bytes | None = None  # the HELLO's resume proof, until the answer
         self.last_seq = 0
         self.last_beat = -math.inf  # clock() at the last heartbeat verified
         self.cadenced = False  # that heartbeat came on cadence (see _on_cadence)
@@ -168,6 +194,8 @@ class Session:
         self.since_ms = 0  # Redis time at which this connection took the session
         self.warned = False
         self.held = False  # a heartbeat was acknowledged that the store has not recorded
+        self.ended_by: Close | None = None  # the close decided; None if abandoned (or open)
+        self.released = False  # take_release() was asked
         self.frames: TokenBucket | None = None
         # A tuple: an idle session holds the shared empty one, not a list of its own.
         self.unanswered: tuple[tuple[int, int], ...] = ()
@@ -252,8 +280,20 @@ class Session:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         if self.host.sub_is_full(claims):
             return self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
+        # Made before the store is asked: the store keeps (a digest of) the resume proof it
+        # makes, for the next resume of the session to show, on whatever node (spec "Resume
+        # proof").
+        self.key = os.urandom(p.SESSION_KEY_LENGTH)
+        self.shown_proof = hello.proof
         self.phase = Phase.STARTING
         return Ask.START
+
+    @property
+    def next_proof(self) -> bytes:
+        """The resume proof this connection's session key makes (spec "Resume proof"): what
+        the next resume of the session must show while this connection holds it live."""
+        assert self.claims is not None
+        return p.resume_proof(self.key, self.claims.tid.bytes)
 
     def _heartbeat(self, hb: p.Heartbeat) -> Ask | Close:
         # Spec 0x03: the mac first (constant time), then the tid, then the seq.
@@ -274,9 +314,16 @@ class Session:
 
     def started(self, answer: HelloAnswer) -> bytes | Close | None:
         """The store's answer to :attr:`Ask.START`: WELCOME, or the refusal."""
-        if self.phase is not Phase.STARTING:
-            return None
         outcome = answer.outcome
+        self.shown_proof = None
+        if self.phase is not Phase.STARTING:
+            if self.phase is Phase.CLOSED and outcome in _HELD:
+                # The store gave this connection the session after it closed (its client
+                # gave up waiting, or left): it is released (take_release).
+                self.since_ms = answer.since_ms
+            return None
+        if outcome is HelloOutcome.IN_USE:
+            return self._close(p.CloseCode.SESSION_IN_USE, "session_in_use")
         if outcome is HelloOutcome.ENDED:
             ended = answer.ended or Ended.REVOKED
             return self._close(ENDED_CODES[ended], f"session_{ended}")
@@ -290,7 +337,6 @@ class Session:
         self.tid_bytes = self.claims.tid.bytes
         self.exp_ms, self.iat_s, self.since_ms = answer.exp_ms, answer.iat_s, answer.since_ms
         self.token_exp_ms = self.claims.exp * 1000
-        self.key = os.urandom(p.SESSION_KEY_LENGTH)
         if self.cadence.max_frame_rate:
             self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock)
         cadence = self.cadence
@@ -445,4 +491,26 @@ class Session:
         if self.phase is Phase.CLOSED:
             return None
         self.phase = Phase.CLOSED
-        return Close(code, reason)
+        self.ended_by = Close(code, reason)
+        return self.ended_by
+
+    def take_release(self) -> Release | None:
+        """Once closed: what the store must record now that this connection no longer serves
+        its session, asked once (docs/protocol.md §5, "When a connection ends").
+
+        None when the store never gave it the session, or when the close says the session
+        is not this connection's any more (BYE, ended, taken over). Otherwise a
+        :class:`Release`: planned when the server itself closed it with 1001.
+        """
+        if self.phase is not Phase.CLOSED or not self.since_ms or self.released:
+            return None
+        self.released = True
+        close = self.ended_by
+        if close is None:  # abandoned: the client left, the network dropped it
+            return Release("")
+        if close.code in _NOT_HELD_AFTER:
+            return None
+        return Release(close.reason if close.code is p.CloseCode.GOING_AWAY else "")
+
+
+_HELD = frozenset({HelloOutcome.STARTED, HelloOutcome.RESUMED})

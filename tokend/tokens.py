@@ -3,7 +3,11 @@
 Keys are Ed25519, one PEM file per key in the keys directory, named by its
 ``kid``. Kids sort by creation time, so the greatest one is the newest. A rotated
 key is published at once and signs after a delay; a key that stopped signing is
-published until its tokens have expired (:class:`KeySchedule`).
+published until its tokens have expired (:class:`KeySchedule`). A private key file
+must be readable by its owner only, as ssh requires (:meth:`KeyRing.open`).
+
+Verifying and signing read neither a clock nor a file: the caller passes the time,
+and the node refreshes the :class:`KeyRing` from the directory on a timer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -27,16 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from cryptography.exceptions import InvalidSignature
+import structlog
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from tokend.config import Settings
+from tokend.config import ConfigError, Settings
+
+log = structlog.get_logger("tokend.tokens")
 
 KID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "exp")
 DEFAULT_PRIO = 5
-REFRESH_INTERVAL = 1.0  # seconds between looks at the keys directory for rotated keys
 PRIO_RANGE = range(10)
 
 
@@ -129,9 +136,61 @@ def _b64url(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
-class KeyRing:
-    """The keys of one keys directory, as the directory holds them now.
+class KeyFileError(ConfigError):
+    """A keys directory tokend will not start with; the message names the file and the fix."""
 
+
+# (inode, size, mtime_ns, mode) of a file: another version of the file, or another
+# mode, has another stamp.
+Stamp = tuple[int, int, int, int]
+
+
+def _too_open(stamp: Stamp) -> bool:
+    """Group or others may read or write the file: ssh's rule for a private key file."""
+    return bool(stat.S_IMODE(stamp[3]) & 0o077)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyFile:
+    """One version of a ``.pem`` file of the keys directory: its key, or why it was refused."""
+
+    stamp: Stamp
+    key: Ed25519PrivateKey | None
+    why: str = ""
+
+    @property
+    def too_open(self) -> bool:
+        return _too_open(self.stamp)
+
+
+def _read_key_file(path: Path, stamp: Stamp) -> KeyFile:
+    """The key of ``path``, or why it is refused (never the key's bytes in the reason)."""
+    if not KID_PATTERN.match(path.stem):
+        return KeyFile(stamp, None, "not named <YYYYmmddTHHMMSSZ>-<8 hex digits>.pem: ignored")
+    if _too_open(stamp):
+        mode = f"{stat.S_IMODE(stamp[3]):04o}"
+        return KeyFile(
+            stamp, None, f"readable by group or others (mode {mode}): run chmod 600 {path}"
+        )
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except OSError as exc:
+        return KeyFile(stamp, None, f"cannot be read: {exc.strerror}")
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return KeyFile(stamp, None, "not a PEM private key without a passphrase")
+    if not isinstance(key, Ed25519PrivateKey):
+        return KeyFile(stamp, None, "not an Ed25519 private key")
+    return KeyFile(stamp, key)
+
+
+class KeyRing:
+    """The keys of one keys directory, as it held them at the last :meth:`refresh`.
+
+    Signing and verifying read only memory: a node refreshes the ring on a timer, off
+    the event loop (:meth:`scan` in a thread, then :meth:`apply`; tokend.node). A file
+    refused (malformed, not Ed25519, readable by group or others, misnamed) is logged
+    once per version of it and listed in :attr:`problems` (``/readyz``); a key already
+    loaded stays loaded while its file is refused, and the ring never drops to no key.
     Which key signs and which are published is :class:`KeySchedule`'s to say.
     """
 
@@ -141,17 +200,31 @@ class KeyRing:
         self._headers: dict[str, str] = {}  # the JWS header of each kid, base64url-encoded
         self._public: dict[str, Ed25519PublicKey] = {}
         self.kids: list[str] = []  # every kid, oldest first
-        self._checked = 0.0  # monotonic time of the last look at the directory
+        self.files: dict[str, KeyFile] = {}  # every .pem file by name, as last scanned
+        self.unlisted = ""  # why the directory could not be listed at the last scan
 
     @classmethod
     def open(cls, directory: Path) -> KeyRing:
-        """Load the directory, generating a first key if it has none."""
+        """Load the directory, generating a first key if it has none.
+
+        Raises :class:`KeyFileError` for a key file readable by group or others, as ssh
+        does, or when no file holds a usable key.
+        """
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         ring = cls(directory)
         with _locked(directory):
-            ring.reload()
-            if not ring._private:
+            scan = ring.scan()
+            if isinstance(scan, str):
+                raise KeyFileError(f"keys_dir: {directory}: {scan}")
+            for name, file in sorted(scan.items()):
+                if file.too_open and KID_PATTERN.match(Path(name).stem):
+                    raise KeyFileError(f"keys_dir: {directory / name}: {file.why}")
+            ring.apply(scan)
+            if not any(KID_PATTERN.match(Path(name).stem) for name in scan):
                 ring._add_new_key()
+            elif not ring._private:
+                reasons = "; ".join(f"{name}: {file.why}" for name, file in sorted(scan.items()))
+                raise KeyFileError(f"keys_dir: no usable signing key in {directory} ({reasons})")
         return ring
 
     def rotate(self) -> str:
@@ -164,39 +237,94 @@ class KeyRing:
         kid = _new_kid(max([*self._private, *self._kids_on_disk()], default=""))
         key = Ed25519PrivateKey.generate()
         _write_private_key(self.directory / f"{kid}.pem", key)
-        self._add(kid, key)
+        self._use({**self._private, kid: key})
         return kid
 
-    def _add(self, kid: str, key: Ed25519PrivateKey) -> None:
-        self._private[kid] = key
-        self._public[kid] = key.public_key()
-        self.kids = sorted(self._private)
+    def _use(self, keys: dict[str, Ed25519PrivateKey]) -> None:
+        """Sign and verify with ``keys`` from now on (each attribute replaced whole)."""
+        self._public = {
+            kid: self._public[kid] if self._private.get(kid) is key else key.public_key()
+            for kid, key in keys.items()
+        }
+        self._private = keys
+        self.kids = sorted(keys)
 
     def _kids_on_disk(self) -> set[str]:
         return {p.stem for p in self.directory.glob("*.pem") if KID_PATTERN.match(p.stem)}
 
-    def refresh(self, interval: float = REFRESH_INTERVAL) -> None:
-        """Follow the directory (keys rotated in or deleted by another process), looking
-        at it at most once per ``interval`` seconds."""
-        now = time.monotonic()
-        if now - self._checked < interval:
-            return
-        self._checked = now
-        if self._kids_on_disk() != self._private.keys():
-            self.reload()
+    def scan(self) -> dict[str, KeyFile] | str:
+        """Every ``.pem`` file of the directory, reading only those that changed since the
+        last :meth:`apply`; or why the directory could not be listed.
 
-    def reload(self) -> None:
-        """Re-read the directory: load the keys added, forget the keys deleted."""
-        on_disk = self._kids_on_disk()
-        for kid in self._private.keys() - on_disk:
-            del self._private[kid], self._public[kid]
-        self.kids = sorted(self._private)
-        for kid in sorted(on_disk - self._private.keys()):
-            path = self.directory / f"{kid}.pem"
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-            if not isinstance(key, Ed25519PrivateKey):
-                raise ValueError(f"{path}: not an Ed25519 private key")
-            self._add(kid, key)
+        Safe in another thread while the ring signs and verifies: it reads the ring's
+        :attr:`files` only, which :meth:`apply` replaces rather than changes.
+        """
+        known = self.files
+        files: dict[str, KeyFile] = {}
+        try:
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    if not entry.name.endswith(".pem"):
+                        continue
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:  # deleted since it was listed
+                        continue
+                    stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+                    before = known.get(entry.name)
+                    if before is not None and before.stamp == stamp:
+                        files[entry.name] = before
+                    else:
+                        files[entry.name] = _read_key_file(Path(entry.path), stamp)
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        return files
+
+    def apply(self, scan: dict[str, KeyFile] | str) -> None:
+        """Use what :meth:`scan` found: keys added, keys whose file was deleted dropped.
+
+        A refused file is logged once per version of it (and its key, if one was loaded
+        from an earlier version, kept); a scan with no usable key, or of a directory that
+        could not be listed, changes no key.
+        """
+        if isinstance(scan, str):
+            if scan != self.unlisted:
+                log.error("keys directory unreadable: keeping the keys loaded", why=scan)
+            self.unlisted = scan
+            return
+        if self.unlisted:
+            log.info("keys directory readable again")
+            self.unlisted = ""
+        keys: dict[str, Ed25519PrivateKey] = {}
+        for name, file in scan.items():
+            kid = Path(name).stem
+            if file.why and self.files.get(name) != file:
+                log.error("key file refused", file=str(self.directory / name), why=file.why)
+            if file.key is not None:
+                keys[kid] = file.key
+            elif kid in self._private:  # refused now: keep the key its old version held
+                keys[kid] = self._private[kid]
+        for name, before in self.files.items():
+            after = scan.get(name)
+            if before.why and after is not None and not after.why:
+                log.info("key file accepted", file=str(self.directory / name))
+        self.files = scan
+        if not keys and self._private:
+            log.error("no usable key in the keys directory: keeping the keys loaded")
+            return
+        self._use(keys)
+
+    def refresh(self) -> None:
+        """Scan and apply at once, in this thread (the CLI; tests)."""
+        self.apply(self.scan())
+
+    @property
+    def problems(self) -> dict[str, str]:
+        """What the last scan refused, by file name (``keys_dir`` for the directory)."""
+        problems = {name: file.why for name, file in sorted(self.files.items()) if file.why}
+        if self.unlisted:
+            problems["keys_dir"] = self.unlisted
+        return problems
 
     def public_key(self, kid: str) -> Ed25519PublicKey | None:
         return self._public.get(kid)
@@ -302,7 +430,7 @@ class TokenService:
         self.algorithms = settings.algorithm_list
         self.default_ttl_s = settings.token_ttl_s
 
-    def mint(
+    def new_claims(
         self,
         sub: str,
         *,
@@ -310,17 +438,25 @@ class TokenService:
         prio: int = DEFAULT_PRIO,
         tid: uuid.UUID | None = None,
         iat: int | None = None,
-    ) -> str:
-        """A new token (a fresh ``jti`` unless ``tid`` is given)."""
+    ) -> Claims:
+        """The claims of a new token: a fresh ``jti`` unless ``tid`` is given, issued at
+        ``iat`` (unix seconds; None: now, by this machine's clock), expiring ``ttl_s``
+        (default ``token_ttl``) later."""
         if prio not in PRIO_RANGE:
             raise ValueError("prio must be 0..9")
         ttl_s = self.default_ttl_s if ttl_s is None else ttl_s
         if ttl_s < 1:
             raise ValueError("ttl must be at least 1 second")
         iat = int(time.time()) if iat is None else iat
-        return self.sign(Claims(tid or uuid.uuid4(), sub, iat, iat + ttl_s, prio))
+        return Claims(tid or uuid.uuid4(), sub, iat, iat + ttl_s, prio)
+
+    def mint(self, sub: str, **fields: Any) -> str:
+        """A new token: the claims of :meth:`new_claims` (the same keywords), signed."""
+        return self.sign(self.new_claims(sub, **fields))
 
     def sign(self, claims: Claims) -> str:
+        """The token of ``claims``, signed by the key that signs at its ``iat``
+        (:class:`KeySchedule`): no clock is read, no file."""
         body: dict[str, Any] = {
             "iss": self.issuer,
             "aud": self.audience,
@@ -331,30 +467,28 @@ class TokenService:
         }
         if claims.prio != DEFAULT_PRIO:
             body["prio"] = claims.prio
-        self.keys.refresh()  # a key rotated in by `tokend keys rotate` comes due in time
-        return self.keys.sign(body, self.signing_kid)
+        return self.keys.sign(body, self.signing_kid(claims.iat))
 
-    @property
-    def signing_kid(self) -> str:
-        return self.schedule.signing(self.keys.kids, time.time())
+    def signing_kid(self, now: float) -> str:
+        return self.schedule.signing(self.keys.kids, now)
 
-    def published_kids(self) -> list[str]:
-        return self.schedule.published(self.keys.kids, time.time())
+    def published_kids(self, now: float) -> list[str]:
+        return self.schedule.published(self.keys.kids, now)
 
     def jwks(self) -> dict[str, Any]:
-        """The published keys, as the keys directory holds them at this moment."""
-        self.keys.refresh(0)  # a listing of a few names: nothing to save by waiting
-        return self.keys.jwks(self.published_kids())
+        """The keys published now, as the ring held them at its last refresh."""
+        return self.keys.jwks(self.published_kids(time.time()))
 
-    def _key_for(self, kid: str) -> Ed25519PublicKey:
-        self.keys.refresh()  # keys rotated in or deleted by another process, within a second
+    def _key_for(self, kid: str, now: float) -> Ed25519PublicKey:
         key = self.keys.public_key(kid)
-        if key is None or time.time() >= self.schedule.retires_at(kid, self.keys.kids):
+        if key is None or now >= self.schedule.retires_at(kid, self.keys.kids):
             raise TokenError("unknown_kid")
         return key
 
-    def verify(self, token: str) -> Claims:
-        """Check signature, algorithm, issuer, audience, times and claim shapes.
+    def verify(self, token: str, now: float) -> Claims:
+        """Check signature, algorithm, issuer, audience, times (at ``now``, unix seconds,
+        within ``leeway``) and claim shapes. Reads no clock and no file: the caller gives
+        the time, the ring holds the keys (refreshed by the node, tokend.node).
 
         The same checks as ``jwt.decode`` with ``strict_aud`` and the required
         claims (RFC 7515 compact serialization, RFC 7519 claims), done on the
@@ -372,7 +506,7 @@ class TokenService:
             raise TokenError("bad_algorithm")
         if not isinstance(kid, str) or not KID_PATTERN.match(kid):
             raise TokenError("unknown_kid")
-        key = self._key_for(kid)
+        key = self._key_for(kid, now)
         try:
             key.verify(_b64decode(segments[2]), f"{segments[0]}.{segments[1]}".encode("ascii"))
         except (InvalidSignature, binascii.Error):
@@ -385,7 +519,6 @@ class TokenService:
             raise TokenError("wrong_issuer")
         if payload["aud"] != self.audience or not isinstance(payload["aud"], str):
             raise TokenError("wrong_audience")
-        now = time.time()
         for claim in ("exp", "iat", "nbf"):
             value = payload.get(claim)
             if claim in payload and (isinstance(value, bool) or not isinstance(value, int | float)):

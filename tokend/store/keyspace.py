@@ -23,8 +23,12 @@ from dataclasses import dataclass
 SHARDS = 16
 
 # The session hash's fields, and which hold numbers; the scripts read them by these names
-# only (load_session in lua/_prelude.lua).
-SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since")
+# only (load_session in lua/_prelude.lua). `conn` is the connection holding the session;
+# once that connection ended it is moved to `left` (release.lua), so that the session's
+# later events still name the node that held it last. `proof` is the digest of the resume
+# proof the holding connection's session key makes (tokend.store.sessions.proof_digest):
+# never logged, never shown (docs/security.md).
+SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since", "left", "proof")
 NUMERIC_FIELDS = frozenset({"hb", "exp", "iat", "prio", "since"})
 
 

@@ -23,6 +23,7 @@ from tokend.answers import (
     EndOutcome,
     HeartbeatOutcome,
     HelloOutcome,
+    ReleaseOutcome,
     Swept,
 )
 from tokend.clocks import ExpiryReason, State
@@ -45,6 +46,7 @@ LUA_CONSTANTS: dict[str, type[Enum]] = {
     "HELLO_OUTCOME": HelloOutcome,
     "HEARTBEAT_OUTCOME": HeartbeatOutcome,
     "END_OUTCOME": EndOutcome,
+    "RELEASE_OUTCOME": ReleaseOutcome,
     "SWEPT": Swept,
 }
 
@@ -91,7 +93,8 @@ HEARTBEAT = Script("heartbeat")
 CLAIM = Script("claim")
 TRANSITION = Script("transition")
 END = Script("end")
-SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END)
+RELEASE = Script("release")
+SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END, RELEASE)
 
 # One script call: the script, its keys, its arguments (after the common ones).
 ScriptCall = tuple[Script, list[str], list[Any]]

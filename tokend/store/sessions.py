@@ -8,6 +8,7 @@ so that no raw reply leaves this module.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -22,22 +23,67 @@ from tokend.answers import (
     HeartbeatOutcome,
     HelloAnswer,
     HelloOutcome,
+    ReleaseOutcome,
     Swept,
 )
+from tokend.clocks import HELD_LIVE_SLACK_MS
 from tokend.config import Settings
 from tokend.protocol import CloseCode
 from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.queries import Queries
 from tokend.store.redis_client import Client
-from tokend.store.scripts import CLAIM, END, HEARTBEAT, HELLO, TRANSITION, Script, ScriptRunner
+from tokend.store.scripts import (
+    CLAIM,
+    END,
+    HEARTBEAT,
+    HELLO,
+    RELEASE,
+    TRANSITION,
+    Script,
+    ScriptRunner,
+)
 from tokend.store.unavailable import NotConfirmed
 
 log = structlog.get_logger("tokend.store")
 
-# A HELLO for hello.lua: tid, sub, prio, iat (s), exp (s), conn.
-HelloRequest = tuple[uuid.UUID, str, int, int, int, str]
 # One session's part of a batch script call: its shard, its keys, its arguments.
 SessionPart = tuple[int, Sequence[str], Sequence[Any]]
+
+
+def proof_digest(proof: bytes | None) -> str:
+    """What the store keeps of a resume proof (spec "Resume proof", revision 2), and what
+    hello.lua compares: the first 16 bytes of its SHA-256, in hex; "" for no proof.
+
+    Not the proof itself: a digest cannot be turned back into a proof, so a copy of Redis
+    does not let anyone take over a live session, and an equality of digests in Lua takes
+    a time that tells nothing about the proof (docs/security.md). Never logged all the same.
+    """
+    return hashlib.sha256(proof).hexdigest()[:32] if proof else ""
+
+
+class HelloRequest(NamedTuple):
+    """A HELLO for hello.lua."""
+
+    tid: uuid.UUID
+    sub: str
+    prio: int
+    iat_s: int
+    exp_s: int
+    conn: str
+    # The resume proof the HELLO shows (None: a v1 HELLO without one), and the proof that
+    # this connection's session key makes, which the next resume of the session must show.
+    shown: bytes | None = None
+    proof: bytes = b""
+
+
+class ReleaseRequest(NamedTuple):
+    """A connection that held its session ended (release.lua)."""
+
+    tid: str
+    conn: str
+    since_ms: int  # Redis time at which the connection took the session (HELLO's answer)
+    reason: str  # the close reason of a planned close (1001 from the server), else ""
+    shard: int
 
 
 class HeartbeatRequest(NamedTuple):
@@ -60,11 +106,13 @@ class Known(NamedTuple):
     iat_s: int
     exp_ms: int
     since_ms: int  # Redis time at which this connection took the session (HELLO's answer)
+    proof: bytes  # the resume proof this connection's session key makes
 
     @property
     def encoded(self) -> str:
         """heartbeat.lua's restore argument."""
-        return f"{self.prio}|{self.iat_s}|{self.exp_ms}|{self.since_ms}|{self.sub}"
+        proof = proof_digest(self.proof)
+        return f"{self.prio}|{self.iat_s}|{self.exp_ms}|{self.since_ms}|{proof}|{self.sub}"
 
 
 class Store(ScriptRunner):
@@ -85,7 +133,9 @@ class Store(ScriptRunner):
         self._session_prefixes = [self.keys.session_prefixes(n) for n in range(SHARDS)]
         # A Cluster refuses a call whose keys span slots (CROSSSLOT).
         self._one_slot_per_call = isinstance(redis, RedisCluster)
-        self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms]
+        held_live_ms = settings.ms("heartbeat_interval") + HELD_LIVE_SLACK_MS
+        self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms, held_live_ms]
+        self._release_args = [self.warn_ms, settings.ms("restart_grace")]
         self._heartbeat_args = [
             self.warn_ms,
             self.renew_ms,
@@ -98,10 +148,19 @@ class Store(ScriptRunner):
         self.known_revoked: Callable[[str], bool] = _never
 
     async def hello(
-        self, tid: uuid.UUID, sub: str, prio: int, iat_s: int, exp_s: int, conn: str
+        self,
+        tid: uuid.UUID,
+        sub: str,
+        prio: int,
+        iat_s: int,
+        exp_s: int,
+        conn: str,
+        shown: bytes | None = None,
+        proof: bytes = b"",
     ) -> HelloAnswer:
-        """Start or resume one session (hello.lua)."""
-        return (await self.hellos([(tid, sub, prio, iat_s, exp_s, conn)]))[0]
+        """Start or resume one session (hello.lua); see :class:`HelloRequest`."""
+        request = HelloRequest(tid, sub, prio, iat_s, exp_s, conn, shown, proof)
+        return (await self.hellos([request]))[0]
 
     async def hellos(self, batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
         """Start or resume many sessions in one round trip: one hello.lua call on one
@@ -116,7 +175,7 @@ class Store(ScriptRunner):
             return await self._hellos_but_revoked(batch)
         prefixes = self._session_prefixes
         members = []
-        for tid, sub, prio, iat_s, exp_s, conn in batch:
+        for tid, sub, prio, iat_s, exp_s, conn, shown, proof in batch:
             tid_text = str(tid)
             shard = Keyspace.shard_of(tid_text)
             hash_prefix, tomb_prefix = prefixes[shard]
@@ -124,7 +183,16 @@ class Store(ScriptRunner):
                 (
                     shard,
                     (hash_prefix + tid_text, tomb_prefix + tid_text),
-                    (tid_text, sub, prio, iat_s, exp_s, conn),
+                    (
+                        tid_text,
+                        sub,
+                        prio,
+                        iat_s,
+                        exp_s,
+                        conn,
+                        proof_digest(shown),
+                        proof_digest(proof),
+                    ),
                 )
             )
         replies = await self._per_shard(HELLO, self._hello_args, members)
@@ -207,7 +275,7 @@ class Store(ScriptRunner):
     async def _per_shard(
         self, script: Script, fixed: list[Any], members: Sequence[SessionPart]
     ) -> list[Any]:
-        """Run a batch script (hello.lua, heartbeat.lua) for many sessions in one round trip.
+        """Run a batch script (hello, heartbeat or release.lua) for many sessions in one round trip.
 
         ``members`` are (shard, the session's keys, its arguments). The script takes
         them in groups, one per shard: the group's keys (the shard's deadline set and
@@ -244,6 +312,26 @@ class Store(ScriptRunner):
         for i, reply in zip(order, replies, strict=True):
             results[i] = reply
         return results
+
+    def release_request(
+        self, tid: uuid.UUID, conn: str, since_ms: int, reason: str
+    ) -> ReleaseRequest:
+        tid_text = str(tid)
+        return ReleaseRequest(tid_text, conn, since_ms, reason, Keyspace.shard_of(tid_text))
+
+    async def releases(self, batch: Sequence[ReleaseRequest]) -> list[ReleaseOutcome]:
+        """Record, in one round trip, that the connections of ``batch`` ended: each session
+        still held by its connection is held by none now, and one that the server closed
+        with 1001 is parked (release.lua; docs/protocol.md §5, "When a connection ends")."""
+        prefixes = self._session_prefixes
+        members = []
+        for tid, conn, since_ms, reason, shard in batch:
+            hash_prefix, tomb_prefix = prefixes[shard]
+            members.append(
+                (shard, (hash_prefix + tid, tomb_prefix + tid), (tid, conn, since_ms, reason))
+            )
+        replies = await self._per_shard(RELEASE, self._release_args, members)
+        return [ReleaseOutcome(reply) for reply in replies]
 
     async def end(
         self,

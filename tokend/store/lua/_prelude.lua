@@ -1,9 +1,9 @@
 -- Prepended to every tokend script, after the constants that tokend/store/scripts.py generates
 -- from Python, so that neither side spells the other's values: CLOSE (close codes,
 -- tokend.protocol.CloseCode), EXPIRY (tokend.clocks.ExpiryReason), ENDED (tombstones,
--- tokend.answers.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME and
--- SWEPT (tokend.answers), SESSION_FIELDS (the session hash's fields) and session_fields
--- (an HMGET reply of those as a table by name).
+-- tokend.answers.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME,
+-- RELEASE_OUTCOME and SWEPT (tokend.answers), SESSION_FIELDS (the session hash's fields)
+-- and session_fields (an HMGET reply of those as a table by name).
 --
 -- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event stream; every
 -- other key is a session or tombstone key of the same shard, so all keys share one hash
@@ -46,10 +46,16 @@ local function node_of(conn)
   return conn and conn:match('^(.+)/')
 end
 
+-- The connection a session's events name: the one holding it, else (its connection
+-- ended: release.lua) the one that held it last.
+local function holder(s)
+  return s.conn or s.left
+end
+
 -- The event of a transition, emitted in the same atomic step that makes it. Its
--- `node` is the node holding the session (of its connection `conn`), whichever node
--- runs the script; `by` says who asked for a revocation. docs/events.md lists the
--- fields of each type.
+-- `node` is the node holding the session (of its connection `conn`: see holder),
+-- whichever node runs the script; `by` says who asked for a revocation. docs/events.md
+-- lists the fields of each type.
 local function emit(kind, tid, sub, at, conn, reason, by)
   local json = cjson.encode({v = 1, type = kind, tid = tid, sub = sub, at = at,
                              node = node_of(conn), reason = reason, by = by})
@@ -78,15 +84,15 @@ local function finish(t)
   if s.exp > t.now then
     redis.call('SET', t.tkey, t.tomb, 'PXAT', s.exp)
   end
-  emit(t.event, t.tid, s.sub, t.now, s.conn, t.reason, t.by)
+  emit(t.event, t.tid, s.sub, t.now, holder(s), t.reason, t.by)
   if t.code then
     control('close', t.tid, s.conn, t.code)
   end
 end
 
--- The batch scripts (hello.lua, heartbeat.lua) take many sessions in one call, grouped
--- by shard. KEYS, per group: the shard's deadline set and event stream, then (session
--- hash, tombstone) per session of that shard. ARGV, after the script's `fixed` first
+-- The batch scripts (hello.lua, heartbeat.lua, release.lua) take many sessions in one
+-- call, grouped by shard. KEYS, per group: the shard's deadline set and event stream, then
+-- (session hash, tombstone) per session of that shard. ARGV, after the script's `fixed` first
 -- arguments: per group, its number of sessions, then `width` arguments per session. On
 -- a Cluster a call has one group (one slot); on one Redis, a whole batch's groups.
 -- Calls fn(session hash, tombstone, the session's arguments...) for each session, with

@@ -5,7 +5,7 @@
 -- when no session is live, who asked ('' = nobody named; the event's `by`).
 -- Returns an END_OUTCOME: ENDED when a live session was ended, BARRED when only a
 -- tombstone was written, ALREADY_ENDED when the session had already ended (or, for BYE,
--- is no longer this connection's).
+-- is no longer this connection's: another holds it, or held it last).
 local skey, tkey = KEYS[3], KEYS[4]
 local tid, conn, kind, tomb = ARGV[OWN + 1], ARGV[OWN + 2], ARGV[OWN + 3], ARGV[OWN + 4]
 local code, tomb_ttl_ms = tonumber(ARGV[OWN + 5]), tonumber(ARGV[OWN + 6])
@@ -41,7 +41,9 @@ if not s then
   redis.call('SET', tkey, redis.call('GET', tkey), 'KEEPTTL')
   return revoked(END_OUTCOME.ALREADY_ENDED)
 end
-if conn ~= '' and conn ~= s.conn then
+-- A BYE's connection may have been released meanwhile (it dropped while its BYE was on
+-- the way: release.lua); no other connection took the session since, so it is still its.
+if conn ~= '' and conn ~= holder(s) then
   return END_OUTCOME.ALREADY_ENDED
 end
 finish({skey = skey, tkey = tkey, tid = tid, session = s, now = now, event = kind,

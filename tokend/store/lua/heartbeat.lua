@@ -6,7 +6,7 @@
 -- for a heartbeat the node received in time but could only store now (after an outage);
 -- it is not judged late. restore = '' or, when the node asks again for a session the
 -- store answered gone or taken, what its live connection knows:
--- 'prio|iat_s|exp_ms|since_ms|sub'.
+-- 'prio|iat_s|exp_ms|since_ms|proof|sub' (proof: as hello.lua keeps it).
 -- Returns, per session in order: exp_ms alone when the heartbeat was stored and the
 -- session neither left WARN nor was renewed (the common case, cheapest to send and to
 -- parse); else {OK, was_warn, renewed, exp_ms, iat_s}, {GONE, tombstone or ''} or
@@ -21,7 +21,7 @@ local now = now_ms()
 -- session ended (tombstone), its token expired, or another connection took it later.
 -- Returns whether it did.
 local function restore(skey, tkey, tid, conn, s, known)
-  local prio, iat, exp, since, sub = known:match('^(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+  local prio, iat, exp, since, proof, sub = known:match('^(%d+)|(%d+)|(%d+)|(%d+)|(%x*)|(.*)$')
   exp, since = tonumber(exp), tonumber(since)
   if s then
     if s.sub ~= sub or (s.since or 0) >= since then
@@ -29,7 +29,10 @@ local function restore(skey, tkey, tid, conn, s, known)
     end
     -- Our connection took the session after the one Redis names: Redis lost that resume.
     control('close', tid, s.conn, CLOSE.TAKEN_OVER)
-    redis.call('HSET', skey, 'conn', conn, 'since', since, 'hb', now)
+    redis.call('HSET', skey, 'conn', conn, 'since', since, 'hb', now, 'proof', proof)
+    if s.left then
+      redis.call('HDEL', skey, 'left')
+    end
     if exp > s.exp then
       redis.call('HSET', skey, 'exp', exp, 'iat', iat)
       redis.call('PEXPIREAT', skey, exp + grace_ms)
@@ -39,7 +42,7 @@ local function restore(skey, tkey, tid, conn, s, known)
       return false
     end
     redis.call('HSET', skey, 'sub', sub, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat,
-               'prio', prio, 'conn', conn, 'since', since)
+               'prio', prio, 'conn', conn, 'since', since, 'proof', proof)
     redis.call('PEXPIREAT', skey, exp + grace_ms)
   end
   emit('SESSION_RESTORED', tid, sub, now, conn)

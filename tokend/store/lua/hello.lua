@@ -1,16 +1,21 @@
 -- HELLO for a batch of sessions (spec 0x01): start each, or resume the live one with its
 -- tid. KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
--- arguments are warn_after (ms), grace (ms) and expire_after (ms); each session's are
--- (tid, sub, prio, iat (s), exp (s), conn).
+-- arguments are warn_after (ms), grace (ms), expire_after (ms) and held_live (ms:
+-- heartbeat_interval + tokend.clocks.HELD_LIVE_SLACK_MS); each session's are (tid, sub,
+-- prio, iat (s), exp (s), conn, shown, proof): shown is the digest of the HELLO's resume
+-- proof ('' for none), proof the digest of the proof this connection's session key makes,
+-- kept with the session (field `proof`) for the next resume to show
+-- (tokend.store.sessions.proof_digest).
 -- Returns, per session in order, of HELLO_OUTCOME: {STARTED|RESUMED, exp_ms, iat_s,
--- since_ms}, {ENDED, tombstone}, {EXPIRED} or {MISMATCH}. since_ms is when this
+-- since_ms}, {ENDED, tombstone}, {EXPIRED}, {MISMATCH} or {IN_USE}. since_ms is when this
 -- connection took the session (hash field `since`): after a failover a node re-asserts
 -- its connection only over one that took it earlier (heartbeat.lua).
 local warn_ms, grace_ms, expire_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2]),
                                      tonumber(ARGV[OWN + 3])
+local held_live_ms = tonumber(ARGV[OWN + 4])
 local now = now_ms()
 
-local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
+local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof)
   local tomb = redis.call('GET', tkey)
   if tomb then
     return {HELLO_OUTCOME.ENDED, tomb}
@@ -20,6 +25,14 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
   if s then
     if s.sub ~= sub then
       return {HELLO_OUTCOME.MISMATCH}
+    end
+    -- Spec "Resume proof": another connection holds the session live (tokend.clocks.held_live)
+    -- and this HELLO does not show the proof of its last WELCOME's key: it goes on there, and
+    -- nothing is written. Both sides are digests (SHA-256), so the time this comparison takes
+    -- tells nothing about the proof itself.
+    if s.conn and s.conn ~= conn and now - s.hb <= held_live_ms
+       and (shown == '' or shown ~= s.proof) then
+      return {HELLO_OUTCOME.IN_USE}
     end
     local token_exp = tonumber(exp_s) * 1000
     if token_exp > s.exp then
@@ -47,7 +60,11 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
     end
     -- A resume counts as a heartbeat: the session is ACTIVE again.
     local exp = s.exp
-    redis.call('HSET', skey, 'st', STATE.ACTIVE, 'hb', now, 'conn', conn, 'since', now)
+    redis.call('HSET', skey, 'st', STATE.ACTIVE, 'hb', now, 'conn', conn, 'since', now,
+               'proof', proof)
+    if s.left then
+      redis.call('HDEL', skey, 'left')
+    end
     redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
     -- The connection that held it is told it was taken over; not the one resuming, which
     -- bears the same id when a node restarted under the same name numbers it alike.
@@ -67,11 +84,11 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn)
     return {HELLO_OUTCOME.EXPIRED}
   end
   redis.call('HSET', skey, 'sub', sub, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat,
-             'prio', prio, 'conn', conn, 'since', now)
+             'prio', prio, 'conn', conn, 'since', now, 'proof', proof)
   redis.call('PEXPIREAT', skey, exp + grace_ms)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   emit('SESSION_STARTED', tid, sub, now, conn)
   return {HELLO_OUTCOME.STARTED, exp, tonumber(iat), now}
 end
 
-return for_each_session(3, 6, hello)
+return for_each_session(4, 8, hello)

@@ -46,7 +46,7 @@ for i = 1, (#KEYS - 2) / 2 do
       redis.call('HSET', skey, 'st', STATE.WARN)
       -- Same deadline as tokend.clocks.deadline(WARN, hb, exp).
       redis.call('ZADD', DUE, math.min(hb + expire_ms, exp), tid)
-      emit('SESSION_WARN', tid, s.sub, now, s.conn)
+      emit('SESSION_WARN', tid, s.sub, now, holder(s))
       out[i] = {SWEPT.WARN, tell('notice', tid, s.conn)}
     else
       -- Not due (a heartbeat came after the claim): tokend.clocks.deadline(st, hb, exp).
