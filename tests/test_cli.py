@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -25,6 +26,7 @@ from tokend import config
 from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
 from tokend.store.keyspace import Keyspace
+from tokend.store.sessions import proof_digest
 from tokend.tokens import TokenService
 
 # The environment a newcomer has: no TOKEND_* settings at all.
@@ -199,12 +201,22 @@ async def test_tokens_never_logged(home: dict[str, str], tmp_path: Path):
     good = service.mint("loggy", ttl_s=5)
     forged = good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB")
     renewed = ""
+    secrets: list[bytes] = []  # session keys and resume proofs, and wrong ones
     try:
         async with RawClient.connect(server.port) as client:
-            await client.hello(good)
+            welcome = await client.hello(good)
             ack = await client.heartbeat()
             assert ack.renewed and ack.token
             renewed = ack.token
+            # A resume proof: a wrong one (4509, logged as a close), then the right one.
+            proof = p.resume_proof(welcome.session_key, welcome.tid)
+            wrong = bytes(b ^ 0xFF for b in proof)
+            async with RawClient.connect(server.port) as other:
+                await other.send(p.encode(p.Hello(renewed, proof=wrong)))
+                assert (await other.expect_close()).code == p.CloseCode.SESSION_IN_USE
+            async with RawClient.connect(server.port) as other:
+                taken = await other.hello(renewed, proof)
+            secrets += [welcome.session_key, taken.session_key, proof, wrong]
         async with RawClient.connect(server.port) as client:
             await client.send(p.encode(p.Hello(forged)))
             assert (await client.expect_close()).code == p.CloseCode.INVALID_TOKEN
@@ -217,6 +229,9 @@ async def test_tokens_never_logged(home: dict[str, str], tmp_path: Path):
         signature = token.rsplit(".", 1)[1]
         assert signature not in log
         assert token.split(".")[1] not in log  # nor the claims part
+    for secret in secrets:  # nor a key, a proof or what the store keeps of one
+        for shown in (secret.hex(), base64.b64encode(secret).decode(), proof_digest(secret)):
+            assert shown not in log
 
 
 async def test_events_group_delivers_each_event_once(home: dict[str, str], redis_server):

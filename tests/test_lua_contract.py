@@ -31,7 +31,7 @@ from tokend.clocks import (
     held_live,
     parked_heartbeat,
 )
-from tokend.store.keyspace import SESSION_FIELDS, Keyspace
+from tokend.store.keyspace import HEARTBEAT_FIELDS, SESSION_FIELDS, Keyspace
 from tokend.store.scripts import SCRIPTS, lua_constants
 from tokend.store.sessions import HelloRequest, Store, proof_digest
 
@@ -83,7 +83,7 @@ def test_no_script_reads_a_session_field_by_position() -> None:
     assert {s.name + ".lua" for s in SCRIPTS} | {PRELUDE} == set(sources)
     assert [p for name, text in sources.items() for p in positional_reads(name, text)] == []
     # The one read names the fields Python declares.
-    assert "redis.call('HMGET', skey, unpack(SESSION_FIELDS))" in sources[PRELUDE]
+    assert "redis.call('HMGET', skey, unpack(SESSION_FIELDS, 1, fields))" in sources[PRELUDE]
 
 
 @pytest.mark.parametrize(
@@ -96,6 +96,16 @@ def test_no_script_reads_a_session_field_by_position() -> None:
 )
 def test_a_positional_read_is_caught(source: str) -> None:
     assert positional_reads("heartbeat.lua", source)
+
+
+def test_a_heartbeat_uses_only_the_fields_it_reads() -> None:
+    """heartbeat.lua reads the first HEARTBEAT_FIELDS of the session (load_session's
+    second argument): every field of a session it uses must be among them."""
+    code = _code(_sources()["heartbeat.lua"])
+    assert code.count("load_session(skey, HEARTBEAT_FIELDS)") == len(SESSION_TABLE.findall(code))
+    used = set(re.findall(r"\bs\.(\w+)", code))
+    assert used and used <= set(SESSION_FIELDS[:HEARTBEAT_FIELDS]), used
+    assert {"left", "proof"}.isdisjoint(SESSION_FIELDS[:HEARTBEAT_FIELDS])
 
 
 def test_no_close_code_is_written_as_a_number() -> None:
@@ -137,6 +147,12 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
     read = "return cjson.encode(load_session(KEYS[3]))"
     keys = [*store.keys.shard_keys(Keyspace.shard(tid)), skey]
     assert json.loads(await redis.eval(prelude + read, 3, *keys, *args)) == fields
+    # A heartbeat's read: the first HEARTBEAT_FIELDS only.
+    first = "return cjson.encode(load_session(KEYS[3], HEARTBEAT_FIELDS))"
+    hot = SESSION_FIELDS[:HEARTBEAT_FIELDS]
+    assert json.loads(await redis.eval(prelude + first, 3, *keys, *args)) == {
+        name: value for name, value in fields.items() if name in hot
+    }
     missing = "return load_session(KEYS[3]) == nil and 1 or 0"
     await redis.delete(skey)
     assert await redis.eval(prelude + missing, 3, *keys, *args) == 1

@@ -16,6 +16,7 @@ from redis.exceptions import DataError
 from testkit.events import EventLog
 from testkit.net import free_port
 from testkit.redis_servers import RedisProcess
+from tokend.answers import ReleaseOutcome
 from tokend.clocks import Clocks
 from tokend.config import Settings
 from tokend.store.keyspace import Keyspace
@@ -175,6 +176,17 @@ async def test_the_session_hash_names_its_node_only_in_conn(store: Store, redis:
     assert fields["conn"] == "node-a/7" and "node" not in fields
     view = await store.queries.session(tid)
     assert view is not None and (view.node, view.conn) == ("node-a", "node-a/7")
+
+
+async def test_a_released_session_is_held_by_none_and_shows_the_node_that_held_it_last(
+    store: Store, redis: Redis
+) -> None:
+    tid = await started(store, "node-b/3")
+    since = int(await redis.hget(store.keys.session_keys(tid)[0], "since"))
+    released = await store.releases([store.release_request(tid, "node-b/3", since, "")])
+    assert released == [ReleaseOutcome.RELEASED]
+    view = await store.queries.session(tid)
+    assert view is not None and (view.node, view.conn) == ("node-b", "")
 
 
 async def test_a_resume_never_takes_over_the_connection_resuming(

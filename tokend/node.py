@@ -38,6 +38,7 @@ from tokend.config import KEYS_REFRESH_INTERVAL, Settings
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
+from tokend.session import GOING_AWAY, Close, Session
 from tokend.shedding import Shedder
 from tokend.store.redis_client import (
     Client,
@@ -52,7 +53,6 @@ from tokend.tokens import Claims, TokenService
 
 if TYPE_CHECKING:
     from tokend.connection import Connection
-    from tokend.session import Close, Session
 
 log = structlog.get_logger("tokend.node")
 
@@ -271,10 +271,13 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
         self.lost = 0  # releases Redis could not take since the outage began
         self.stopping = False
         self.released: Counter[ReleaseOutcome] = Counter()
+        self.round_trips = 0  # answered, and the seconds they took
+        self.seconds = 0.0
 
     async def record(self, batch: list[ReleaseRequest]) -> bool:
         """Release ``batch`` in one round trip; False when Redis could not take it."""
         self.in_flight += len(batch)  # still counted if the stop cancels the call
+        started = time.perf_counter()
         try:
             outcomes = await self.store.releases(batch)
         except Exception as exc:  # StoreUnavailable, or a script error
@@ -283,6 +286,8 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
                 log.exception("release failed")
             return False
         self.in_flight -= len(batch)
+        self.round_trips += 1
+        self.seconds += time.perf_counter() - started
         self.released.update(outcomes)
         if self.lost and not self.stopping:
             log.warning("store back: sessions not released meanwhile", count=self.lost)
@@ -315,6 +320,9 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
                 "sessions released",
                 parked=self.released[ReleaseOutcome.PARKED],
                 released=self.released[ReleaseOutcome.RELEASED],
+                not_held=self.released[ReleaseOutcome.NOT_HELD],
+                round_trips=self.round_trips,
+                seconds=round(self.seconds, 3),
             )
 
 
@@ -463,9 +471,7 @@ class Node:
             session.claims.tid, session.conn, session.since_ms, release.reason
         )
 
-    async def going_away(
-        self, connections: Sequence[Connection], reason: str, *, wait: bool = True
-    ) -> bool:
+    async def going_away(self, connections: Sequence[Connection], *, wait: bool = True) -> bool:
         """Close ``connections`` with 1001, a planned close (drain, reload, shutdown).
 
         Their sessions are released, and parked, in the store first, in one round trip
@@ -480,9 +486,9 @@ class Node:
         for connection in connections:
             session = connection.session
             if session is None:  # still in the opening handshake
-                connection.close(CloseCode.GOING_AWAY, reason)
+                connection.close(CloseCode.GOING_AWAY, GOING_AWAY)
                 continue
-            closes.append((connection, session.close(CloseCode.GOING_AWAY, reason)))
+            closes.append((connection, session.close(CloseCode.GOING_AWAY, GOING_AWAY)))
             request = self._release_request(session)
             if request is not None:
                 requests.append(request)

@@ -39,7 +39,6 @@ from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
 
-GOING_AWAY = "going_away"
 # Least time between two batches of a drain's closes.
 DRAIN_TICK = 0.05
 
@@ -241,9 +240,7 @@ class App:
                 log.warning("second signal: closing every connection now")
             end = n if hurry.is_set() else (tick + 1) * n // ticks
             batch = connections[tick * n // ticks : end]
-            if not await self.node.going_away(
-                batch, GOING_AWAY, wait=park_first and not hurry.is_set()
-            ):
+            if not await self.node.going_away(batch, wait=park_first and not hurry.is_set()):
                 park_first = False  # Redis did not answer: the rest close without waiting
             if end == n:
                 break
@@ -276,7 +273,7 @@ class App:
         if self.server is not None:
             self.draining = True
             self.server.close()
-            await self.node.going_away(list(self.connections), GOING_AWAY)
+            await self.node.going_away(list(self.connections))
             await self._closed_within(CLOSE_TIMEOUT + 1)
             await self.server.wait_closed()
         if self.admin is not None:

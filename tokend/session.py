@@ -57,6 +57,8 @@ class Close(NamedTuple):
 _ROUTINE_CLOSES = frozenset({p.CloseCode.NORMAL, p.CloseCode.GOING_AWAY, p.CloseCode.TAKEN_OVER})
 # The reason of a 1013 given because the node sheds load (tokend.shedding).
 OVERLOADED = "overloaded"
+# The reason of a 1001, a planned close: the server drains, reloads or shuts down.
+GOING_AWAY = "going_away"
 # Closes after which the connection no longer holds its session in the store: logged out,
 # ended, or taken by another connection. Nothing is released for them.
 _NOT_HELD_AFTER = frozenset(

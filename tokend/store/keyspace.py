@@ -29,6 +29,9 @@ SHARDS = 16
 # proof the holding connection's session key makes (tokend.store.sessions.proof_digest):
 # never logged, never shown (docs/security.md).
 SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since", "left", "proof")
+# A heartbeat reads the first HEARTBEAT_FIELDS of them only, all it needs: on the hottest
+# path, one HMGET of fewer values (tests/test_lua_contract.py holds heartbeat.lua to it).
+HEARTBEAT_FIELDS = SESSION_FIELDS.index("left")
 NUMERIC_FIELDS = frozenset({"hb", "exp", "iat", "prio", "since"})
 
 

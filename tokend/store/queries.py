@@ -32,14 +32,18 @@ class SessionView:
 
     @classmethod
     def of(cls, tid: str, fields: dict[str, str]) -> SessionView:
+        """``conn`` is empty once no connection holds the session (its connection ended);
+        ``node`` then names the node that held it last. ``last_heartbeat`` of a session
+        parked by a planned close lies ahead (docs/protocol.md §5)."""
+        conn = fields.get("conn", "")
         return cls(
             tid,
             fields["st"],
             fields["sub"],
             int(fields["exp"]),
             int(fields["hb"]),
-            node_of(fields.get("conn", "")),
-            fields.get("conn", ""),
+            node_of(conn or fields.get("left", "")),
+            conn,
             int(fields.get("prio", 0)),
         )
 

@@ -30,7 +30,7 @@ from tokend.clocks import ExpiryReason, State
 from tokend.config import Settings
 from tokend.protocol import CloseCode
 from tokend.store.durability import known_replicas, then_wait
-from tokend.store.keyspace import NUMERIC_FIELDS, SESSION_FIELDS, Keyspace
+from tokend.store.keyspace import HEARTBEAT_FIELDS, NUMERIC_FIELDS, SESSION_FIELDS, Keyspace
 from tokend.store.redis_client import Client
 from tokend.store.unavailable import UNAVAILABLE, Deadline, StoreUnavailable
 
@@ -59,14 +59,16 @@ def _lua_value(value: object) -> str:
 
 
 def lua_constants() -> str:
-    """The Lua that declares :data:`LUA_CONSTANTS`, :data:`SESSION_FIELDS` and
-    ``session_fields(values)``: HMGET's reply of those fields as a table by name, built by
-    one table constructor (the cheapest way in Lua: a heartbeat reads one)."""
+    """The Lua that declares :data:`LUA_CONSTANTS`, :data:`SESSION_FIELDS`,
+    :data:`HEARTBEAT_FIELDS` and ``session_fields(values)``: HMGET's reply of those fields
+    (or of the first of them) as a table by name, built by one table constructor (the
+    cheapest way in Lua: a heartbeat reads one)."""
     lines = [
         f"local {name} = {{" + ", ".join(f"{m.name} = {_lua_value(m.value)}" for m in enum) + "}"
         for name, enum in LUA_CONSTANTS.items()
     ]
     lines.append("local SESSION_FIELDS = {" + ", ".join(map(_lua_value, SESSION_FIELDS)) + "}")
+    lines.append(f"local HEARTBEAT_FIELDS = {HEARTBEAT_FIELDS}")
     by_name = (
         f"{name} = tonumber(v[{i}])" if name in NUMERIC_FIELDS else f"{name} = v[{i}]"
         for i, name in enumerate(SESSION_FIELDS, 1)

@@ -31,10 +31,11 @@ if now_ms() > GIVEN_UP_AT then
 end
 
 -- The session in hash `skey`, by field name (hb, exp, iat, prio and since as numbers; a
--- field the hash lacks is false, or nil if a number), or nil when there is none. The one
+-- field the hash lacks is false, or nil if a number), or nil when there is none. Only the
+-- first `fields` of SESSION_FIELDS when given (HEARTBEAT_FIELDS: the others are nil). The one
 -- read of a session hash: no script reads a field by its position in a reply.
-local function load_session(skey)
-  local s = session_fields(redis.call('HMGET', skey, unpack(SESSION_FIELDS)))
+local function load_session(skey, fields)
+  local s = session_fields(redis.call('HMGET', skey, unpack(SESSION_FIELDS, 1, fields)))
   if not s.sub then
     return nil
   end

@@ -30,9 +30,7 @@ local function restore(skey, tkey, tid, conn, s, known)
     -- Our connection took the session after the one Redis names: Redis lost that resume.
     control('close', tid, s.conn, CLOSE.TAKEN_OVER)
     redis.call('HSET', skey, 'conn', conn, 'since', since, 'hb', now, 'proof', proof)
-    if s.left then
-      redis.call('HDEL', skey, 'left')
-    end
+    redis.call('HDEL', skey, 'left') -- if it was released (not read: HEARTBEAT_FIELDS)
     if exp > s.exp then
       redis.call('HSET', skey, 'exp', exp, 'iat', iat)
       redis.call('PEXPIREAT', skey, exp + grace_ms)
@@ -50,7 +48,7 @@ local function restore(skey, tkey, tid, conn, s, known)
 end
 
 local function heartbeat(skey, tkey, tid, conn, replayed, known)
-  local s = load_session(skey)
+  local s = load_session(skey, HEARTBEAT_FIELDS)
   if not s or s.conn ~= conn then
     if known == '' or not restore(skey, tkey, tid, conn, s, known) then
       if s then
@@ -58,7 +56,7 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known)
       end
       return {HEARTBEAT_OUTCOME.GONE, redis.call('GET', tkey) or ''}
     end
-    s = load_session(skey)
+    s = load_session(skey, HEARTBEAT_FIELDS)
   end
   local reason = nil
   if s.exp <= now then
