@@ -35,6 +35,7 @@ SCENARIOS = {
     "connect": "bench.connect_storm",
     "socketio": "bench.socketio",
     "revoke": "bench.revoke",
+    "tls": "bench.tls",
 }
 
 

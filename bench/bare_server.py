@@ -14,6 +14,10 @@ Both answer a 50-byte heartbeat with a 20-byte ACK-shaped frame and any other me
 the HELLO token's Ed25519 signature with the public key its ``kid`` names in DIR: the
 one piece of tokend's work at HELLO that no server can skip, and most of its cost.
 
+With ``--tls-cert FILE --tls-key FILE`` each serves wss:// with the context tokend
+builds from the same files (:func:`tokend.tls.server_context`: TLS 1.2+, the ssl
+module's default ciphers), TLS done by the event loop's own TLS layer.
+
 Run as ``python -m bench.bare_server --port PORT [--impl picows]``; prints
 ``listening`` when ready and stops on SIGTERM.
 """
@@ -26,6 +30,7 @@ import base64
 import json
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -39,6 +44,7 @@ from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
+from tokend.tls import server_context
 from tokend.tokens import KeyRing
 
 ACK = p.encode(p.HeartbeatAck(seq=1, exp_ms=0))
@@ -118,32 +124,32 @@ class SansIoAnswer(asyncio.Protocol):
                 self.transport.write_eof()
 
 
-async def run_sansio(port: int, stop: asyncio.Event) -> None:
+async def run_sansio(port: int, stop: asyncio.Event, tls: ssl.SSLContext | None) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(SansIoAnswer, "127.0.0.1", port, backlog=4096)
+    server = await loop.create_server(SansIoAnswer, "127.0.0.1", port, backlog=4096, ssl=tls)
     print("listening", file=sys.stderr, flush=True)
     await stop.wait()
     server.close()
 
 
-async def run_picows(port: int, stop: asyncio.Event) -> None:
+async def run_picows(port: int, stop: asyncio.Event, tls: ssl.SSLContext | None) -> None:
     server = await ws_create_server(
-        lambda _request: PicowsAnswer(), "127.0.0.1", port, backlog=4096
+        lambda _request: PicowsAnswer(), "127.0.0.1", port, backlog=4096, ssl=tls
     )
     print("listening", file=sys.stderr, flush=True)
     await stop.wait()
     server.close()
 
 
-async def run(port: int, impl: str, verify_keys: Path | None) -> None:
+async def run(port: int, impl: str, verify_keys: Path | None, tls: ssl.SSLContext | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if impl == "picows":
-        await run_picows(port, stop)
+        await run_picows(port, stop, tls)
         return
     if impl == "sansio":
-        await run_sansio(port, stop)
+        await run_sansio(port, stop, tls)
         return
     async with serve(
         verifying(KeyRing.open(verify_keys)) if verify_keys else answer,
@@ -156,6 +162,7 @@ async def run(port: int, impl: str, verify_keys: Path | None) -> None:
         close_timeout=2,
         server_header=None,
         backlog=4096,
+        ssl=tls,
     ):
         print("listening", file=sys.stderr, flush=True)
         await stop.wait()
@@ -166,8 +173,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--impl", choices=("websockets", "sansio", "picows"), default="websockets")
     parser.add_argument("--verify-keys", type=Path, help="check HELLO signatures (websockets)")
+    parser.add_argument("--tls-cert", help="serve wss:// with this certificate chain")
+    parser.add_argument("--tls-key", help="the key of --tls-cert")
     args = parser.parse_args()
-    uvloop.run(run(args.port, args.impl, args.verify_keys))
+    tls = server_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    uvloop.run(run(args.port, args.impl, args.verify_keys, tls))
 
 
 if __name__ == "__main__":

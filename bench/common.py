@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testkit.certificates import Authority
 from testkit.net import LOOPBACK, free_port
 from testkit.procs import cpu_split, fd_limit, pin, proc_rss, terminate
 from testkit.redis_servers import RedisProcess
@@ -224,6 +225,7 @@ class Child:
         port: int,
         env: dict[str, str] | None = None,
         cpus: frozenset[int] | None = None,
+        tls: bool = False,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -231,6 +233,7 @@ class Child:
         self.port = port
         self.env = env
         self.cpus = cpus
+        self.tls = tls  # serves wss:// (the bench's certificate: Context.tls_files)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -240,7 +243,7 @@ class Child:
 
     @property
     def url(self) -> str:
-        return f"ws://{LOOPBACK}:{self.port}{WS_PATH}"
+        return f"{'wss' if self.tls else 'ws'}://{LOOPBACK}:{self.port}{WS_PATH}"
 
     def start(self, ready: str, timeout: float = 30.0, times: int = 1) -> None:
         """Start, pin to ``cpus``, and wait until ``ready`` appears in the log ``times`` times."""
@@ -287,13 +290,24 @@ def child(
     ready: str,
     cpus: frozenset[int] | None,
     env: dict[str, str] | None = None,
+    tls: bool = False,
 ) -> Iterator[Child]:
-    proc = Child(name, argv, log, port=port, env=env, cpus=cpus)
+    proc = Child(name, argv, log, port=port, env=env, cpus=cpus, tls=tls)
     try:
         proc.start(ready)
         yield proc
     finally:
         proc.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """The run's TLS certificate (ECDSA P-256, for 127.0.0.1), its key, and the CA file
+    the load generators trust (they verify, as a real client does)."""
+
+    cert: Path
+    key: Path
+    ca: Path
 
 
 @dataclass(slots=True)
@@ -337,6 +351,16 @@ class Context:
         # heartbeat's tokend figures); cleared between repetitions.
         self.cache: dict[tuple[Any, ...], Any] = {}
         self._serial = 0
+        self._tls: TlsFiles | None = None
+
+    def tls_files(self) -> TlsFiles:
+        """A certificate made for this run (once) by a private CA."""
+        if self._tls is None:
+            directory = self.scratch("tls")
+            authority = Authority.create("tokend bench CA")
+            cert, key = authority.issue(directory / "cert.pem", directory / "key.pem")
+            self._tls = TlsFiles(cert, key, authority.write(directory / "ca.pem"))
+        return self._tls
 
     def scratch(self, name: str) -> Path:
         self._serial += 1
@@ -400,8 +424,14 @@ def redis_pid(server: RedisProcess) -> int:
 
 
 @contextlib.contextmanager
-def tokend_server(ctx: Context, redis_url: str, **settings: float | int | str) -> Iterator[Child]:
-    """``python -m tokend serve`` (uvloop, JSON logs to a file) as in production."""
+def tokend_server(
+    ctx: Context, redis_url: str, *, tls: bool = False, **settings: float | int | str
+) -> Iterator[Child]:
+    """``python -m tokend serve`` (uvloop, JSON logs to a file) as in production; with
+    ``tls``, serving wss:// with the run's certificate."""
+    if tls:
+        files = ctx.tls_files()
+        settings = {**settings, "tls_cert_file": str(files.cert), "tls_key_file": str(files.key)}
     server = tokend_child(ctx, redis_url, **settings)
     try:
         # Every worker listening: one alone would take all the first connections.
@@ -436,19 +466,27 @@ def tokend_child(ctx: Context, redis_url: str, **settings: float | int | str) ->
     log = directory / "tokend.log"
     # Workers pinned to the one server CPU would only share it: they run unpinned.
     cpus = ctx.server_cpus if ctx.workers == 1 else None
-    return Child("tokend", argv, log, port=port, env=env, cpus=cpus)
+    tls = "tls_cert_file" in settings
+    return Child("tokend", argv, log, port=port, env=env, cpus=cpus, tls=tls)
 
 
 @contextlib.contextmanager
-def bare_server(ctx: Context, impl: str = "websockets", *, verify: bool = False) -> Iterator[Child]:
+def bare_server(
+    ctx: Context, impl: str = "websockets", *, verify: bool = False, tls: bool = False
+) -> Iterator[Child]:
     """A server of :mod:`bench.bare_server`: websockets (the baseline), sansio or picows;
-    with ``verify``, checking each HELLO's signature with the bench's keys."""
+    with ``verify``, checking each HELLO's signature with the bench's keys; with ``tls``,
+    serving wss:// with the run's certificate and tokend's TLS settings."""
     port = free_port()
     argv = [sys.executable, "-m", "bench.bare_server", "--port", str(port), "--impl", impl]
     if verify:
         argv += ["--verify-keys", str(ctx.keys_dir)]
-    log = ctx.scratch(f"bare-{impl}") / "bare.log"
-    with child(f"bare-{impl}", argv, log, port=port, ready="listening", cpus=ctx.server_cpus) as c:
+    if tls:
+        files = ctx.tls_files()
+        argv += ["--tls-cert", str(files.cert), "--tls-key", str(files.key)]
+    name = f"bare-{impl}{'-tls' if tls else ''}"
+    log = ctx.scratch(name) / "bare.log"
+    with child(name, argv, log, port=port, ready="listening", cpus=ctx.server_cpus, tls=tls) as c:
         yield c
 
 
@@ -498,6 +536,8 @@ class ClientPool:
                 "first": offset,
                 "count": count,
                 "source": self.sources[i % len(self.sources)] if self.sources else "",
+                # wss://: the CA the clients verify the server's certificate with.
+                "ca_file": str(self.ctx.tls_files().ca) if self.url.startswith("wss:") else "",
             }
             offset += count
             with (self.logs / f"client-{i}.log").open("wb") as err:

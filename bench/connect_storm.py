@@ -53,6 +53,27 @@ async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -
     return {**figures, "cpu_pct": cpu}
 
 
+async def figures(ctx: Context, server: str, *, tls: bool = False) -> dict[str, Any]:
+    """The storm against ``server`` (tokend, bare: the websockets server verifying each
+    HELLO, or picows: the clients' ceiling), over TLS with ``tls``; measured once per
+    repetition."""
+    key = ("storm", server, tls)
+    if key not in ctx.cache:
+        with contextlib.ExitStack() as stack:
+            if server == "tokend":
+                store = stack.enter_context(redis_server(ctx))
+                child = stack.enter_context(tokend_server(ctx, store.url, tls=tls))
+                ctx.cache[key] = await storm(ctx, "tokend", child, {"redis": redis_pid(store)})
+            else:
+                impl = "picows" if server == "picows" else "websockets"
+                child = stack.enter_context(
+                    bare_server(ctx, impl, verify=server == "bare", tls=tls)
+                )
+                ctx.cache[key] = await storm(ctx, "bare", child, {})
+    result: dict[str, Any] = ctx.cache[key]
+    return result
+
+
 def describe(name: str, figures: dict[str, Any]) -> str:
     """One line: sessions, time, latency, CPU of each process, server CPU per session."""
     return (
@@ -63,14 +84,9 @@ def describe(name: str, figures: dict[str, Any]) -> str:
 
 
 async def run(ctx: Context) -> list[Row]:
-    with bare_server(ctx, "picows") as server:
-        ceiling = await storm(ctx, "bare", server, {})
-    with bare_server(ctx, verify=True) as server:
-        bare = await storm(ctx, "bare", server, {})
-    with contextlib.ExitStack() as stack:
-        store = stack.enter_context(redis_server(ctx))
-        server = stack.enter_context(tokend_server(ctx, store.url))
-        tokend = await storm(ctx, "tokend", server, {"redis": redis_pid(store)})
+    ceiling = await figures(ctx, "picows")
+    bare = await figures(ctx, "bare")
+    tokend = await figures(ctx, "tokend")
     rate_ratio = ratio(tokend["rate"], bare["rate"])
     in_flight = ctx.sizes.clients * ctx.sizes.concurrency
     return [

@@ -89,24 +89,33 @@ async def roundtrip(
         return await closed_loop(ctx, pool, pids)
 
 
-async def tokend_figures(ctx: Context) -> dict[str, Any]:
-    """tokend's closed loop, measured once per repetition (Socket.IO compares with it)."""
-    key = ("roundtrip", "tokend")
+async def tokend_figures(ctx: Context, *, tls: bool = False) -> dict[str, Any]:
+    """tokend's closed loop (over TLS with ``tls``), measured once per repetition
+    (Socket.IO and the TLS scenario compare with it)."""
+    key = ("roundtrip", "tokend", tls)
     if key not in ctx.cache:
         with contextlib.ExitStack() as stack:
             redis = stack.enter_context(redis_server(ctx))
             # A closed loop sends far more than a client's real cadence (one per
             # heartbeat_interval): lift the per-connection frame rate limit.
-            server = stack.enter_context(tokend_server(ctx, redis.url, max_frame_rate=0))
+            server = stack.enter_context(tokend_server(ctx, redis.url, tls=tls, max_frame_rate=0))
             pids = {"tokend": server.pid, "redis": redis_pid(redis)}
             ctx.cache[key] = await roundtrip(ctx, "tokend", server.url, "tokend", pids)
     result: dict[str, Any] = ctx.cache[key]
     return result
 
 
-async def bare_figures(ctx: Context, impl: str = "websockets") -> dict[str, Any]:
-    with bare_server(ctx, impl) as server:
-        return await roundtrip(ctx, f"bare-{impl}", server.url, "bare", {"bare": server.pid})
+async def bare_figures(
+    ctx: Context, impl: str = "websockets", *, tls: bool = False
+) -> dict[str, Any]:
+    """A bare server's closed loop (over TLS with ``tls``), measured once per repetition."""
+    key = ("roundtrip", f"bare-{impl}", tls)
+    if key not in ctx.cache:
+        with bare_server(ctx, impl, tls=tls) as server:
+            pids = {"bare": server.pid}
+            ctx.cache[key] = await roundtrip(ctx, f"bare-{impl}", server.url, "bare", pids)
+    result: dict[str, Any] = ctx.cache[key]
+    return result
 
 
 def describe(name: str, figures: dict[str, Any]) -> str:

@@ -7,11 +7,13 @@ figure, so a saturated client would show.
 
 :class:`bench.common.ClientPool` starts it as ``python -m bench.loadgen JOB`` where JOB
 is JSON: ``url``, ``proto`` (``tokend``, ``bare`` or ``socketio``), ``tokens`` (a file,
-one token per line), ``first`` and ``count`` (this process's slice of that file) and
+one token per line), ``first`` and ``count`` (this process's slice of that file),
 ``source`` (the local address its connections come from, "" for any: each loopback
 address has its own ephemeral ports, so many processes can hold more connections
-than one address's port range), and optionally ``going_away_window`` (seconds; the
-SDK's :class:`tokend.client.Backoff` default, 5 s, when absent).
+than one address's port range); optionally ``ca_file`` (for a ``wss://`` url: the CA
+whose certificates it trusts; it verifies the server's, as a real client does) and
+``going_away_window`` (seconds; the SDK's :class:`tokend.client.Backoff` default, 5 s,
+when absent).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
 * ``connect {concurrency, retry_for}``: open the connections (tokend and bare:
@@ -52,6 +54,7 @@ import json
 import math
 import resource
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -372,6 +375,8 @@ class Generator:
         self.conns = [Conn(self, t) for t in tokens]
         # A local address of its own: its ephemeral ports are not shared with others.
         self.local_addr = (job["source"], 0) if job.get("source") else None
+        ca_file = job.get("ca_file")
+        self.ssl_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
         # The Python SDK's: full jitter, 0.5 s doubling up to 30 s; 1001 and 503 waited out.
         window = job.get("going_away_window")
@@ -409,6 +414,7 @@ class Generator:
                     extra_headers=self.headers,
                     websocket_handshake_timeout=CONNECT_TIMEOUT,
                     local_addr=self.local_addr,
+                    ssl_context=self.ssl_context,
                 )
                 await conn.ready
         except BaseException:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl as ssl_module
 import uuid
 from collections.abc import AsyncIterator
 
@@ -33,6 +34,27 @@ def tid_of(welcome: p.Welcome) -> str:
     return str(uuid.UUID(bytes=welcome.tid))
 
 
+async def open_socket(
+    port: int, *, source: str | None = None, preface: bytes = b""
+) -> socket.socket:
+    """A non-blocking TCP socket connected to ``port`` on loopback, from the loopback
+    address ``source`` (127.0.0.2, ...: any 127/8 address is this host's) if given, with
+    ``preface`` already written: what a load balancer's connection to a node looks like."""
+    sock = socket.socket()
+    try:
+        if source is not None:
+            sock.bind((source, 0))
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, (LOOPBACK, port))
+        if preface:
+            await loop.sock_sendall(sock, preface)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class RawClient:
     """A client built from the spec's bytes alone (no SDK), for conformance tests."""
 
@@ -45,14 +67,27 @@ class RawClient:
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(
-        cls, port: int, subprotocols: list[str] | None = None
+        cls,
+        port: int,
+        subprotocols: list[str] | None = None,
+        *,
+        source: str | None = None,
+        preface: bytes = b"",
+        ssl: ssl_module.SSLContext | None = None,
     ) -> AsyncIterator[RawClient]:
+        """Connect (``wss://`` with ``ssl``), from the loopback address ``source`` if
+        given, after writing ``preface`` (a PROXY protocol header) if given."""
+        sock = (
+            await open_socket(port, source=source, preface=preface) if source or preface else None
+        )
         async with connect(
-            f"ws://{LOOPBACK}:{port}{p.WS_PATH}",
+            f"{'wss' if ssl else 'ws'}://{LOOPBACK}:{port}{p.WS_PATH}",
             subprotocols=[p.SUBPROTOCOL] if subprotocols is None else (subprotocols or None),
             compression=None,
             open_timeout=5,
             close_timeout=2,
+            sock=sock,
+            ssl=ssl,
         ) as ws:
             yield cls(ws)
 

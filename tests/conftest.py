@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
+import structlog.testing
 from redis import asyncio as aioredis
 
 from testkit.events import EventLog
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
-from tokend import config, logs
+from tokend import config, connection, logs, server, tls
 from tokend.config import Settings
 from tokend.server import App
 from tokend.tokens import TokenService
@@ -110,6 +112,17 @@ async def start_app(
 @pytest.fixture
 async def app(start_app: Callable[..., Awaitable[App]]) -> App:
     return await start_app()
+
+
+@pytest.fixture
+def tokend_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    """The warning-and-above lines of the listener, its connections and TLS, captured
+    for the whole test (the modules' loggers made anew: loggers cached before a
+    capture, as tokend.logs configures them, would not see it)."""
+    with structlog.testing.capture_logs() as logs:
+        for module, name in ((server, "log"), (connection, "_log"), (tls, "log")):
+            monkeypatch.setattr(module, name, structlog.get_logger(module.__name__))
+        yield logs
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,33 +19,54 @@ pytest.importorskip("picows", reason="the bench extra is not installed")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_heartbeat_and_connect_storm(tmp_path: Path) -> None:
+def run_bench(tmp_path: Path, *args: str, timeout: float) -> tuple[str, list[dict[str, Any]]]:
+    """``python -m bench --quick ARGS``, tiny sizes: its output and its rows."""
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "heartbeat",
-            "connect",
-            "--quick",
-            "--connections=10",
-            "--warmup=0.3",
-            "--duration=1",
-            "--connects=60",
-            "--clients=1",
-            f"--json={out}",
-        ],
+        [sys.executable, "-m", "bench", *args, "--quick", f"--json={out}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(out.read_text())["rows"]
+    return done.stdout, json.loads(out.read_text())["rows"]
+
+
+def test_quick_heartbeat_and_connect_storm(tmp_path: Path) -> None:
+    stdout, rows = run_bench(
+        tmp_path,
+        "heartbeat",
+        "connect",
+        "--connections=10",
+        "--warmup=0.3",
+        "--duration=1",
+        "--connects=60",
+        "--clients=1",
+        timeout=90,
+    )
     assert [r["scenario"] for r in rows] == ["heartbeat"] * 3 + ["connect storm"]
     for row in rows:
         assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
         # Judged against a target, or (the Sans-I/O floor) reported only.
         assert row["met"] in ((None,) if row["target"] == "(reported)" else (True, False))
-    assert "| heartbeat " in done.stdout and "| connect storm " in done.stdout
+    assert "| heartbeat " in stdout and "| connect storm " in stdout
+
+
+def test_quick_tls(tmp_path: Path) -> None:
+    """The TLS scenario: every server over wss:// with the run's certificate, verified
+    by the clients, beside the same over plain TCP."""
+    stdout, rows = run_bench(
+        tmp_path,
+        "tls",
+        "--connections=10",
+        "--warmup=0.3",
+        "--duration=1",
+        "--connects=40",
+        "--clients=1",
+        timeout=120,
+    )
+    assert [r["baseline_name"] for r in rows] == ["tokend plain", "bare TLS", "bare plain"] * 2
+    for row in rows:
+        assert row["value"] > 0 and row["baseline"] > 0 and row["met"] is None, row
+    assert "clients' ceiling (picows server) TLS" in stdout

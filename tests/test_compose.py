@@ -4,6 +4,7 @@ tokend nodes, a load balancer - runs as real processes on loopback."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shlex
 import signal
@@ -87,6 +88,7 @@ def test_every_path_service_and_volume_named_exists(name: str):
         else:
             assert source in COMPOSE["volumes"], volume
     assert set(service.get("depends_on", [])) <= set(SERVICES)
+    assert set(service.get("networks", [])) <= set(COMPOSE["networks"])
 
 
 @pytest.mark.parametrize("name", [*sorted(NODES), "locust"])
@@ -132,7 +134,9 @@ def test_haproxy_balances_over_exactly_the_compose_nodes():
         (name, service["environment"]["TOKEND_PORT"]) for name, service in NODES.items()
     }
     assert re.search(r"^\s*balance\s+roundrobin", HAPROXY, re.MULTILINE)
-    assert re.search(r"option httpchk GET /readyz", HAPROXY)
+    # The check as a client asks: HTTP/1.1 with a Host header (HAProxy's default: 1.0).
+    assert re.search(r"^\s*option httpchk$", HAPROXY, re.MULTILINE)
+    assert re.search(r"http-check send meth GET uri /readyz ver HTTP/1.1 hdr Host ", HAPROXY)
     # An upgraded connection idles between heartbeats: the tunnel must outlast them.
     (tunnel,) = re.findall(r"timeout tunnel (\d+)s", HAPROXY)
     assert int(tunnel) > Settings().expire_after
@@ -168,3 +172,19 @@ async def test_the_same_topology_on_loopback_survives_a_node_kill(
                 await client.heartbeat()
             (resumed,) = await events.wait_for("SESSION_RESUMED", tid)
     assert resumed["node"] != held_by
+
+
+def test_nodes_take_client_addresses_from_the_balancer_alone():
+    """HAProxy sends PROXY protocol v2 (checks too); each node trusts exactly the
+    balancer's fixed address on the compose network, so no other container (nor a
+    client) can claim an address."""
+    (default_server,) = re.findall(r"^\s*default-server\s+(.*)$", HAPROXY, re.MULTILINE)
+    assert {"send-proxy-v2", "check-send-proxy"} <= set(default_server.split())
+    lb_address = SERVICES["lb"]["networks"]["edge"]["ipv4_address"]
+    (subnet,) = [pool["subnet"] for pool in COMPOSE["networks"]["edge"]["ipam"]["config"]]
+    assert ipaddress.ip_address(lb_address) in ipaddress.ip_network(subnet)
+    for name, service in NODES.items():
+        settings = config.load(environ=service["environment"])
+        assert [str(n) for n in settings.proxy_networks] == [f"{lb_address}/32"], name
+        assert service["networks"] == ["edge"], name
+    assert all("edge" in service["networks"] for service in SERVICES.values())

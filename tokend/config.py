@@ -8,12 +8,14 @@ held to this file by a test.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,21 @@ def _setting(default: Any, meaning: str, *, shown: str = "") -> Any:
 class Settings:
     host: str = _setting("127.0.0.1", "address to listen on")
     port: int = _setting(8765, "TCP port; 0 picks a free one (logged in the listening line)")
+    tls_cert_file: str = _setting(
+        "",
+        "PEM certificate chain of the port; with tls_key_file it serves wss:// and https:// "
+        "only, TLS 1.2 or later, and takes a changed pair without a restart; empty: plain TCP",
+    )
+    tls_key_file: str = _setting("", "PEM private key of tls_cert_file; set both or neither")
+    tls_reload_interval: float = _setting(
+        10.0, "how often the TLS files are checked for a change (new connections get the new pair)"
+    )
+    proxy_protocol_from: str = _setting(
+        "",
+        "addresses or CIDRs (comma-separated) of load balancers whose connections must begin "
+        "with a PROXY protocol v1 or v2 header, whose client address then stands for the peer "
+        "in per-IP caps and logs; from anyone else a PROXY header is refused; empty: none",
+    )
     redis_url: str = _setting(
         "",
         "redis://, rediss:// or unix:// URL; redis+cluster://host:port[,host:port] for a "
@@ -66,7 +83,9 @@ class Settings:
         300.0, "a heartbeat renews the token when exp - now <= this; less than token_ttl"
     )
     hello_timeout: float = _setting(
-        5.0, "time for the WebSocket handshake, and then for HELLO (close 4008)"
+        5.0,
+        "time for the opening (PROXY header, TLS and WebSocket handshakes), and then for "
+        "HELLO (close 4008)",
     )
     redis_timeout: float = _setting(
         2.5, "deadline of every Redis call (then 1013 or a later replay, never a hang)"
@@ -220,6 +239,15 @@ class Settings:
         return [a.strip() for a in self.algorithms.split(",") if a.strip()]
 
     @property
+    def proxy_networks(self) -> list[IPv4Network | IPv6Network]:
+        """``proxy_protocol_from`` as networks (an address alone: a network of one)."""
+        return [
+            ipaddress.ip_network(item.strip())
+            for item in self.proxy_protocol_from.split(",")
+            if item.strip()
+        ]
+
+    @property
     def admin_host_list(self) -> list[str]:
         return [h.strip().lower() for h in self.admin_allowed_hosts.split(",") if h.strip()]
 
@@ -265,6 +293,7 @@ _DURATIONS = (
     "key_publish_delay",
     "durable_timeout",
     "failover_check_interval",
+    "tls_reload_interval",
 )
 _CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
 FIELDS = {f.name: f for f in fields(Settings)}
@@ -320,6 +349,12 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("renew_window: must be less than token_ttl")
     if not 0 <= settings.port <= 65535:
         raise ConfigError("port: must be 0..65535")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise ConfigError("tls_cert_file: set both tls_cert_file and tls_key_file, or neither")
+    try:
+        settings.proxy_networks  # noqa: B018 - parsed to be checked
+    except ValueError as exc:
+        raise ConfigError(f"proxy_protocol_from: {exc}") from None
     if not settings.key_prefix or any(c in settings.key_prefix for c in "{}: "):
         raise ConfigError("key_prefix: must be non-empty, without braces, colons or spaces")
     if settings.leeway < 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import struct
 import sys
 import time
@@ -34,6 +35,7 @@ from websockets.streams import StreamReader
 from websockets.typing import Subprotocol
 
 from tokend import protocol as p
+from tokend import proxy_protocol, tls
 from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
 from tokend.http_answer import HttpAnswer
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
@@ -75,9 +77,23 @@ class Gate(Protocol):
     # Acceptable Origin headers (None among them: no header), or None for any.
     origins: Sequence[str | None] | None
 
-    def opened(self, connection: Connection) -> None: ...
+    def opened(self, connection: Connection) -> None:
+        """A TCP connection was accepted (its client address may not be known yet)."""
+        ...
+
+    def addressed(self, connection: Connection) -> None:
+        """The connection's client address, ``connection.ip``, is known."""
+        ...
 
     def closed(self, connection: Connection) -> None: ...
+
+    def expects_proxy_header(self, peer_ip: str) -> bool:
+        """Whether a connection from this TCP peer must begin with a PROXY header."""
+        ...
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context new connections begin with; None on a plain port."""
+        ...
 
     def answer(self, ip: str, path: str) -> HttpAnswer | Awaitable[HttpAnswer] | None:
         """None to go on with the WebSocket handshake, else the HTTP answer to give."""
@@ -105,6 +121,7 @@ class Connection(asyncio.Protocol):
     """
 
     __slots__ = (
+        "address",
         "aligned",
         "closing",
         "deadline",
@@ -115,6 +132,7 @@ class Connection(asyncio.Protocol):
         "marks",
         "paused",
         "pings",
+        "preface",
         "session",
         "stall",
         "transport",
@@ -132,7 +150,16 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
-        self.ip = "?"
+        # The client's address (the per-IP counts key), once known: at accept, or from
+        # the PROXY header of a trusted balancer's connection (None until then).
+        self.ip: str | None = None
+        # The connection's first bytes while it is undecided what they are (see
+        # _preface): b"" from accept until they went on to TLS or websockets.
+        self.preface: bytes | None = None
+        # The client's (host, port) where the transport cannot tell it: from a PROXY
+        # header, or kept when TLS begins (its transport forgets the peer once closed,
+        # before the last log line). None: read the TCP peer's from the transport.
+        self.address: tuple[str, int] | None = None
         # The hello timer until WELCOME, then the closing handshake's deadline.
         self.deadline: asyncio.TimerHandle | None = None
         self.closing = False  # the deadline is the closing handshake's
@@ -159,22 +186,40 @@ class Connection(asyncio.Protocol):
 
     @property
     def peer(self) -> str:
-        """The client's address and port, for logs (not kept: see ``log``)."""
-        peer = self.transport.get_extra_info("peername") if self.transport else None
+        """The client's address and port, for logs: a PROXY header's, else the TCP
+        peer's (not kept: see ``log``)."""
+        peer = self.address or self._tcp_peer()
         return f"{peer[0]}:{peer[1]}" if peer else "?"
+
+    def _tcp_peer(self) -> tuple[str, int] | None:
+        return self.transport.get_extra_info("peername") if self.transport else None
 
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport = cast(asyncio.Transport, transport)
-        peer = transport.get_extra_info("peername")
-        if peer:
-            # One string per client address, not per connection (the per-IP counts key).
-            self.ip = sys.intern(str(peer[0]))
+        """Called by the listener with the accepted TCP connection; on a TLS port, called
+        again by the TLS layer with the decrypted transport once its handshake is done."""
+        transport = cast(asyncio.Transport, transport)
         transport.set_write_buffer_limits(WRITE_HIGH, WRITE_LOW)
+        if self.transport is not None:
+            self.transport = transport  # TLS: from here on, write through it
+            return
+        self.transport = transport
+        self.preface = b""
         self.gate.opened(self)
-        # The handshake and then HELLO must each come within hello_timeout.
+        peer = self._tcp_peer()
+        if not peer:
+            self._addressed("?")
+        elif not self.gate.expects_proxy_header(peer[0]):
+            self._addressed(peer[0])
+        # The opening (PROXY header, TLS and WebSocket handshakes) and then HELLO must
+        # each come within hello_timeout.
         self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
+
+    def _addressed(self, ip: str) -> None:
+        # One string per client address, not per connection (the per-IP counts key).
+        self.ip = sys.intern(ip)
+        self.gate.addressed(self)
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client, through websockets' parser (RFC 6455 5.2, 5.4, 5.5).
@@ -198,6 +243,10 @@ class Connection(asyncio.Protocol):
                 self._internal_error()
             self._write()
             return
+        if self.preface is not None:
+            data = self._preface(data)
+            if not data:
+                return
         ws = self.ws
         try:
             ws.receive_data(data)
@@ -213,6 +262,71 @@ class Connection(asyncio.Protocol):
             self._internal_error()
         self.aligned = self.fast_path and at_frame_start(ws)
         self._write()
+
+    def _preface(self, data: bytes) -> bytes:
+        """The connection's first bytes, below TLS and HTTP: a PROXY protocol header
+        (the HAProxy specification, tokend/proxy_protocol.py) from a trusted balancer,
+        who must send one, and none from anyone else.
+
+        Returns what follows for websockets; b"" while undecided, once refused, or when
+        the bytes went on to TLS. A header's client address becomes the connection's.
+        Anyone else's connection that begins with a header's signature is closed here,
+        never parsed (section 5 of the specification: a client that could send one
+        would choose its own address).
+        """
+        received = self.preface + data if self.preface else data
+        if self.ip is None:  # a trusted balancer's connection (see connection_made)
+            try:
+                header = proxy_protocol.parse(received)
+            except proxy_protocol.ProxyHeaderError as exc:
+                return self._refuse("closed: bad PROXY protocol header", error=str(exc))
+            if header is None:
+                self.preface = received
+                return b""
+            if header.source is None:  # a health check (LOCAL), or UNKNOWN: as is
+                peer = self._tcp_peer()
+                self._addressed(peer[0] if peer else "?")
+            else:
+                self.address = header.source
+                self._addressed(header.source[0])
+            received = header.rest
+        else:
+            begins = proxy_protocol.starts_header(received)
+            if begins is None:
+                self.preface = received
+                return b""
+            if begins:
+                return self._refuse(
+                    "closed: PROXY protocol header from an address not in proxy_protocol_from"
+                )
+        self.preface = None
+        context = self.gate.tls_context()
+        if context is None:
+            return received
+        raw = self.transport
+        assert raw is not None
+        self.address = self.address or self._tcp_peer()
+        handshake = tls.begin(raw, self, context, received, self.gate.settings.hello_timeout)
+        handshake.add_done_callback(lambda _: self._tls_ended(raw, handshake))
+        return b""
+
+    def _refuse(self, event: str, **fields: Any) -> bytes:
+        """Close a connection whose first bytes are not what its source must send."""
+        self.log.warning(event, **fields)
+        self.preface = None
+        if self.transport is not None:
+            self.transport.close()
+        return b""
+
+    def _tls_ended(self, raw: asyncio.Transport, handshake: asyncio.Future[None]) -> None:
+        """The TLS handshake ended. Done, the TLS layer has handed over its transport;
+        failed or cut short, it ends the connection without telling us: end ours."""
+        if self.transport is not raw:
+            return
+        error = None if handshake.cancelled() else handshake.exception()
+        if error is not None:
+            self.log.info("TLS handshake failed", error=tls.error_text(error))
+        self.connection_lost(error)
 
     def _internal_error(self) -> None:
         """A bug met while serving this connection: log it, close 1011, serve the rest."""
@@ -271,6 +385,7 @@ class Connection(asyncio.Protocol):
 
     def _request(self, request: Request) -> None:
         path = request.path.partition("?")[0]
+        assert self.ip is not None  # addressed before any byte reaches websockets
         answer = self.gate.answer(self.ip, path)
         if answer is None:
             response = self.ws.accept(request)
@@ -592,7 +707,12 @@ class Connection(asyncio.Protocol):
 
     def _hello_timed_out(self) -> None:
         self.deadline = None
-        if self.session is None:  # the opening handshake did not finish in time
+        if self.session is None:  # the opening did not finish in time
+            if self.ip is None:
+                self.log.warning(
+                    "closed: no PROXY protocol header within hello_timeout",
+                    hello_timeout=self.gate.settings.hello_timeout,
+                )
             self._abort()
             return
         close = self.session.hello_timed_out()

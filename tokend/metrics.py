@@ -112,6 +112,10 @@ class Metrics:
         # handshakes refused with 503 meanwhile.
         self.shed: Counter[int] = Counter()
         self.shed_handshakes = 0
+        # TLS certificate reloads by result (ok, failed) and whether the files on disk
+        # failed to load last, so that the previous certificate is still served.
+        self.tls_reloads: Counter[str] = Counter()
+        self.tls_failing = False
         # Filled in by the node and the server: live values read at scrape time.
         self.sessions_by_state: Callable[[], dict[str, int]] = dict
         self.connections: Callable[[], int] = int
@@ -219,6 +223,17 @@ class _LiveCollector(Collector):
             "tokend_shed_handshakes",
             "Handshakes refused with 503 while the node shed load.",
             value=m.shed_handshakes,
+        )
+        yield _labelled(
+            "tokend_tls_reloads",
+            "TLS certificate reloads after its files changed, by result.",
+            "result",
+            m.tls_reloads.items(),
+        )
+        yield GaugeMetricFamily(
+            "tokend_tls_reload_failing",
+            "1 while the TLS files on disk do not load and the previous certificate is served.",
+            value=int(m.tls_failing),
         )
         yield _labelled(
             "tokend_dropped_connections",

@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import gc
 import http
+import ipaddress
 import resource
 import signal
+import ssl
 from collections import Counter
 from collections.abc import Awaitable
 
@@ -32,6 +34,7 @@ from tokend.logs import redact_url
 from tokend.node import Node
 from tokend.session import Cadence
 from tokend.store.redis_client import open_client
+from tokend.tls import ServerCertificate
 from tokend.tokens import KeyRing, TokenService
 
 log = structlog.get_logger("tokend.server")
@@ -88,6 +91,9 @@ class App:
         self._all_closed = asyncio.Event()
         # Beyond this many, handshakes get 503: the Redis pool must still find descriptors.
         self.max_open_connections = connection_budget(settings)
+        # Load balancers whose connections begin with a PROXY protocol header.
+        self.proxy_networks = settings.proxy_networks
+        self.certificate: ServerCertificate | None = None  # on a TLS port (start())
 
     @property
     def port(self) -> int:
@@ -102,6 +108,8 @@ class App:
 
     async def start(self) -> None:
         settings = self.settings
+        if settings.tls_cert_file:
+            self.certificate = ServerCertificate(settings.tls_cert_file, settings.tls_key_file)
         tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
         url = settings.redis_url
         if not url:
@@ -111,6 +119,10 @@ class App:
         self.node = Node(settings, open_client(url, settings), tokens)
         self.node.metrics.connections = lambda: len(self.connections)
         await self.node.start()
+        if self.certificate is not None:
+            self.node.background.spawn(
+                self.certificate.watch(settings.tls_reload_interval, self.node.metrics), "tls"
+            )
         if settings.admin_port >= 0:
             self.admin = AdminServer(self.node, lambda: self.draining)
             await self.admin.start()
@@ -127,6 +139,8 @@ class App:
             "listening",
             host=settings.host,
             port=self.port,
+            scheme="https" if self.certificate is not None else "http",
+            proxy_protocol_from=settings.proxy_protocol_from or None,
             redis=redact_url(url),
             max_connections=self.max_open_connections,
         )
@@ -135,15 +149,32 @@ class App:
 
     def opened(self, connection: Connection) -> None:
         self.connections.add(connection)
+
+    def addressed(self, connection: Connection) -> None:
+        assert connection.ip is not None
         self.connections_per_ip[connection.ip] += 1
 
     def closed(self, connection: Connection) -> None:
         self.connections.discard(connection)
-        self.connections_per_ip[connection.ip] -= 1
-        if not self.connections_per_ip[connection.ip]:
-            del self.connections_per_ip[connection.ip]
+        ip = connection.ip
+        if ip is not None:  # counted (a balancer's connection is not before its header)
+            self.connections_per_ip[ip] -= 1
+            if not self.connections_per_ip[ip]:
+                del self.connections_per_ip[ip]
         if not self.connections:
             self._all_closed.set()
+
+    def expects_proxy_header(self, peer_ip: str) -> bool:
+        if not self.proxy_networks:
+            return False
+        try:
+            address = ipaddress.ip_address(peer_ip)
+        except ValueError:
+            return False
+        return any(address in network for network in self.proxy_networks)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        return self.certificate.context if self.certificate is not None else None
 
     def answer(self, ip: str, path: str) -> HttpAnswer | Awaitable[HttpAnswer] | None:
         if path == p.WS_PATH:

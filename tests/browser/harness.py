@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from testkit.debian import Unavailable, install, run_install
 from testkit.net import LOOPBACK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 # Node 20 (node_session.mjs).
 NODE_PACKAGES = {"playwright-core": "1.65.1", "typescript": "5.9.3", "ws": "8.23.1"}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokend-tests"
-INSTALL_TIMEOUT = 900  # seconds; the one-time apt and npm installs
 CHROMIUM_START_TIMEOUT = 30  # seconds, for Chromium or a page to be ready
 MAX_LINE = 16 * 1024 * 1024  # bytes of one line from the driver (an evaluated value)
 # URL prefix -> directory served by the ``site`` fixture.
@@ -55,51 +55,16 @@ SITE_ROUTES = {
 }
 
 
-class BrowserUnavailable(Exception):
-    """Chromium or an npm package is missing and could not be installed."""
-
-
-def _run(command: list[str], what: str, **kwargs: Any) -> None:
-    try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT,
-            check=False,
-            stdin=subprocess.DEVNULL,
-            **kwargs,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BrowserUnavailable(f"{what}: {exc}") from None
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise BrowserUnavailable(f"{what} exited {done.returncode}: {' | '.join(tail)}")
+# Chromium or an npm package is missing and could not be installed (testkit/debian.py).
+BrowserUnavailable = Unavailable
+_run = run_install
 
 
 def install_chromium() -> Path:
     """Debian's chromium at /usr/bin/chromium, installed with apt-get if missing."""
     if CHROMIUM.exists():
         return CHROMIUM
-    if os.geteuid() != 0:
-        raise BrowserUnavailable(f"{CHROMIUM} is missing and we are not root to apt-get it")
-    # Wait for another apt/dpkg run rather than failing on its lock.
-    install = [
-        "apt-get",
-        "-o",
-        "DPkg::Lock::Timeout=300",
-        "install",
-        "-y",
-        "--no-install-recommends",
-        "chromium",
-    ]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        _run(install, "apt-get install chromium", env=env)
-    except BrowserUnavailable:
-        # Perhaps stale package lists: refresh once and retry.
-        _run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update"], "apt-get update", env=env)
-        _run(install, "apt-get install chromium", env=env)
+    install("chromium", "chromium")
     if not CHROMIUM.exists():
         raise BrowserUnavailable(f"apt-get installed chromium but {CHROMIUM} is missing")
     return CHROMIUM
