@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import ssl as _ssl
 from typing import Any
 
 from testkit.net import LOOPBACK
@@ -95,20 +94,18 @@ class RoundRobinProxy:
 
     Each connection goes to the next backend in turn; one that refuses is skipped
     (as a failed health check would take it out). Bytes pass through untouched, so
-    WebSocket upgrades do too; when either side closes, both are closed. With ``ssl``
-    (a server context) it terminates TLS, as a balancer in front of plain nodes does.
+    WebSocket upgrades do too; when either side closes, both are closed.
     """
 
-    def __init__(self, backends: list[int], ssl: _ssl.SSLContext | None = None) -> None:
+    def __init__(self, backends: list[int]) -> None:
         self.backends = backends
-        self.ssl = ssl
         self._turn = itertools.count()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
 
     async def __aenter__(self) -> RoundRobinProxy:
-        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0, ssl=self.ssl)
+        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self
 

@@ -40,7 +40,7 @@ from tests.test_client import (
     fake_server,
     killed_on_exit,
     resumed_at,
-    tls_in_front,
+    tls_node,
     url_of,
 )
 from tokend import protocol as p
@@ -792,19 +792,18 @@ async def test_under_node_a_503_with_retry_after_is_waited_out(
 
 
 async def test_under_node_wss_is_verified_and_the_ca_option_trusted(
-    node_dir: Path, app: App, tokens: TokenService, events: EventLog, tmp_path: Path
+    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
 ):
-    async with tls_in_front(app.port, tmp_path) as front:
-        url = front.url
-        # Not trusted: retried as any failed handshake is, the reason in the detail.
-        wary = tokens.mint("wary")
-        async with NodeSession.run(node_dir, url, wary, 30_000, backoff=FAST_BACKOFF) as node:
-            untrusted = await node.until("reconnecting")
-            assert re.search("certificate|verify", untrusted["detail"]), untrusted
-            await node.finish(10)
-        token = tokens.mint("tls")
-        ca = front.ca_file.read_text()
-        lines = await run_in_node(node_dir, url, token, 1000, ca=ca, backoff=FAST_BACKOFF)
+    tls = await tls_node(start_app, tmp_path)
+    # Not trusted: retried as any failed handshake is, the reason in the detail.
+    wary = tokens.mint("wary")
+    async with NodeSession.run(node_dir, tls.url, wary, 30_000, backoff=FAST_BACKOFF) as node:
+        untrusted = await node.until("reconnecting")
+        assert re.search("certificate|verify", untrusted["detail"]), untrusted
+        await node.finish(10)
+    token = tokens.mint("tls")
+    ca = tls.ca_file.read_text()
+    lines = await run_in_node(node_dir, tls.url, token, 1000, ca=ca, backoff=FAST_BACKOFF)
     kinds = [line["change"]["kind"] for line in lines if "change" in line]
     held = next(line["held"] for line in lines if "held" in line)
     assert kinds == ["connected", "ended"], lines

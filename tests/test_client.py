@@ -966,43 +966,64 @@ async def test_the_load_generators_prove_their_resumes(
 
 
 @dataclass(frozen=True)
-class TlsFront:
-    url: str  # wss://
+class TlsNode:
+    """tokend serving ``wss://`` itself, with a certificate of a CA made for the test."""
+
+    app: App
     ca_file: Path  # the CA (PEM) a client must trust
+    settings: dict[str, str]  # the certificate and key settings, for a restart
+
+    @property
+    def url(self) -> str:
+        return f"wss://{LOOPBACK}:{self.app.port}{p.WS_PATH}"
 
 
-@contextlib.asynccontextmanager
-async def tls_in_front(port: int, directory: Path) -> AsyncIterator[TlsFront]:
-    """``wss://`` whose TLS ends at a proxy in front of tokend's plain ``port``, with a
-    certificate of a CA made for it (testkit/certificates.py), in ``directory``."""
+async def tls_node(start_app: StartApp, directory: Path, **settings: Any) -> TlsNode:
+    """A tokend with ``tls_cert_file`` and ``tls_key_file`` of a new CA's (testkit/certificates.py)
+    certificate for 127.0.0.1, written in ``directory``."""
     authority = Authority.create()
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(*authority.issue(directory / "server.pem", directory / "server.key"))
-    async with RoundRobinProxy([port], ssl=context) as proxy:
-        url = f"wss://{LOOPBACK}:{proxy.port}{p.WS_PATH}"
-        yield TlsFront(url, authority.write(directory / "ca.pem"))
+    cert, key = authority.issue(directory / "cert.pem", directory / "key.pem")
+    tls = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+    app = await start_app(**tls, **settings)
+    return TlsNode(app, authority.write(directory / "ca.pem"), tls)
 
 
 async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
-    app: App, tokens: TokenService, events: EventLog, tmp_path: Path
+    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
 ):
-    async with tls_in_front(app.port, tmp_path) as front:
-        url = front.url
-        # The system's CAs do not know the test CA: refused before HELLO, not retried.
-        wary = Session(url, tokens.mint("wary"), backoff=FAST)
-        with pytest.raises(CertificateError) as untrusted:
-            await wary.start()
-        assert untrusted.value.code is None and wary.stats.reconnects == 0
-        assert "certificate is not trusted" in str(untrusted.value)
-        # Trusting the CA file (or a context of one's own), the session works over TLS.
-        trusted = ssl.create_default_context(cafile=front.ca_file)
-        for options in ({"ca_file": front.ca_file}, {"ssl": trusted}):
-            async with connect(url, tokens.mint("tls"), backoff=FAST, **options) as session:
-                await eventually(lambda: session.stats.acks > 0)
-            await events.wait_for("SESSION_CLOSED", str(session.tid))
+    node = await tls_node(start_app, tmp_path)
+    # The system's CAs do not know the test CA: refused before HELLO, not retried.
+    wary = Session(node.url, tokens.mint("wary"), backoff=FAST)
+    with pytest.raises(CertificateError) as untrusted:
+        await wary.start()
+    assert untrusted.value.code is None and wary.stats.reconnects == 0
+    assert "certificate is not trusted" in str(untrusted.value)
+    # Trusting the CA file (or a context of one's own), the session works over TLS.
+    trusted = ssl.create_default_context(cafile=node.ca_file)
+    for options in ({"ca_file": node.ca_file}, {"ssl": trusted}):
+        async with connect(node.url, tokens.mint("tls"), backoff=FAST, **options) as session:
+            await eventually(lambda: session.stats.acks > 0)
+        await events.wait_for("SESSION_CLOSED", str(session.tid))
     assert not [e for e in events.events if e["tid"] == str(wary.tid)]
     with pytest.raises(ValueError):  # TLS options for a plain ws:// URL
-        Session(url_of(app.port), tokens.mint("plain"), ca_file=front.ca_file)
+        Session(url_of(node.app.port), tokens.mint("plain"), ca_file=node.ca_file)
+
+
+async def test_over_wss_a_restart_is_reconnected_verified_and_resumed(
+    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
+):
+    node = await tls_node(start_app, tmp_path)
+    async with connect(node.url, tokens.mint("tls"), backoff=FAST, ca_file=node.ca_file) as session:
+        recorder = Recorder(session)
+        await eventually(lambda: session.stats.acks > 0)
+        port = node.app.port
+        await node.app.stop()
+        assert (await recorder.until(Change.RECONNECTING)).code == CloseCode.GOING_AWAY
+        await start_app(port=port, **node.settings)
+        await recorder.until(Change.RESUMED)
+        await events.wait_for("SESSION_RESUMED", str(session.tid))
+        acks = session.stats.acks
+        await eventually(lambda: session.stats.acks > acks)
 
 
 # The command a newcomer runs
@@ -1098,19 +1119,18 @@ async def test_tokend_connect_stopped_before_any_session_says_none_was_made(
 
 
 async def test_tokend_connect_verifies_wss_and_trusts_its_ca_file(
-    app: App, tokens: TokenService, tmp_path: Path
+    start_app: StartApp, tokens: TokenService, tmp_path: Path
 ):
-    async with tls_in_front(app.port, tmp_path) as front:
-        url = front.url
-        token = tokens.mint("tls-cli")
-        async with ConnectCommand.run("--token", token, "--url", url) as command:
-            ended = await command.until("ended")
-            assert "the server's certificate is not trusted" in ended, command.lines
-            assert "[CertificateError]" in ended
-            assert await command.exit_status() == 1
-        trusting = ("--token", token, "--url", url, "--ca-file", str(front.ca_file))
-        async with ConnectCommand.run(*trusting) as command:
-            assert "sub=tls-cli" in await command.until("connected")
-            command.process.send_signal(signal.SIGINT)
-            assert "logged out" in await command.until("ended")
-            assert await command.exit_status() == 0
+    node = await tls_node(start_app, tmp_path)
+    token = tokens.mint("tls-cli")
+    async with ConnectCommand.run("--token", token, "--url", node.url) as command:
+        ended = await command.until("ended")
+        assert "the server's certificate is not trusted" in ended, command.lines
+        assert "[CertificateError]" in ended
+        assert await command.exit_status() == 1
+    trusting = ("--token", token, "--url", node.url, "--ca-file", str(node.ca_file))
+    async with ConnectCommand.run(*trusting) as command:
+        assert "sub=tls-cli" in await command.until("connected")
+        command.process.send_signal(signal.SIGINT)
+        assert "logged out" in await command.until("ended")
+        assert await command.exit_status() == 0
