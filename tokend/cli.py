@@ -99,10 +99,10 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
             return 1
     pidfile = PidFile(settings.resolved_data_dir)
     try:
-        pidfile.acquire()
-    except AlreadyRunning as exc:
-        # Single nodes may share a data directory (a Redis URL and a keys directory
-        # of their own): only the first is found by tokend reload.
+        pidfile.acquire(patience=0)
+    except (AlreadyRunning, OSError) as exc:
+        # Single nodes may share a data directory, or have none they may write (a
+        # Redis URL and a keys directory of their own): tokend reload finds the first.
         import structlog
 
         structlog.get_logger("tokend.cli").warning("no pid file written", reason=str(exc))

@@ -42,12 +42,13 @@ class PidFile:
         self.status_path = data_dir / STATUS_FILE
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, patience: float = LOCK_PATIENCE_S) -> None:
         """Lock the pid file and write this process's pid in it; raises
-        :class:`AlreadyRunning` naming the holder when another server has it."""
+        :class:`AlreadyRunning` naming the holder when another server has it after
+        ``patience`` seconds."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        deadline = time.monotonic() + LOCK_PATIENCE_S
+        deadline = time.monotonic() + patience
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

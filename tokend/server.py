@@ -308,7 +308,8 @@ async def _report_ready(app: App, notifier: activation.Notifier) -> None:
 
 def _cannot_reload() -> None:
     log.warning(
-        "SIGHUP ignored: one process cannot replace itself; run several under a "
-        "supervisor (--workers) and use tokend reload, or restart it under socket "
-        "activation (docs/operations.md)"
+        "SIGHUP ignored",
+        reason="one process cannot replace itself: run several under a supervisor "
+        "(--workers) and use tokend reload, or restart it under socket activation "
+        "(docs/operations.md)",
     )

@@ -220,15 +220,20 @@ class Supervisor:
                 timeout=WORKER_READY_TIMEOUT,
             )
             return 1
-        while outcome not in ("stop", "died"):
+        if outcome == "ready":
             log.info("workers ready", generation=self.generation, nodes=self._nodes())
-            self.notifier.notify(READY="1", STATUS=self._summary(), MAINPID=str(os.getpid()))
-            self._write_status("ready")
+            self._ready()
+        while outcome not in ("stop", "died"):
             outcome = await self._first(None, reload=self.reload_wanted.wait())
             if outcome == "reload":
                 self.reload_wanted.clear()
                 outcome = await self._reload()
         return 0 if outcome == "stop" else 1
+
+    def _ready(self) -> None:
+        """Every slot's worker is ready: say so to systemd and in the status file."""
+        self.notifier.notify(READY="1", STATUS=self._summary(), MAINPID=str(os.getpid()))
+        self._write_status("ready")
 
     async def _first(self, timeout: float | None, **waits: Awaitable[Any]) -> str | None:
         """The name of the first of ``waits`` to finish, or "stop" (a stop signal) or
@@ -375,6 +380,7 @@ class Supervisor:
             "reason": reason,
             "seconds": round(loop.time() - began, 1),
         }
+        self._ready()
         (log.info if outcome == "ok" else log.error)(
             "reload finished", **self.last_reload, nodes=self._nodes()
         )
