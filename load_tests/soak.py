@@ -493,6 +493,19 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return figures
 
 
+def sessions_lost(phase: str, figures: dict[str, Any]) -> list[str]:
+    """What a reload or a restart must not cost: a session begun anew, a terminal close,
+    a client that gave up, a TOKEN_EXPIRED."""
+    problems = [
+        f"{phase}: {name} {figures[name]}"
+        for name in ("started_anew", "terminal_closes", "gave_up")
+        if figures[name]
+    ]
+    if figures["events"].get("TOKEN_EXPIRED"):
+        problems.append(f"{phase}: {figures['events']['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+    return problems
+
+
 def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
     """What failed (empty: PASS)."""
     problems = []
@@ -516,21 +529,13 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
         last = reloaded["last_resume_after_signal_s"]
         if last is None or last > RESUME_GOAL_S:
             problems.append(f"reload: last resume {last} s after SIGHUP")
-        for name in ("started_anew", "terminal_closes", "gave_up"):
-            if reloaded[name]:
-                problems.append(f"reload: {name} {reloaded[name]}")
-        if reloaded["events"].get("TOKEN_EXPIRED"):
-            problems.append(f"reload: {reloaded['events']['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+        problems += sessions_lost("reload", reloaded)
     if restart := figures.get("restart"):
         if restart["resumed"] != sessions:
             problems.append(f"{restart['resumed']} of {sessions} sessions resumed")
         if restart["last_resume_after_start_s"] > RESUME_GOAL_S:
             problems.append(f"last resume {restart['last_resume_after_start_s']} s after start")
-        for name in ("started_anew", "terminal_closes", "gave_up"):
-            if restart[name]:
-                problems.append(f"restart: {name} {restart[name]}")
-        if restart["events"].get("TOKEN_EXPIRED"):
-            problems.append(f"restart: {restart['events']['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+        problems += sessions_lost("restart", restart)
     if expire := figures.get("expire"):
         for name in ("warned_once", "expired_once"):
             if expire[name] != sessions:
