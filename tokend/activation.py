@@ -36,9 +36,12 @@ LISTEN_VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 ADMIN = "admin"
 # sd_listen_fds(3): the name of a descriptor that LISTEN_FDNAMES does not name.
 UNNAMED = "unknown"
-# tokend's own notification field (sd_notify(3) asks for an X_ prefix): a stopping
-# server's drain has closed all its connections.
+# tokend's own additions, between a supervisor and its workers. A notification field
+# (sd_notify(3) asks for an X_ prefix): a stopping server's drain has closed all its
+# connections. A signal to a worker whose slot has a new worker: stop accepting, and
+# keep serving the open connections until SIGTERM.
 DRAINED = "X_TOKEND_DRAINED"
+STOP_ACCEPTING = signal.SIGUSR1
 # The most a notification datagram may hold; systemd reads at most this much.
 MAX_NOTIFICATION = 4096
 _PR_SET_PDEATHSIG = 1

@@ -87,7 +87,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from tokend.server import serve_until_signalled
 
     if args.worker:  # started by a supervisor, which holds the pid file
-        _run(serve_until_signalled(settings))
+        _run(serve_until_signalled(settings, worker=True))
         return 0
     if settings.workers > 1:
         from tokend.workers import supervise

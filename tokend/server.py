@@ -260,13 +260,15 @@ class App:
         log.info("stopped")
 
 
-async def serve_until_signalled(settings: Settings) -> None:
+async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop; a second signal hurries the drain.
 
     Whoever started the process and asked for it (``NOTIFY_SOCKET``: systemd with
     ``Type=notify``, or the supervisor of ``--workers``) hears ``READY=1`` once it listens
     and its node is subscribed, ``STOPPING=1`` when the drain begins and
-    ``X_TOKEND_DRAINED=1`` when it has closed every connection.
+    ``X_TOKEND_DRAINED=1`` when it has closed every connection. A supervisor's ``worker``
+    stops accepting on SIGUSR1 (a reload: its slot has a new worker) and keeps serving its
+    connections until SIGTERM.
     """
     notifier = activation.Notifier.from_environ()
     app = App(settings)
@@ -287,6 +289,8 @@ async def serve_until_signalled(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled)
     loop.add_signal_handler(signal.SIGHUP, _cannot_reload)
+    if worker:
+        loop.add_signal_handler(activation.STOP_ACCEPTING, _stop_accepting, app)
     ready = asyncio.ensure_future(_report_ready(app, notifier))
     try:
         await stopping.wait()
@@ -304,6 +308,12 @@ async def _report_ready(app: App, notifier: activation.Notifier) -> None:
     without it when Redis is down, and keeps trying)."""
     await app.node.subscribed.wait()
     notifier.notify(READY="1", STATUS=f"serving on port {app.port}")
+
+
+def _stop_accepting(app: App) -> None:
+    assert app.server is not None
+    log.info("stopped accepting: the slot's new worker accepts", connections=len(app.connections))
+    app.server.close()  # this process's copy of the socket; the supervisor keeps it
 
 
 def _cannot_reload() -> None:

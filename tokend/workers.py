@@ -111,7 +111,14 @@ class Worker:
         self.ready = asyncio.Event()  # READY=1: listening, node started and subscribed
         self.drained = asyncio.Event()  # its drain has closed every connection
         self.exited = asyncio.Event()
-        self.retiring = False  # sent SIGTERM by a reload: its exit is expected
+        self.superseded = False  # a reload's new worker serves its slot: its exit is expected
+        self.terminated = False  # sent SIGTERM: it drains and stops
+
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one would hurry its drain."""
+        if not self.terminated:
+            self.terminated = True
+            self.process.terminate()
 
     @property
     def pid(self) -> int:
@@ -304,7 +311,7 @@ class Supervisor:
         if live and not self.stopping.is_set():
             log.error("worker died", node=worker.name, pid=worker.pid, exitcode=status)
             self.death.set()
-        elif worker.retiring:
+        elif worker.superseded:
             (log.info if status == 0 else log.warning)(
                 "old worker exited", node=worker.name, pid=worker.pid, exitcode=status
             )
@@ -349,8 +356,17 @@ class Supervisor:
     # Reload
 
     async def _reload(self) -> str:
-        """Replace every slot's worker, one slot at a time: "ok" or "failed" (the
-        supervisor goes on either way), or "stop" or "died"."""
+        """Replace every slot's worker: "ok" or "failed" (the supervisor goes on either
+        way), or "stop" or "died".
+
+        Two steps. First, slot by slot, the new worker starts; once it is ready, the old
+        one stops accepting (SIGUSR1) and keeps its connections. Then, one at a time, each
+        old worker drains (SIGTERM): its clients reconnect to the new workers alone, each
+        session moves once, and the new workers share them evenly. (Draining each old
+        worker as soon as its slot's new one is ready would send a quarter of a slot's
+        clients to each old worker not yet replaced: with 4 workers, the last one would
+        drain half of all sessions; docs/operations.md.)
+        """
         loop = asyncio.get_running_loop()
         began = loop.time()
         self.generation += 1
@@ -364,12 +380,18 @@ class Supervisor:
         )
         self._write_status("reloading")
         outcome, reason = "ok", ""
+        superseded = []
         for slot in self.slots:
-            outcome, reason = await self._replace(slot)
+            old = slot.worker
+            outcome, reason = await self._supersede(slot)
             if outcome != "ok":
                 break
-        else:
-            outcome = await self._retired()
+            assert old is not None
+            superseded.append(old)
+        if outcome in ("ok", "failed"):
+            # After a failure, the slots already replaced finish their move.
+            drained = await self._drain(superseded)
+            outcome = drained if drained != "ok" else outcome
         self.reloading = False
         if outcome in ("stop", "died"):
             return outcome
@@ -386,9 +408,9 @@ class Supervisor:
         )
         return outcome
 
-    async def _replace(self, slot: Slot) -> tuple[str, str]:
-        """Start the slot's new worker; once it is ready, drain the old one. ("ok", ""),
-        ("failed", why), ("stop", "") or ("died", "")."""
+    async def _supersede(self, slot: Slot) -> tuple[str, str]:
+        """Start the slot's new worker; once it is ready, the old one stops accepting.
+        ("ok", ""), ("failed", why), ("stop", "") or ("died", "")."""
         old, new = slot.worker, self._start(slot)
         assert old is not None
         outcome = await self._first(
@@ -407,26 +429,33 @@ class Supervisor:
             await new.exited.wait()
             return "failed", reason
         slot.worker = new
-        old.retiring = True
-        old.process.terminate()
+        old.superseded = True
+        old.process.send_signal(activation.STOP_ACCEPTING)
         log.info("worker replaced", slot=slot.index, old=old.name, new=new.name, pid=new.pid)
-        timeout = self.settings.drain_period + DRAIN_MARGIN
-        outcome = await self._first(timeout, drained=old.drained.wait(), exited=old.exited.wait())
-        if outcome is None:
-            log.warning("old worker still draining: killed", node=old.name, after_s=timeout)
-            old.process.kill()
-        return ("ok", "") if outcome not in ("stop", "died") else (outcome, "")
+        return "ok", ""
 
-    async def _retired(self) -> str:
-        """Wait until the old workers have exited (killed after :data:`EXIT_TIMEOUT`):
-        "ok", or "stop" or "died"."""
-        retiring = [w for w in self.processes.values() if w.retiring]
-        outcome = await self._first(EXIT_TIMEOUT, exited=_all_set(w.exited for w in retiring))
+    async def _drain(self, old_workers: list[Worker]) -> str:
+        """Drain each of ``old_workers`` in turn, the next once the previous one has
+        closed its connections (killed after drain_period + :data:`DRAIN_MARGIN`); then
+        wait until all have exited (killed after :data:`EXIT_TIMEOUT`). "ok", or "stop"
+        or "died"."""
+        timeout = self.settings.drain_period + DRAIN_MARGIN
+        for old in old_workers:
+            old.terminate()
+            outcome = await self._first(
+                timeout, drained=old.drained.wait(), exited=old.exited.wait()
+            )
+            if outcome in ("stop", "died"):
+                return outcome
+            if outcome is None:
+                log.warning("old worker still draining: killed", node=old.name, after_s=timeout)
+                old.process.kill()
+        outcome = await self._first(EXIT_TIMEOUT, exited=_all_set(w.exited for w in old_workers))
         if outcome is None:
-            log.warning("old workers slow to exit: killed", nodes=[w.name for w in retiring])
-            for worker in retiring:
+            log.warning("old workers slow to exit: killed", nodes=[w.name for w in old_workers])
+            for worker in old_workers:
                 worker.process.kill()
-            outcome = await self._first(None, exited=_all_set(w.exited for w in retiring))
+            outcome = await self._first(None, exited=_all_set(w.exited for w in old_workers))
         return "ok" if outcome == "exited" else str(outcome)
 
     # Stopping
@@ -438,8 +467,7 @@ class Supervisor:
         for slot in self.slots:
             slot.close()  # the port closes as the workers close their copies
         for worker in self.processes.values():
-            if not worker.retiring:  # a second SIGTERM would hurry a drain
-                worker.process.terminate()
+            worker.terminate()
         await _all_set(w.exited for w in list(self.processes.values()))
         for slot in self.slots:
             worker = slot.worker
