@@ -474,6 +474,21 @@ async def test_a_socket_activated_process_restarts_without_refusing_a_connection
     assert all(s.counts["resumed"] >= 1 for s in held), totals
 
 
+async def test_a_supervisor_refuses_sockets_from_socket_activation(
+    make_settings: Callable[..., Settings],
+):
+    with listening_socket() as sock:
+        supervisor = TokendProcess(
+            {**node_env(make_settings()), "TOKEND_WORKERS": "2"}, sockets=[(sock, "tokend")]
+        )
+        supervisor.launch()
+        assert supervisor.process is not None
+        assert await asyncio.to_thread(supervisor.process.wait, 20) == 2
+        supervisor.stop()
+    (refusal,) = [line["raw"] for line in supervisor.log_lines]
+    assert refusal.startswith("tokend: configuration error: workers: the supervisor binds")
+
+
 # --- readiness for systemd (Type=notify) -------------------------------------------------------
 
 

@@ -255,9 +255,9 @@ def _exec_activated(argv: Sequence[str]) -> NoReturn:
         os.close(fd)
     for i, copy in enumerate(copies):
         os.dup2(copy, LISTEN_FDS_START + i)  # inheritable; the copies close on exec
-    os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)))
-    if fds:
-        os.environ["LISTEN_FDNAMES"] = names
+    os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=names)
+    if not fds:
+        del os.environ["LISTEN_FDNAMES"]  # no names for no descriptors
     signal.pthread_sigmask(signal.SIG_SETMASK, set())  # a service starts with none blocked
     os.execv(command[0], command)
 

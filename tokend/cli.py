@@ -145,7 +145,10 @@ def cmd_reload(settings: Settings, args: argparse.Namespace) -> int:
     except pidfile.NoServer as exc:
         return fail(str(exc))
     status = pidfile.read_status(data_dir)
-    if status.get("workers", 1) == 1:
+    if not status or status.get("state") in ("starting", "stopping"):
+        state = status.get("state", "starting")
+        return fail(f"the server (pid {pid}) is {state}; try again once it serves")
+    if status["workers"] == 1:
         return fail(
             f"the server (pid {pid}) is one process, which cannot replace itself: run it "
             "under a supervisor (--workers), or restart it under socket activation "
@@ -542,9 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokend: configuration error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from tokend.activation import ActivationError
         from tokend.embedded import EmbeddedError
 
-        if isinstance(exc, (EmbeddedError, OSError)):
+        if isinstance(exc, (EmbeddedError, OSError, ActivationError)):
             print(f"tokend: {exc}", file=sys.stderr)
             return 1
         raise

@@ -56,7 +56,7 @@ from typing import Any
 import structlog
 
 from tokend import activation
-from tokend.config import Settings
+from tokend.config import ConfigError, Settings
 from tokend.embedded import EmbeddedRedis
 from tokend.pidfile import PidFile
 
@@ -181,6 +181,7 @@ class Supervisor:
         self.requested = 0  # SIGHUPs received
         self.done = 0  # requests answered by a finished reload
         self.last_reload: dict[str, Any] | None = None
+        self.state = "starting"  # then ready, reloading, stopping (tokend.status)
 
     def _bind_slot(self, index: int) -> Slot:
         s = self.settings
@@ -216,17 +217,20 @@ class Supervisor:
                 worker.process.wait()
 
     async def _serve(self) -> int:
+        self._write_status("starting")
         for slot in self.slots:
             slot.worker = self._start(slot)
         live = [slot.worker for slot in self.slots if slot.worker is not None]
         outcome = await self._first(WORKER_READY_TIMEOUT, ready=_all_set(w.ready for w in live))
         if outcome is None:
-            log.error(
-                "workers not ready in time",
+            # As one process does (Redis down, say): wait on; a service manager's start
+            # timeout decides.
+            log.warning(
+                "workers not ready yet",
                 nodes=[w.name for w in live if not w.ready.is_set()],
-                timeout=WORKER_READY_TIMEOUT,
+                after_s=WORKER_READY_TIMEOUT,
             )
-            return 1
+            outcome = await self._first(None, ready=_all_set(w.ready for w in live))
         if outcome == "ready":
             log.info("workers ready", generation=self.generation, nodes=self._nodes())
             self._ready()
@@ -351,7 +355,7 @@ class Supervisor:
         if self.reloading:
             log.info("reload requested during a reload: one more follows it")
         self.reload_wanted.set()
-        self._write_status("reloading" if self.reloading else "ready")
+        self._write_status(self.state)
 
     # Reload
 
@@ -489,6 +493,7 @@ class Supervisor:
         return f"{len(self.slots)} workers ready, generation {self.generation}"
 
     def _write_status(self, state: str) -> None:
+        self.state = state
         self.pidfile.write_status(
             {
                 "workers": len(self.slots),
@@ -511,6 +516,11 @@ async def _all_set(events: Iterable[asyncio.Event]) -> None:
 def supervise(settings: Settings, environ: Mapping[str, str]) -> int:
     """Run ``settings.workers`` workers, each started with ``environ`` (the supervisor's
     environment and command line); the exit status."""
+    if activation.listen_fds(os.environ, os.getpid()):
+        raise ConfigError(
+            "workers: the supervisor binds its own sockets and keeps them across reloads; "
+            "socket activation (LISTEN_FDS) is for one process (docs/operations.md)"
+        )
     pidfile = PidFile(settings.resolved_data_dir)
     pidfile.acquire()
     notifier = activation.Notifier.from_environ()
