@@ -16,16 +16,19 @@ The sockets live in the supervisor, not in the workers: a worker that stops clos
 its copy, so connections wait in the backlog for the slot's next worker (or go to the
 other slots) and are never refused. The kernel spreads new connections evenly over the
 slots' sockets (SO_REUSEPORT hashes the connection's addresses); the spread is kept
-across reloads because the sockets are (docs/operations.md, "Reloading the workers").
+across reloads because the sockets are (docs/operations.md, "Restarts that keep the
+port open").
 
-* SIGHUP (``tokend reload``) replaces the workers one slot at a time: the slot's new
-  worker starts and must be ready within :data:`WORKER_READY_TIMEOUT`, then the old one
-  is sent SIGTERM and drains (1001 spread over drain_period; its clients resume on the
-  live workers); the next slot starts once it has closed its connections (it says so:
-  ``X_TOKEND_DRAINED=1``). A new worker that exits or is not ready in time is killed,
-  the old one kept, the reload ended there and logged (``reload finished``, result
-  ``failed``); the supervisor keeps serving. A SIGHUP during a reload is logged and
-  answered by one more reload after it. The outcome goes to ``tokend.status``.
+* SIGHUP (``tokend reload``) replaces the workers (:meth:`Supervisor._reload`). Slot by
+  slot, the new worker starts and must be ready within :data:`WORKER_READY_TIMEOUT`;
+  then the old one stops accepting (SIGUSR1) and keeps its connections. Then one at a
+  time the old ones are sent SIGTERM and drain (1001 spread over drain_period; their
+  clients resume on the new workers), each as soon as the previous one has closed its
+  connections (it says so: ``X_TOKEND_DRAINED=1``). A new worker that exits or is not
+  ready in time is killed, its slot's old one kept, the reload ended there and logged
+  (``reload finished``, result ``failed``); the supervisor keeps serving. A SIGHUP
+  during a reload is logged and answered by one more reload after it. The outcome goes
+  to ``tokend.status`` (tokend/pidfile.py).
 * SIGTERM or SIGINT is forwarded to every worker as SIGTERM, and the supervisor closes
   its copies of the sockets, so the port closes as it did before: each worker stops
   gracefully (close 1001, sessions stay resumable). The supervisor waits for all of them,
