@@ -1,4 +1,5 @@
-"""Soak and capacity: hold many tokend sessions for long, restart under them, let them expire.
+"""Soak and capacity: hold many tokend sessions for long, reload and restart under them, let
+them expire.
 
 Starts ``tokend serve --workers N`` on a free 127.0.0.1 port (on the embedded Redis, or
 on ``--redis URL``), opens ``--sessions`` sessions from load-generator processes
@@ -12,6 +13,13 @@ phases and stops everything it started:
   unexpected closes, heartbeats sent and ACKed, ACK latency p50/p99/max, RSS of the
   workers and of Redis (and per session), CPU of every process, Redis memory per
   session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
+* **reload** (``--reload``): with the sessions held and heartbeating, SIGHUP the
+  supervisor (a rolling reload: each worker replaced by a new one while the port stays
+  open; docs/operations.md) and wait for its outcome; every client closed with 1001
+  resumes its session on a live worker. Reports the refused connects (goal 0), the
+  resumes (the last one's time after the SIGHUP: goal within 60 s), ACK latency over the
+  window, the reload's duration and outcome, the connections each worker held, new
+  sessions, terminal closes and TOKEN_EXPIRED (each must be 0).
 * **restart** (``--restart``): with the sessions held and heartbeating, SIGTERM the
   supervisor (its workers drain: 1001 spread over ``drain_period``) and start it again on
   the same data directory; every client resumes its session with the SDK's backoff.
@@ -30,6 +38,7 @@ phase, seconds each, is (tests/test_load_smoke.py).
 
     python load_tests/soak.py                                  # ~19,500 x 600 s, one process
     python load_tests/soak.py --sessions 75000 --workers 4 --restart --expire
+    python load_tests/soak.py --sessions 75000 --workers 4 --duration 60 --reload
     python load_tests/soak.py --sessions 3000 --duration 60    # a short proof run
 """
 
@@ -37,7 +46,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import re
+import signal
 import sys
 import time
 import uuid
@@ -73,7 +86,9 @@ from load_tests.common import (  # noqa: E402
     sources,
 )
 from testkit.events import READ_CHUNK, read_events  # noqa: E402
+from testkit.net import http_request  # noqa: E402
 from testkit.procs import CpuMeter, fd_limit, proc_children, proc_rss  # noqa: E402
+from testkit.waiting import eventually  # noqa: E402
 from tokend.store.keyspace import Keyspace  # noqa: E402
 
 PER_CLIENT_PROCESS = 5000  # sessions per load-generator process (well under its fd limit)
@@ -83,6 +98,8 @@ MB = 1 << 20
 # Seconds of ordinary heartbeats before the supervisor is signalled, in the restart phase.
 RESTART_AFTER_S = 2.0
 STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
+# A reload of each worker, at most: a new one starts, the old one drains.
+RELOAD_TIMEOUT_PER_WORKER_S = 60.0
 RESUME_GOAL_S = 60.0
 EXPIRY_LAG_GOAL_MS = 250
 # After the last deadline, how long the expire phase waits for stragglers.
@@ -113,6 +130,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--drain-period", type=float, default=10.0, help="the server's drain_period (default 10)"
+    )
+    parser.add_argument(
+        "--reload", action="store_true", help="then reload the workers (SIGHUP to the supervisor)"
+    )
+    parser.add_argument(
+        "--reload-window",
+        type=float,
+        default=90.0,
+        help="seconds the clients heartbeat and resume across the reload, from 2 s before "
+        "the SIGHUP; the ACK latency is taken over it (default 90)",
     )
     parser.add_argument("--restart", action="store_true", help="then restart the supervisor")
     parser.add_argument(
@@ -200,6 +227,102 @@ async def hold(
     }
 
 
+def resumes(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the clients met while the server went away under them (a reload, a restart):
+    their heartbeats, closes, refusals, and their resumes by wall-clock time."""
+    resumed_at = Counter({float(k) / 10: v for k, v in merged(replies, "resumed_at").items()})
+    per_second = Counter({int(t): 0 for t in resumed_at})
+    for t, n in resumed_at.items():
+        per_second[int(t)] += n
+    closes = merged(replies, "closes")
+    refusals = merged(replies, "refusals")
+    return {
+        **heartbeat_figures(replies),
+        "resumed": sum(resumed_at.values()),
+        "started_anew": sum(r["started_anew"] for r in replies),
+        "gave_up": merged(replies, "gave_up"),
+        "live_at_end": sum(r["live"] for r in replies),
+        "refusals": refusals,
+        "refused_connects": refusals.get("ConnectionRefusedError", 0),
+        "terminal_closes": {c: n for c, n in closes.items() if c not in RECONNECT_CODES},
+        # Wall-clock time just after the last resume (tenths of a second), if any.
+        "last_resume": max(resumed_at, default=0.0) + 0.1 if resumed_at else None,
+        "peak_resumes_per_s": max(per_second.values(), default=0),
+        "mean_resumes_per_s": round(
+            sum(resumed_at.values())
+            / max(0.1, max(resumed_at, default=0.0) + 0.1 - min(resumed_at, default=0.0)),
+            1,
+        ),
+    }
+
+
+def drained_connections(log: Path) -> list[int]:
+    """The connections each worker held when it began to drain, from its ``draining``
+    line (all at once at a stop: how the kernel spread them over the workers)."""
+    lines = log.read_text(errors="replace").splitlines()
+    return [json.loads(line)["connections"] for line in lines if '"event": "draining"' in line]
+
+
+def admin_ports(log: Path) -> dict[str, int]:
+    """Each worker's admin port, from its ``admin listening`` line."""
+    lines = log.read_text(errors="replace").splitlines()
+    entries = [json.loads(line) for line in lines if '"event": "admin listening"' in line]
+    return {entry["node"]: entry["port"] for entry in entries}
+
+
+async def open_connections(ports: dict[str, int]) -> dict[str, int]:
+    """Each worker's open connections now: ``tokend_connections`` on its admin port."""
+    counts = {}
+    for node, port in sorted(ports.items()):
+        metrics = (await http_request(port, "GET", "/metrics")).body.decode()
+        gauge = re.search(r"^tokend_connections (\S+)$", metrics, re.MULTILINE)
+        counts[node] = int(float(gauge.group(1))) if gauge else -1
+    return counts
+
+
+async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> dict[str, Any]:
+    began_ms = int(time.time() * 1000)
+    task = asyncio.ensure_future(
+        pool.ask(
+            "soak",
+            timeout=args.reload_window + 60,
+            interval=args.heartbeat,
+            duration=args.reload_window,
+            reconnect=True,
+        )
+    )
+    await asyncio.sleep(RESTART_AFTER_S)
+    # How the kernel spread the connections over the workers' sockets (SO_REUSEPORT).
+    per_worker = await open_connections(admin_ports(server.log))
+    logged_before = len(server.log.read_text(errors="replace").splitlines())
+    signalled = time.time()
+    os.kill(server.pid, signal.SIGHUP)
+
+    def finished() -> dict[str, Any] | None:
+        lines = server.log.read_text(errors="replace").splitlines()[logged_before:]
+        found = [json.loads(line) for line in lines if '"event": "reload finished"' in line]
+        return found[0] if found else None
+
+    outcome: dict[str, Any] | None = None
+    with contextlib.suppress(TimeoutError):
+        outcome = await eventually(
+            finished, args.workers * RELOAD_TIMEOUT_PER_WORKER_S, interval=0.2
+        )
+    replies = await task
+    figures = resumes(replies)
+    last = figures.pop("last_resume")
+    return {
+        "began_ms": began_ms,
+        **figures,
+        "result": outcome["result"] if outcome else "no outcome",
+        "reason": outcome["reason"] if outcome else "",
+        "reload_s": outcome["seconds"] if outcome else None,
+        "nodes": outcome["nodes"] if outcome else [],
+        "connections_per_worker": list(per_worker.values()),
+        "last_resume_after_signal_s": round(last - signalled, 1) if last else None,
+    }
+
+
 async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> dict[str, Any]:
     window = args.restart_window
     began_ms = int(time.time() * 1000)
@@ -219,41 +342,22 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
     exit_code = server.process.returncode
     stopped = time.time()
     # How the kernel spread the connections over the workers (SO_REUSEPORT).
-    per_worker = [
-        json.loads(line)["connections"]
-        for line in server.log.read_text(errors="replace").splitlines()
-        if '"event": "draining"' in line
-    ]
+    per_worker = drained_connections(server.log)
     server.log = server.log.with_name("tokend-restarted.log")
     started = time.time()
     await asyncio.to_thread(server.start, '"listening"', 60.0, args.workers)
     listening = time.time()
-    replies = await task
-    resumed_at = Counter({float(k) / 10: v for k, v in merged(replies, "resumed_at").items()})
-    per_second = Counter({int(t): 0 for t in resumed_at})
-    for t, n in resumed_at.items():
-        per_second[int(t)] += n
-    last = max(resumed_at, default=started)
-    closes = merged(replies, "closes")
+    figures = resumes(await task)
+    last = figures.pop("last_resume") or started
     return {
         "began_ms": began_ms,
-        **heartbeat_figures(replies),
+        **figures,
         "supervisor_exit": exit_code,
         "connections_per_worker": per_worker,
         "drain_and_exit_s": round(stopped - signalled, 1),
         "start_to_listening_s": round(listening - started, 1),
-        "resumed": sum(resumed_at.values()),
-        "started_anew": sum(r["started_anew"] for r in replies),
-        "gave_up": merged(replies, "gave_up"),
-        "live_at_end": sum(r["live"] for r in replies),
-        "refusals": merged(replies, "refusals"),
-        "terminal_closes": {c: n for c, n in closes.items() if c not in RECONNECT_CODES},
-        "last_resume_after_start_s": round(last + 0.1 - started, 1),
-        "last_resume_after_signal_s": round(last + 0.1 - signalled, 1),
-        "peak_resumes_per_s": max(per_second.values(), default=0),
-        "mean_resumes_per_s": round(
-            sum(resumed_at.values()) / max(0.1, last + 0.1 - min(resumed_at, default=last)), 1
-        ),
+        "last_resume_after_start_s": round(last - started, 1),
+        "last_resume_after_signal_s": round(last - signalled, 1),
     }
 
 
@@ -334,7 +438,7 @@ async def expire(
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     ctx = Context(QUICK, workdir, "info", pin=False, workers=args.workers)
     # Tokens outlive the run, so the hold measures heartbeats (renewal has its own bench).
-    total_s = args.duration + args.restart_window + 8 * args.heartbeat
+    total_s = args.duration + args.reload_window + args.restart_window + 8 * args.heartbeat
     tokens = ctx.tokens(args.sessions, ttl_s=int(max(3600, 4 * total_s)))
     tids = tokens.tids[: args.sessions]
     procs = -(-args.sessions // args.per_client)
@@ -370,6 +474,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 k: opened[k] for k in ("opened", "seconds", "rate", "refusals", "p99_ms")
             }
             figures["hold"] = await hold(args, server, pool, redis, base)
+            if args.reload:
+                figures["reload"] = reload_figures = await reload(args, server, pool)
+                events = await read_events(redis, KEY_PREFIX, reload_figures.pop("began_ms"))
+                reload_figures["events"] = dict(Counter(e["type"] for e in events))
             if args.restart:
                 figures["restart"] = restart_figures = await restart(args, server, pool)
                 if not args.redis:  # the embedded Redis restarted with the server
@@ -385,6 +493,19 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return figures
 
 
+def sessions_lost(phase: str, figures: dict[str, Any]) -> list[str]:
+    """What a reload or a restart must not cost: a session begun anew, a terminal close,
+    a client that gave up, a TOKEN_EXPIRED."""
+    problems = [
+        f"{phase}: {name} {figures[name]}"
+        for name in ("started_anew", "terminal_closes", "gave_up")
+        if figures[name]
+    ]
+    if figures["events"].get("TOKEN_EXPIRED"):
+        problems.append(f"{phase}: {figures['events']['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+    return problems
+
+
 def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
     """What failed (empty: PASS)."""
     problems = []
@@ -398,16 +519,23 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
     for kind in ("SESSION_WARN", "TOKEN_EXPIRED"):
         if hold["events"].get(kind):
             problems.append(f"{hold['events'][kind]} {kind} during the hold")
+    if reloaded := figures.get("reload"):
+        if reloaded["result"] != "ok":
+            problems.append(f"reload: {reloaded['result']} {reloaded['reason']}".rstrip())
+        if reloaded["refused_connects"]:
+            problems.append(f"reload: {reloaded['refused_connects']} refused connects")
+        if reloaded["live_at_end"] != sessions:
+            problems.append(f"reload: {reloaded['live_at_end']} of {sessions} sessions live")
+        last = reloaded["last_resume_after_signal_s"]
+        if last is None or last > RESUME_GOAL_S:
+            problems.append(f"reload: last resume {last} s after SIGHUP")
+        problems += sessions_lost("reload", reloaded)
     if restart := figures.get("restart"):
         if restart["resumed"] != sessions:
             problems.append(f"{restart['resumed']} of {sessions} sessions resumed")
         if restart["last_resume_after_start_s"] > RESUME_GOAL_S:
             problems.append(f"last resume {restart['last_resume_after_start_s']} s after start")
-        for name in ("started_anew", "terminal_closes", "gave_up"):
-            if restart[name]:
-                problems.append(f"restart: {name} {restart[name]}")
-        if restart["events"].get("TOKEN_EXPIRED"):
-            problems.append(f"restart: {restart['events']['TOKEN_EXPIRED']} TOKEN_EXPIRED")
+        problems += sessions_lost("restart", restart)
     if expire := figures.get("expire"):
         for name in ("warned_once", "expired_once"):
             if expire[name] != sessions:
@@ -436,6 +564,20 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
         f"CPU (% of a core):  {hold['cpu_pct']}",
         f"events:             {hold['events']}",
     ]
+    if reloaded := figures.get("reload"):
+        lines += [
+            f"reload:             {reloaded['connections_per_worker']} connections per worker; "
+            f"{reloaded['result']} in {reloaded['reload_s']} s {reloaded['reason']}".rstrip()
+            + f" ({', '.join(reloaded['nodes'])}); {reloaded['resumed']:,} resumed, last "
+            f"{reloaded['last_resume_after_signal_s']} s after SIGHUP; peak "
+            f"{reloaded['peak_resumes_per_s']:,}/s, mean {reloaded['mean_resumes_per_s']:,}/s",
+            f"                    refused connects {reloaded['refused_connects']}; refusals "
+            f"{reloaded['refusals'] or 'none'}; ACK {latency_line(reloaded['ack_latency'])} "
+            f"({reloaded['acks']:,} of {reloaded['sent']:,} ACKed)",
+            f"                    closes {reloaded['closes']}; new sessions "
+            f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
+            f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
+        ]
     if restart := figures.get("restart"):
         lines += [
             f"restart:            {restart['connections_per_worker']} connections per worker; "

@@ -8,14 +8,15 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from testkit.net import LOOPBACK, free_port
-from tokend import config
+from tokend import activation, config
 from tokend.config import Settings
 
 # Clocks no test step outlasts (a subprocess's start-up included): no WARN or expiry
@@ -37,9 +38,17 @@ class TokendProcess:
     """
 
     def __init__(
-        self, env: dict[str, str], port: int | None = None, *, max_open_files: int | None = None
+        self,
+        env: dict[str, str],
+        port: int | None = None,
+        *,
+        max_open_files: int | None = None,
+        sockets: Sequence[tuple[socket.socket, str]] = (),
     ) -> None:
-        self.port = port or free_port()
+        # Listening sockets passed as systemd's socket activation does (LISTEN_FDS), each
+        # with its name; the first is the WebSocket port.
+        self.sockets = sockets
+        self.port = port or (sockets[0][0].getsockname()[1] if sockets else free_port())
         # A known admin port, unless the test names one (-1: off) or runs workers (then
         # 0: each worker takes a free one; consecutive ports may not be free).
         admin_port = env.get("TOKEND_ADMIN_PORT", "0")
@@ -63,8 +72,13 @@ class TokendProcess:
         self._reader: threading.Thread | None = None
 
     def launch(self) -> None:
+        command = [sys.executable, "-m", "tokend", "serve"]
+        fds: tuple[int, ...] = ()
+        if self.sockets:  # as systemd would start it: see tokend/activation.py
+            command, fds = activation.activated_command(command, self.sockets)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tokend", "serve"],
+            command,
+            pass_fds=fds,
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -109,6 +123,13 @@ class TokendProcess:
 
     def wait_listening(self, timeout: float = 20) -> None:
         self.wait_logged("listening", self.listeners, timeout)
+
+    def reload(self, timeout: float = 30) -> dict[str, Any]:
+        """SIGHUP to a supervisor; its ``reload finished`` line, once logged."""
+        assert self.process is not None
+        count = len(self.logged("reload finished"))
+        self.process.send_signal(signal.SIGHUP)
+        return self.wait_logged("reload finished", count + 1, timeout)[-1]
 
     def _limit(self) -> None:
         assert self.max_open_files is not None

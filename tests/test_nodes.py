@@ -1,6 +1,6 @@
 """Several tokend nodes as real processes on one Redis (issue 5): any node accepts any
-session, revocation reaches every node, a SIGKILLed node's clocks live on, and
-``tokend serve --workers N`` runs N nodes on one port."""
+session, revocation reaches every node, a SIGKILLed node's clocks live on.
+(``tokend serve --workers N``, N nodes on one port: tests/test_workers.py.)"""
 
 from __future__ import annotations
 
@@ -15,17 +15,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-import pytest
 from redis import asyncio as aioredis
 
 from testkit.clients import RawClient, tid_of
 from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
-from testkit.net import LOOPBACK
-from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env, running_nodes
+from testkit.tokend_process import CALM_CLOCKS, TokendProcess, running_nodes
 from tokend import protocol as p
-from tokend.config import ConfigError, Settings
-from tokend.embedded import socket_url
+from tokend.config import Settings
 from tokend.tokens import TokenService
 
 # Spec "Session states and clocks" and issue 5: an old connection is closed within 1 s.
@@ -229,99 +225,3 @@ async def test_sigkill_leaves_each_session_resumed_or_expired_exactly_once(
         f"(each exactly once; latest {max(lateness):.3f} s after last ACK + expire_after), "
         f"{kinds['SESSION_STARTED']} started, {kinds['SESSION_WARN']} warned"
     )
-
-
-def supervisor_of(settings: Settings, workers: int) -> TokendProcess:
-    return TokendProcess({**node_env(settings), "TOKEND_WORKERS": str(workers)})
-
-
-def descendants(process: TokendProcess) -> list[psutil.Process]:
-    assert process.process is not None
-    return psutil.Process(process.process.pid).children(recursive=True)
-
-
-async def test_workers_share_one_port_and_one_redis_and_stop_together(
-    make_settings: Callable[..., Settings], tokens: TokenService
-):
-    # The embedded default: the supervisor starts the one Redis its workers share.
-    settings = make_settings(redis_url="", node_name="pool")
-    supervisor = supervisor_of(settings, 2)
-    supervisor.start()
-    children = descendants(supervisor)
-    try:
-        assert len(children) == 3, children  # two workers and the embedded Redis
-        events_redis = aioredis.from_url(
-            socket_url(settings.resolved_data_dir), decode_responses=True
-        )
-        async with EventLog(events_redis, f"{settings.key_prefix}:events") as events:
-            for n in range(20):
-                async with RawClient.connect(supervisor.port) as client:
-                    await client.hello(tokens.mint(f"spread-{n}"))
-            started = await events.wait_for("SESSION_STARTED", count=20)
-        await events_redis.aclose()
-        # The kernel spread the connections over both workers (all 20 on one worker
-        # while both listen: a chance of 2**-19).
-        assert {e["node"] for e in started} == {"pool-w1", "pool-w2"}
-    finally:
-        status = supervisor.stop(signal.SIGTERM)
-    assert status == 0
-    _, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive
-
-
-async def test_a_dead_worker_stops_the_supervisor_with_status_1(
-    make_settings: Callable[..., Settings],
-):
-    supervisor = supervisor_of(make_settings(node_name="pool"), 2)
-    supervisor.start()
-    children = descendants(supervisor)
-    workers = {e["node"]: e["pid"] for e in supervisor.logged("worker started")}
-    assert set(workers) == {"pool-w1", "pool-w2"}
-    psutil.Process(workers["pool-w2"]).kill()
-    assert supervisor.process is not None
-    assert await asyncio.to_thread(supervisor.process.wait, 15) == 1
-    supervisor.stop()
-    (died,) = supervisor.logged("worker died")
-    assert died["node"] == "pool-w2" and died["exitcode"] == -signal.SIGKILL
-    _, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive
-
-
-# A WebSocket opening handshake (RFC 6455 section 1.3's example key).
-UPGRADE = (
-    b"GET /v1/ws HTTP/1.1\r\nHost: tokend\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-)
-
-
-async def test_a_second_signal_kills_workers_still_stopping(make_settings: Callable[..., Settings]):
-    supervisor = supervisor_of(make_settings(node_name="pool"), 2)
-    supervisor.start()
-    children = descendants(supervisor)
-    # A client that never answers the close frame holds its worker's graceful stop
-    # for close_timeout.
-    with socket.create_connection((LOOPBACK, supervisor.port)) as mute:
-        mute.sendall(UPGRADE)
-        assert mute.recv(1024).startswith(b"HTTP/1.1 101")
-        assert supervisor.process is not None
-        supervisor.process.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(supervisor.wait_logged, "signal received, stopping workers")
-        assert supervisor.stop(signal.SIGTERM) == 1
-    assert supervisor.logged("signal received again, killing workers")
-    _, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive
-
-
-async def test_workers_die_with_a_sigkilled_supervisor(make_settings: Callable[..., Settings]):
-    supervisor = supervisor_of(make_settings(redis_url="", node_name="pool"), 2)
-    supervisor.start()
-    children = descendants(supervisor)
-    assert len(children) == 3, children  # two workers and the embedded Redis
-    assert supervisor.kill() == -signal.SIGKILL
-    _, alive = await asyncio.to_thread(psutil.wait_procs, children, 10)
-    assert not alive
-
-
-def test_several_workers_need_a_fixed_port(make_settings: Callable[..., Settings]):
-    with pytest.raises(ConfigError, match="workers"):
-        make_settings(workers=2, port=0)

@@ -25,6 +25,7 @@ import hmac
 import http
 import json
 import re
+import socket
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -366,8 +367,11 @@ Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 class AdminServer:
     """The admin listener of one node; :class:`tokend.server.App` starts and stops it."""
 
-    def __init__(self, node: Node, draining: Callable[[], bool]) -> None:
+    def __init__(
+        self, node: Node, draining: Callable[[], bool], sock: socket.socket | None = None
+    ) -> None:
         self.node = node
+        self.sock = sock  # an inherited listening socket, else admin_host:admin_port
         self.settings = node.settings
         self.draining = draining
         self.token = self.settings.admin_token.encode()
@@ -384,15 +388,18 @@ class AdminServer:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(
-            self._connection, self.settings.admin_host, self.settings.admin_port
-        )
+        if self.sock is not None:  # inherited: a supervisor's worker, socket activation
+            self.server = await asyncio.start_server(self._connection, sock=self.sock)
+        else:
+            self.server = await asyncio.start_server(
+                self._connection, self.settings.admin_host, self.settings.admin_port
+            )
         self.allowed_hosts = allowed_hosts(self.settings, self.port)
         if self.token:
             self.background.spawn(self._follow_events(), "admin events")
         log.info(
             "admin listening",
-            host=self.settings.admin_host,
+            host=self.server.sockets[0].getsockname()[0],
             port=self.port,
             admin_api="enabled" if self.token else "disabled",
         )

@@ -1,4 +1,4 @@
-"""The ``tokend`` command: serve, issue, events, connect, revoke, sessions, keys."""
+"""The ``tokend`` command: serve, reload, issue, events, connect, revoke, sessions, keys."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import sys
 import uuid
@@ -37,7 +38,11 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "revoke": (*_REDIS, "token_ttl", "stream_maxlen", "leeway", *_LOGS),
     "sessions": (*_REDIS, *_LOGS),
     "keys": (*_KEYS, *_LOGS),
+    "reload": ("data_dir", *_LOGS),
 }
+# `tokend reload`: how long it waits for the reload by default, and how often it looks.
+RELOAD_TIMEOUT_S = 600.0
+RELOAD_POLL_S = 0.1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,16 +83,101 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    from tokend.pidfile import AlreadyRunning, PidFile
     from tokend.server import serve_until_signalled
 
-    def serve(settings: Settings) -> None:
-        _run(serve_until_signalled(settings))
-
+    if args.worker:  # started by a supervisor, which holds the pid file
+        _run(serve_until_signalled(settings, worker=True))
+        return 0
     if settings.workers > 1:
         from tokend.workers import supervise
 
-        return supervise(settings, serve)
-    serve(settings)
+        try:
+            return supervise(settings, _worker_environ(args))
+        except AlreadyRunning as exc:
+            print(f"tokend serve: {exc}", file=sys.stderr)
+            return 1
+    pidfile = PidFile(settings.resolved_data_dir)
+    try:
+        pidfile.acquire(patience=0)
+    except (AlreadyRunning, OSError) as exc:
+        # Single nodes may share a data directory, or have none they may write (a
+        # Redis URL and a keys directory of their own): tokend reload finds the first.
+        import structlog
+
+        structlog.get_logger("tokend.cli").warning("no pid file written", reason=str(exc))
+    pidfile.write_status({"workers": 1, "state": "serving"})
+    try:
+        _run(serve_until_signalled(settings))
+    finally:
+        pidfile.release()
+    return 0
+
+
+def _worker_environ(args: argparse.Namespace) -> dict[str, str]:
+    """The environment a supervisor starts its workers with: its own, and the settings of
+    its command line as TOKEND_* variables (above the config file, as flags are)."""
+    environ = dict(os.environ)
+    for name in config.FIELDS:
+        value = getattr(args, name, None)
+        if value is not None:
+            environ[config.env_name(name)] = str(value)
+    if args.config:
+        environ["TOKEND_CONFIG"] = args.config
+    return environ
+
+
+def cmd_reload(settings: Settings, args: argparse.Namespace) -> int:
+    """SIGHUP to the supervisor on the data directory; wait for the reload's outcome."""
+    import signal
+    import time
+
+    from tokend import pidfile
+
+    data_dir = settings.resolved_data_dir
+
+    def fail(message: str) -> int:
+        print(f"tokend reload: {message}", file=sys.stderr)
+        return 1
+
+    try:
+        pid = pidfile.running(data_dir)
+    except pidfile.NoServer as exc:
+        return fail(str(exc))
+    status = pidfile.read_status(data_dir)
+    if not status or status.get("state") in ("starting", "stopping"):
+        state = status.get("state", "starting")
+        return fail(f"the server (pid {pid}) is {state}; try again once it serves")
+    if status["workers"] == 1:
+        return fail(
+            f"the server (pid {pid}) is one process, which cannot replace itself: run it "
+            "under a supervisor (--workers), or restart it under socket activation "
+            "(docs/operations.md)"
+        )
+    asked = status.get("reloads_requested", 0)
+    os.kill(pid, signal.SIGHUP)
+    if args.no_wait:
+        print(f"tokend reload: SIGHUP sent to {pid}")
+        return 0
+    deadline = time.monotonic() + args.timeout
+    # A reload answers this request once it has begun after it (reloads_done counts
+    # the requests a finished reload had received when it began).
+    while status.get("reloads_done", 0) <= asked:
+        if time.monotonic() >= deadline:
+            return fail(f"no outcome within {args.timeout:g} s; the reload goes on (pid {pid})")
+        time.sleep(RELOAD_POLL_S)
+        try:
+            pidfile.running(data_dir)
+        except pidfile.NoServer:
+            return fail(f"the server (pid {pid}) exited during the reload")
+        status = pidfile.read_status(data_dir)
+    last = status["last_reload"]
+    if last["result"] != "ok":
+        return fail(f"reload failed after {last['seconds']:g} s: {last['reason']}")
+    print(
+        f"tokend reload: reloaded in {last['seconds']:g} s, generation "
+        f"{last['generation']}: {', '.join(status['nodes'])}"
+    )
     return 0
 
 
@@ -293,9 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
         "admin port /metrics, the admin API and the dashboard (docs/operations.md). With no "
         "Redis URL, starts a private redis-server under the data dir and stops it on exit. "
         "SIGTERM drains (1001 spread over drain_period); a second signal exits at once. "
-        "With --workers N, a supervisor runs N processes on the port (SO_REUSEPORT; worker i "
-        "on admin port + i - 1) and exits 1 when one of them dies.",
+        "With --workers N, a supervisor holds the port and runs N processes on it (worker i "
+        "on admin port + i - 1), replaces them one at a time on SIGHUP (tokend reload), and "
+        "exits 1 when one of them dies. Sockets from systemd socket activation (LISTEN_FDS) "
+        "are served as they are; NOTIFY_SOCKET hears READY=1.",
     )
+    # A supervisor's worker (tokend/workers.py): no pid file, no workers of its own.
+    serve.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
     issue = commands.add_parser(
@@ -422,6 +516,27 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=("show", "rotate"))
     keys.set_defaults(func=cmd_keys)
 
+    reload = commands.add_parser(
+        "reload",
+        help="replace the workers of a running supervisor, one at a time",
+        description="Find the server on the data directory (its tokend.pid), send it SIGHUP "
+        "and wait until the rolling reload has finished: every worker replaced by a new "
+        "process started from the code and config file as they are now, without closing "
+        "the port (docs/operations.md). Exit status 0 when it succeeded; 1 with a one-line "
+        "reason when no server runs, it is a single process, the reload failed (the old "
+        "workers keep serving) or it took longer than --timeout.",
+    )
+    reload.add_argument(
+        "--timeout",
+        type=float,
+        default=RELOAD_TIMEOUT_S,
+        help=f"seconds to wait for the outcome (default {RELOAD_TIMEOUT_S:g})",
+    )
+    reload.add_argument(
+        "--no-wait", action="store_true", help="send SIGHUP and return without waiting"
+    )
+    reload.set_defaults(func=cmd_reload)
+
     for command, sub in commands.choices.items():
         _add_settings(sub, command)
     return parser
@@ -444,9 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokend: configuration error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from tokend.activation import ActivationError
         from tokend.embedded import EmbeddedError
 
-        if isinstance(exc, (EmbeddedError, OSError)):
+        if isinstance(exc, (EmbeddedError, OSError, ActivationError)):
             print(f"tokend: {exc}", file=sys.stderr)
             return 1
         raise

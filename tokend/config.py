@@ -166,8 +166,9 @@ class Settings:
     stream_maxlen: int = _setting(100000, "approximate cap of each of the 16 event stream shards")
     workers: int = _setting(
         1,
-        "processes serving the port under one supervisor, each a node <node_name>-w<i>; more "
-        "than 1 needs a fixed port",
+        "processes serving the port under one supervisor, which holds its sockets and "
+        "replaces them one at a time on SIGHUP (tokend reload); each a node "
+        "<node_name>-w<i>; more than 1 needs a fixed port",
     )
     log_format: str = _setting("json", "json or console")
     log_level: str = _setting("info", "debug, info, warning or error")

@@ -11,20 +11,19 @@ which stops it after closing its connections.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import importlib.util
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from tokend.activation import die_with_parent
+
 SOCKET_NAME = "redis.sock"
 START_TIMEOUT = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 class EmbeddedError(RuntimeError):
@@ -52,12 +51,6 @@ def find_server_binary() -> str:
 
 def socket_url(data_dir: Path) -> str:
     return f"unix://{data_dir / SOCKET_NAME}"
-
-
-def die_with_parent() -> None:
-    """Have this process sent SIGTERM when its parent dies, even by SIGKILL."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedRedis:

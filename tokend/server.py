@@ -23,7 +23,7 @@ from collections.abc import Awaitable
 
 import structlog
 
-from tokend import health
+from tokend import activation, health
 from tokend import protocol as p
 from tokend.admin import AdminServer
 from tokend.config import Settings
@@ -108,6 +108,8 @@ class App:
 
     async def start(self) -> None:
         settings = self.settings
+        # First: the LISTEN_* variables must not reach the embedded Redis.
+        inherited = activation.take_inherited()
         if settings.tls_cert_file:
             self.certificate = ServerCertificate(settings.tls_cert_file, settings.tls_key_file)
         tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
@@ -123,22 +125,26 @@ class App:
             self.node.background.spawn(
                 self.certificate.watch(settings.tls_reload_interval, self.node.metrics), "tls"
             )
-        if settings.admin_port >= 0:
-            self.admin = AdminServer(self.node, lambda: self.draining)
+        if settings.admin_port >= 0 or inherited.admin is not None:
+            self.admin = AdminServer(self.node, lambda: self.draining, sock=inherited.admin)
             await self.admin.start()
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: Connection(self),
-            settings.host,
-            settings.port,
-            backlog=settings.backlog,
-            # Workers of one supervisor share the port; the kernel spreads connections.
-            reuse_port=settings.workers > 1,
-        )
+        if inherited.main is not None:
+            # Socket activation, or a worker of a supervisor: the socket outlives this
+            # process, and host and port are whatever it was bound to.
+            self.server = await loop.create_server(
+                lambda: Connection(self), sock=inherited.main, backlog=settings.backlog
+            )
+        else:
+            self.server = await loop.create_server(
+                lambda: Connection(self), settings.host, settings.port, backlog=settings.backlog
+            )
+        address = self.server.sockets[0].getsockname()
         log.info(
             "listening",
-            host=settings.host,
-            port=self.port,
+            host=address[0],
+            port=address[1],
+            inherited=inherited.main is not None,
             scheme="https" if self.certificate is not None else "http",
             proxy_protocol_from=settings.proxy_protocol_from or None,
             redis=redact_url(url),
@@ -285,8 +291,17 @@ class App:
         log.info("stopped")
 
 
-async def serve_until_signalled(settings: Settings) -> None:
-    """Run until SIGTERM or SIGINT, then drain and stop; a second signal hurries the drain."""
+async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> None:
+    """Run until SIGTERM or SIGINT, then drain and stop; a second signal hurries the drain.
+
+    Whoever started the process and asked for it (``NOTIFY_SOCKET``: systemd with
+    ``Type=notify``, or the supervisor of ``--workers``) hears ``READY=1`` once it listens
+    and its node is subscribed, ``STOPPING=1`` when the drain begins and
+    ``X_TOKEND_DRAINED=1`` when it has closed every connection. A supervisor's ``worker``
+    stops accepting on SIGUSR1 (a reload: its slot has a new worker) and keeps serving its
+    connections until SIGTERM.
+    """
+    notifier = activation.Notifier.from_environ()
     app = App(settings)
     try:
         await app.start()
@@ -304,9 +319,38 @@ async def serve_until_signalled(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled)
+    loop.add_signal_handler(signal.SIGHUP, _cannot_reload)
+    if worker:
+        loop.add_signal_handler(activation.STOP_ACCEPTING, _stop_accepting, app)
+    ready = asyncio.ensure_future(_report_ready(app, notifier))
     try:
         await stopping.wait()
+        ready.cancel()
+        notifier.notify(STOPPING="1")
         log.info("signal received, draining", drain_period=settings.drain_period)
         await app.drain(hurry)
+        notifier.notify(**{activation.DRAINED: "1"})
     finally:
         await app.stop()
+
+
+async def _report_ready(app: App, notifier: activation.Notifier) -> None:
+    """``READY=1`` once the node is subscribed to its control channel (the node starts
+    without it when Redis is down, and keeps trying)."""
+    await app.node.subscribed.wait()
+    notifier.notify(READY="1", STATUS=f"serving on port {app.port}")
+
+
+def _stop_accepting(app: App) -> None:
+    assert app.server is not None
+    log.info("stopped accepting: the slot's new worker accepts", connections=len(app.connections))
+    app.server.close()  # this process's copy of the socket; the supervisor keeps it
+
+
+def _cannot_reload() -> None:
+    log.warning(
+        "SIGHUP ignored",
+        reason="one process cannot replace itself: run several under a supervisor "
+        "(--workers) and use tokend reload, or restart it under socket activation "
+        "(docs/operations.md)",
+    )
