@@ -74,7 +74,7 @@ from picows import (
 )
 
 from tokend import protocol as p
-from tokend.client import Backoff, going_away_limit, retry_after
+from tokend.client.backoff import Backoff, going_away_limit, retry_after
 
 # The heartbeat's signed part, as in tokend.protocol; checked against the codec once
 # per connection (Conn._welcome), then built here without the codec's dataclasses.

@@ -35,17 +35,14 @@ from tokend.client import (
     Backoff,
     CertificateError,
     Change,
+    ClientSession,
     Lifecycle,
     ProtocolViolation,
     RetriesExhausted,
     Revoked,
-    Session,
     SessionExpired,
     TakenOver,
-    TokendError,
-    classify,
     connect,
-    retry_after,
 )
 from tokend.protocol import CloseCode, SessionState
 from tokend.server import RETRY_AFTER_S, App
@@ -62,7 +59,7 @@ def url_of(port: int) -> str:
 class Recorder:
     """Reads a session's changes in order, keeping what it saw."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: ClientSession) -> None:
         self.seen: list[Lifecycle] = []
         self._changes = session.changes()
 
@@ -80,70 +77,12 @@ class Recorder:
         return [change.kind for change in self.seen]
 
 
-# Pure parts
-
-
-def test_backoff_is_full_jitter_exponential_and_capped():
-    backoff = Backoff(base=0.5, cap=4.0)
-    assert [backoff.ceiling(n) for n in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
-    assert backoff.ceiling(100_000) == 4.0
-    draws = [backoff.delay(2) for _ in range(4000)]
-    assert all(0.0 <= d <= 2.0 for d in draws)
-    assert 0.9 < sum(draws) / len(draws) < 1.1  # uniform(0, 2) has mean 1
-    assert min(draws) < 0.1 and max(draws) > 1.9
-    with pytest.raises(ValueError):
-        Backoff(base=0)
-    with pytest.raises(ValueError):
-        Backoff(base=2, cap=1)
-
-
-def test_after_going_away_the_wait_spreads_over_the_window_the_session_can_spare():
-    backoff = Backoff(base=0.5, cap=30.0, going_away_window=5.0)
-    draws = [backoff.after_going_away(0) for _ in range(4000)]
-    assert all(0.0 <= d <= 5.0 for d in draws)
-    assert 2.3 < sum(draws) / len(draws) < 2.7  # uniform(0, 5) has mean 2.5
-    assert min(draws) < 0.1 and max(draws) > 4.9
-    # No longer than the session can spare (from WELCOME's clocks) ...
-    assert max(backoff.after_going_away(0, limit=0.5) for _ in range(1000)) <= 0.5
-    # ... but never less patient than the attempt's own backoff.
-    assert max(backoff.after_going_away(8, limit=0.5) for _ in range(1000)) > 25.0
-    assert Backoff(going_away_window=0).after_going_away(0) <= 0.5
-    with pytest.raises(ValueError):
-        Backoff(going_away_window=-1)
-
-
-def test_a_refusal_with_retry_after_waits_at_least_that_long_jittered():
-    backoff = Backoff(base=0.5, cap=30.0)
-    draws = [backoff.after_refusal(0, 2.0) for _ in range(4000)]
-    assert all(2.0 <= d <= 4.0 for d in draws)  # 2 s, plus up to 2 s more
-    assert min(draws) < 2.1 and max(draws) > 3.9
-    assert all(1.0 <= backoff.after_refusal(4, 1.0) <= 9.0 for _ in range(100))  # ceiling 8
-    assert 3600.0 <= backoff.after_refusal(0, 3600.0) <= 7200.0  # above cap too: as asked
-    assert (retry_after("1"), retry_after(" 120 "), retry_after(None)) == (1.0, 120.0, None)
-    assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None  # HTTP-dates: backoff
-    assert retry_after("²") is None and retry_after("-1") is None and retry_after("") is None
-
-
-def test_close_codes_map_to_reconnect_or_an_error_family():
-    for code in p.RECONNECTABLE:
-        assert classify(code) is None
-    assert classify(None) is None
-    assert classify(CloseCode.INVALID_TOKEN) is AuthError
-    assert classify(CloseCode.TOKEN_EXPIRED) is AuthError
-    assert classify(CloseCode.SESSION_EXPIRED) is SessionExpired
-    assert classify(CloseCode.TOKEN_REVOKED) is Revoked
-    assert classify(CloseCode.TAKEN_OVER) is TakenOver
-    for code in (CloseCode.MESSAGE_TOO_BIG, CloseCode.PROTOCOL_ERROR, CloseCode.BAD_HEARTBEAT):
-        assert classify(code) is ProtocolViolation
-    assert classify(CloseCode.SESSION_IN_USE) is None  # 4509: another connection holds it
-    assert classify(1000) is TokendError
-    assert classify(4999) is TokendError
-    assert str(Revoked(4506, "session revoked")) == "4506 token revoked: session revoked"
+# The constructor
 
 
 def test_a_token_that_is_not_a_jwt_is_refused_before_connecting():
     with pytest.raises(AuthError) as refused:
-        Session(url_of(free_port()), "not-a-token")
+        ClientSession(url_of(free_port()), "not-a-token")
     assert refused.value.code is None
 
 
@@ -354,7 +293,7 @@ async def test_refused_tokens_end_without_retrying(
 
 async def test_gives_up_after_max_attempts_when_nothing_listens():
     backoff = Backoff(base=0.01, cap=0.05, max_attempts=3)
-    session = Session(url_of(free_port()), _unsigned_token(), backoff=backoff)
+    session = ClientSession(url_of(free_port()), _unsigned_token(), backoff=backoff)
     with pytest.raises(RetriesExhausted) as gave_up:
         await session.start()
     assert gave_up.value.code is None
@@ -375,9 +314,9 @@ def _unsigned_token() -> str:
 
 def _run_blocking_client(
     url: str, token: str, release: threading.Event
-) -> tuple[list[Lifecycle], Session]:
-    async def main() -> tuple[list[Lifecycle], Session]:
-        session = Session(url, token, backoff=FAST)
+) -> tuple[list[Lifecycle], ClientSession]:
+    async def main() -> tuple[list[Lifecycle], ClientSession]:
+        session = ClientSession(url, token, backoff=FAST)
         recorder = Recorder(session)
         await session.start()
         await recorder.until(Change.CONNECTED)
@@ -399,7 +338,7 @@ def _run_blocking_client(
 
 async def blocked_until(
     app: App, token: str, events: EventLog, kind: str
-) -> tuple[list[Lifecycle], Session]:
+) -> tuple[list[Lifecycle], ClientSession]:
     """Run a client whose loop blocks after an ACK until the server emits ``kind``."""
     release = threading.Event()
     client = asyncio.create_task(
@@ -478,7 +417,7 @@ async def test_a_server_breaking_the_protocol_is_terminal():
         await ws.wait_closed()
 
     async with fake_server(handler) as url:
-        session = Session(url, _unsigned_token(), backoff=FAST)
+        session = ClientSession(url, _unsigned_token(), backoff=FAST)
         recorder = Recorder(session)
         await session.start()
         ended = await recorder.until(Change.ENDED)
@@ -536,7 +475,7 @@ async def test_every_resume_proves_with_the_key_of_the_last_welcome():
                     return
 
     async with fake_server(handler) as url:
-        session = Session(url, _unsigned_token(), backoff=FAST)
+        session = ClientSession(url, _unsigned_token(), backoff=FAST)
         recorder = Recorder(session)
         async with session:
             await recorder.until(Change.RESUMED)
@@ -566,7 +505,7 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
         assert session.session_key != kept  # the new WELCOME's
     assert [hello.proof for hello in hellos] == [p.resume_proof(kept, session.tid.bytes)]
     with pytest.raises(ValueError):
-        Session(url_of(free_port()), token, session_key=b"short")
+        ClientSession(url_of(free_port()), token, session_key=b"short")
 
 
 # The resume proof end to end: a real tokend that checks it (branch park-proof)
@@ -780,7 +719,7 @@ async def test_a_503_with_retry_after_is_waited_out_then_the_session_starts(
     app = await start_app(max_pending_hellos=1, hello_timeout=30)
     async with RawClient.connect(app.port):  # the one pending slot: connected, no HELLO
         began = time.time()
-        session = Session(url_of(app.port), tokens.mint("patient"), backoff=FAST)
+        session = ClientSession(url_of(app.port), tokens.mint("patient"), backoff=FAST)
         recorder = Recorder(session)
         session.open()
         refused = await recorder.until(Change.RECONNECTING)
@@ -996,7 +935,7 @@ async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
 ):
     node = await tls_node(start_app, tmp_path)
     # The system's CAs do not know the test CA: refused before HELLO, not retried.
-    wary = Session(node.url, tokens.mint("wary"), backoff=FAST)
+    wary = ClientSession(node.url, tokens.mint("wary"), backoff=FAST)
     with pytest.raises(CertificateError) as untrusted:
         await wary.start()
     assert untrusted.value.code is None and wary.stats.reconnects == 0
@@ -1009,7 +948,7 @@ async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
         await events.wait_for("SESSION_CLOSED", str(session.tid))
     assert not [e for e in events.events if e["tid"] == str(wary.tid)]
     with pytest.raises(ValueError):  # TLS options for a plain ws:// URL
-        Session(url_of(node.app.port), tokens.mint("plain"), ca_file=node.ca_file)
+        ClientSession(url_of(node.app.port), tokens.mint("plain"), ca_file=node.ca_file)
 
 
 async def test_over_wss_a_restart_is_reconnected_verified_and_resumed(

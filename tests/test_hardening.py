@@ -150,7 +150,7 @@ STORM_SPREAD = 2.0  # the SDK's backoff base and cap: first retries spread over 
 STORM_PENDING_CAP = 40  # max_pending_hellos: the storm must run into it
 
 
-async def resumed_at(session: client.Session) -> float:
+async def resumed_at(session: client.ClientSession) -> float:
     """Loop time of the session's first RESUMED change (it reconnected)."""
     async for change in session.changes():
         if change.kind is client.Change.RESUMED:
@@ -168,7 +168,7 @@ async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens:
     url = f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
     backoff = client.Backoff(base=STORM_SPREAD, cap=STORM_SPREAD)
     sessions = [
-        client.Session(url, tokens.mint(f"storm-{i}"), backoff=backoff)
+        client.ClientSession(url, tokens.mint(f"storm-{i}"), backoff=backoff)
         for i in range(STORM_CLIENTS)
     ]
     loop = asyncio.get_running_loop()

@@ -228,7 +228,7 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     from websockets.exceptions import InvalidURI
 
     from tokend import cli_connect
-    from tokend.client import Backoff, Session, TokendError
+    from tokend.client import Backoff, ClientSession, TokendError
 
     token = args.token
     if token is None:
@@ -241,7 +241,7 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
         backoff = Backoff(
             args.backoff_base, args.backoff_cap, args.max_attempts, args.going_away_window
         )
-        session = Session(url, token, backoff=backoff, ca_file=args.ca_file)
+        session = ClientSession(url, token, backoff=backoff, ca_file=args.ca_file)
     except (ValueError, OSError, TokendError, InvalidURI) as exc:
         print(f"tokend connect: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 The first thing to run against ``tokend serve``: it connects, heartbeats at the
 server's cadence, and prints one line per change (connected, renewed, warned,
 recovered, reconnecting, resumed, ended) until the session ends or SIGINT/SIGTERM
-logs it out with BYE. Being the SDK's :class:`~tokend.client.Session`, it proves its
+logs it out with BYE. Being the SDK's :class:`~tokend.client.ClientSession`, it proves its
 resumes with the last WELCOME's session key, spreads its first reconnect after a
 1001, honours Retry-After, and verifies a ``wss://`` server's certificate
 (``--ca-file`` names a CA to trust).
@@ -18,7 +18,7 @@ import time
 from typing import TextIO
 
 from tokend import protocol as p
-from tokend.client import Change, Lifecycle, Session
+from tokend.client import Change, ClientSession, Lifecycle
 from tokend.config import Settings
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
@@ -36,7 +36,7 @@ def _clock(ms: int) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ms / 1000))
 
 
-def format_change(change: Lifecycle, session: Session) -> str:
+def format_change(change: Lifecycle, session: ClientSession) -> str:
     """One line for a change: local time, kind, then what matters for that kind."""
     now = time.time()
     stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
@@ -60,7 +60,7 @@ def format_change(change: Lifecycle, session: Session) -> str:
     return f"{stamp} {change.kind.value:<12} {text}"
 
 
-async def run(session: Session, out: TextIO = sys.stdout) -> int:
+async def run(session: ClientSession, out: TextIO = sys.stdout) -> int:
     """Hold ``session``, printing its changes; 0 after a logout, 1 if it ended otherwise."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
