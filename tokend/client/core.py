@@ -129,8 +129,10 @@ class Disconnect(NamedTuple):
 
 
 Outgoing = bytes | Disconnect
-# RFC 6455 §7.4.1: the close code of a client whose server broke the protocol.
-WS_PROTOCOL_ERROR = 1002
+# A server that broke the protocol: RFC 6455 §7.4.1's 1002.
+PROTOCOL_VIOLATED = Disconnect(1002, "protocol error")
+# The server stopped answering.
+ABORT = Disconnect(None)
 
 
 def token_claims(token: str) -> tuple[uuid.UUID, str, int]:
@@ -303,8 +305,8 @@ class ClientCore:
             else:
                 raise _Violation(f"unexpected {type(frame).__name__}")
         except _Violation as exc:
-            self._outgoing.append(Disconnect(WS_PROTOCOL_ERROR, "protocol error"))
-            self._connection_ended(None, str(exc), ProtocolViolation(None, str(exc)))
+            violation = ProtocolViolation(None, str(exc))
+            self._connection_ended(None, str(exc), violation, drop=PROTOCOL_VIOLATED)
 
     def closed(
         self, code: int | None = None, reason: str = "", *, sent: tuple[int, str] | None = None
@@ -336,9 +338,8 @@ class ClientCore:
         elif self.phase is Phase.HELLO:
             self._connection_ended(None, "no WELCOME in time")
         elif self.phase is Phase.CLOSING:
-            self._outgoing.append(Disconnect(None))
             detail = "no close from the server after BYE; the session may stay until it expires"
-            self._end(None, detail)
+            self._end(None, detail, drop=ABORT)
         elif self.phase is Phase.WAITING:
             self.phase = Phase.CONNECT
 
@@ -448,8 +449,8 @@ class ClientCore:
         silence = self._silence_deadline()
         if silence is not None and now >= silence:
             if now - silence < half:
-                self._outgoing.append(Disconnect(None))
-                self._connection_ended(None, f"no heartbeat ACK for {self._ack_timeout:g} s")
+                detail = f"no heartbeat ACK for {self._ack_timeout:g} s"
+                self._connection_ended(None, detail, drop=ABORT)
                 return
             self._patient_until = now + half
         if now >= self._due:
@@ -472,24 +473,36 @@ class ClientCore:
     # Ends of connections, and of the session
 
     def _connection_ended(
-        self, code: int | None, detail: str, error: TokendError | None = None, reason: str = ""
+        self,
+        code: int | None,
+        detail: str,
+        error: TokendError | None = None,
+        reason: str = "",
+        *,
+        drop: Disconnect | None = None,
     ) -> None:
-        """The connection is over: during a logout the session ends with it (no error: the
-        application asked); otherwise a terminal ``error`` ends it, else reconnect."""
-        self._sent.clear()
+        """The connection is over (let go with ``drop``, if the core ends it): during a
+        logout the session ends with it (no error: the application asked); otherwise a
+        terminal ``error`` ends it, else reconnect."""
         if self.phase is Phase.CLOSING:
             if code == CloseCode.NORMAL:
-                self._end(code, "logged out (BYE)", reason=reason)
+                self._end(code, "logged out (BYE)", reason=reason, drop=drop)
             else:
                 why = f"closed during logout: {detail}; the session stays until it expires"
-                self._end(code, why, reason=reason)
+                self._end(code, why, reason=reason, drop=drop)
         elif error is not None:
-            self._end(code, detail, error, reason)
+            self._end(code, detail, error, reason, drop=drop)
         else:
-            self._retry(code, detail, reason)
+            self._retry(code, detail, reason, drop=drop)
 
     def _retry(
-        self, code: int | None, detail: str, reason: str = "", asked: float | None = None
+        self,
+        code: int | None,
+        detail: str,
+        reason: str = "",
+        *,
+        asked: float | None = None,
+        drop: Disconnect | None = None,
     ) -> None:
         """Schedule the next attempt (:class:`Backoff`), or give up after ``max_attempts``
         in a row; a connection that had a heartbeat ACKed starts the count again."""
@@ -499,7 +512,7 @@ class ClientCore:
         limit = self.backoff.max_attempts
         if limit is not None and self._failures >= limit:
             why = f"gave up after {self._failures} reconnect attempts; last: {detail}"
-            self._end(code, why, RetriesExhausted(code, why), reason)
+            self._end(code, why, RetriesExhausted(code, why), reason, drop=drop)
             return
         if asked is not None:
             delay = self.backoff.after_refusal(self._failures, asked)
@@ -507,6 +520,7 @@ class ClientCore:
             delay = self.backoff.after_going_away(self._failures, self._spare)
         else:
             delay = self.backoff.delay(self._failures)
+        self._let_go(drop)
         self._failures += 1
         self.stats.reconnects += 1
         self.phase = Phase.WAITING
@@ -514,12 +528,23 @@ class ClientCore:
         attempt = f"{detail}; attempt {self._failures} in {delay:.2f} s"
         self._change(Change.RECONNECTING, code=code, detail=attempt, delay=delay, reason=reason)
 
+    def _let_go(self, drop: Disconnect | None) -> None:
+        """Forget the connection: frames not sent yet are not for the next one."""
+        self._outgoing = [] if drop is None else [drop]
+        self._sent.clear()
+
     def _end(
-        self, code: int | None, detail: str, error: TokendError | None = None, reason: str = ""
+        self,
+        code: int | None,
+        detail: str,
+        error: TokendError | None = None,
+        reason: str = "",
+        *,
+        drop: Disconnect | None = None,
     ) -> None:
+        self._let_go(drop)
         self.phase = Phase.ENDED
         self.error = error
-        self._sent.clear()
         self._change(Change.ENDED, code=code, detail=detail, error=error, reason=reason)
 
     def _change(
