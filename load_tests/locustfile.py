@@ -1,9 +1,10 @@
-"""Locust load test for tokend, speaking protocol v1 over ``websockets.sync.client``.
+"""Locust load test for tokend: the SDK's client core driven over ``websockets.sync.client``.
 
-Each simulated user holds one session: connect + HELLO -> WELCOME, then one
-heartbeat per interval (the server's cadence from WELCOME, or
-``--heartbeat-ms``), each timed until its ACK. Every step is reported to
-locust's statistics (request type ``WS``):
+Each simulated user holds one session, spoken by a :class:`tokend.client.core.ClientCore`
+(the Python SDK's protocol rules, Sans-I/O) that this user drives with a blocking
+WebSocket: connect + HELLO -> WELCOME, then one heartbeat per interval (the server's
+cadence from WELCOME, or ``--heartbeat-ms``), each timed until its ACK. Every step is
+reported to locust's statistics (request type ``WS``):
 
 * ``connect+hello``  - TCP + WebSocket handshake + HELLO until WELCOME
 * ``heartbeat``      - HEARTBEAT until its ACK (the ACK latency)
@@ -12,15 +13,15 @@ locust's statistics (request type ``WS``):
 * ``notice``         - a WARN NOTICE: the server missed this user's heartbeats (a failure)
 * ``bye``            - BYE until the server's close 1000, when the user stops
 
-A close the user did not ask for, or no reply within 10 s, fails the step it
-interrupted (``CloseError`` with the close code). The user then reconnects and
-resumes with its newest token after a reconnectable code or a lost connection,
-and starts over with a new token after a terminal one. It waits before each
-attempt as the Python SDK does (:class:`tokend.client.Backoff`): the first
-reconnect after a 1001 (the server drains, reloads or stops) at a random time
-within ``--going-away-window`` seconds (default 5), an HTTP 503 or 429 at least
-its Retry-After, anything else the SDK's full-jitter backoff; and its resumes
-carry the resume proof made with the session key of its last WELCOME.
+A close the user did not ask for, or a link silent for ``warn_after``, fails the step it
+interrupted (:class:`Interrupted`, with the close code or what happened). As the core
+decides, the user then reconnects and resumes with its newest token, proving with the
+session key of its last WELCOME, after a reconnectable code or a lost connection; and
+starts over with a new token after a terminal one. It waits before each attempt as the
+SDK does (:class:`tokend.client.backoff.Backoff`): the first reconnect after a 1001 (the
+server drains, reloads or stops) at a random time within ``--going-away-window`` seconds
+(default 5), an HTTP 503 or 429 at least its Retry-After, anything else full-jitter
+backoff.
 
 Each user mints its token when it starts, with the server's signing keys, found
 like ``tokend issue`` finds them: from the ``TOKEND_*`` settings (``TOKEND_DATA_DIR``
@@ -38,23 +39,29 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import time
-import uuid
+from collections.abc import Callable
 from typing import Any
 
-import jwt
 from locust import User, events, task
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from tokend import config
 from tokend import protocol as p
-from tokend.client import Backoff, going_away_limit, retry_after
+from tokend.client.backoff import Backoff
+from tokend.client.core import (
+    MAX_SERVER_MESSAGE,
+    ON_A_CONNECTION,
+    Change,
+    ClientCore,
+    Lifecycle,
+    Phase,
+)
 from tokend.tokens import KeyRing, TokenService
 
-# How long a reply may take before the step counts as failed.
+# How long the opening handshake, a WELCOME, or the server's close after BYE may take.
 REPLY_TIMEOUT = 10.0
 _minter: TokenService | None = None
 _minted = itertools.count(1)
@@ -88,18 +95,16 @@ def _mint() -> str:
     return _minter.mint(f"load-{os.getpid()}-{next(_minted)}")
 
 
-class CloseError(Exception):
-    """The server closed the connection; ``code`` is its close code (None: no close frame)."""
+class Interrupted(Exception):
+    """A step did not finish: the connection closed (``code``, the close code; None when
+    no close frame came) or was let go, as the lifecycle change says."""
 
-    def __init__(self, code: int | None, reason: str) -> None:
-        super().__init__(f"{code} {reason}" if code is not None else "connection lost")
-        self.code = code
-
-
-def _close_error(exc: ConnectionClosed) -> CloseError:
-    if exc.rcvd is None:
-        return CloseError(None, "")
-    return CloseError(exc.rcvd.code, exc.rcvd.reason)
+    def __init__(self, change: Lifecycle) -> None:
+        # Without the change's "; attempt n in x s", so that locust counts alike failures
+        # as one.
+        what = change.detail.partition("; attempt ")[0]
+        super().__init__(f"{change.code} {change.reason}" if change.code is not None else what)
+        self.code = change.code
 
 
 class TokendUser(User):
@@ -107,28 +112,36 @@ class TokendUser(User):
 
     def __init__(self, environment: Any) -> None:
         super().__init__(environment)
+        self.core: ClientCore | None = None
         self.ws: ClientConnection | None = None
         self._held = contextlib.ExitStack()  # closes self.ws
-        self.welcome: p.Welcome | None = None
-        self.token = ""
-        self.session_key: bytes | None = None  # of the last WELCOME: the resume proof's
-        self.exp_ms = 0
-        self.backoff = Backoff()
-        self.failures = 0  # connection attempts in a row that got no heartbeat ACK
-        self.seq = 0
-        self.interval = 1.0
-        self.next_due = time.monotonic()
-        self.in_flight: float | None = None  # perf_counter() when the unACKed heartbeat left
+        self.step = "connect+hello"  # the step a close would interrupt
+        self.step_began = time.perf_counter()
 
     def on_start(self) -> None:
-        window = self.environment.parsed_options.going_away_window
-        self.backoff = Backoff(going_away_window=window)
-        self.token = _mint()
+        self.core = self._session(_mint())
         self._open()
 
+    def _session(self, token: str) -> ClientCore:
+        options = self.environment.parsed_options
+        return ClientCore(
+            token,
+            clock=time.monotonic,
+            backoff=Backoff(going_away_window=options.going_away_window),
+            open_timeout=REPLY_TIMEOUT,
+            close_timeout=REPLY_TIMEOUT,
+            cadence=options.heartbeat_ms / 1000 or None,
+        )
+
+    @property
+    def session(self) -> ClientCore:
+        assert self.core is not None, "on_start makes the session"
+        return self.core
+
     def wait_time(self) -> float:
-        """Sleep until the next heartbeat is due."""
-        return max(0.0, self.next_due - time.monotonic())
+        """Sleep until the core's next deadline (a heartbeat, a reconnect attempt)."""
+        deadline = self.session.deadline
+        return 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
 
     @property
     def url(self) -> str:
@@ -136,31 +149,46 @@ class TokendUser(User):
         return host if host.endswith(p.WS_PATH) else host + p.WS_PATH
 
     def _report(
-        self, name: str, started: float, length: int = 0, exc: Exception | None = None
+        self, name: str, seconds: float, length: int = 0, exc: Exception | None = None
     ) -> None:
         self.environment.events.request.fire(
             request_type="WS",
             name=name,
-            response_time=(time.perf_counter() - started) * 1000,
+            response_time=seconds * 1000,
             response_length=length,
             exception=exc,
             context={},
         )
 
-    def _drop(self) -> None:
-        """Close the connection, if any."""
-        self.ws = None
-        self._held.close()
+    def _begin(self, step: str) -> None:
+        self.step, self.step_began = step, time.perf_counter()
 
-    def _retry_in(self, delay: float) -> None:
-        """The next connection attempt after ``delay`` seconds (one more failure in a row)."""
-        self.failures += 1
-        self.next_due = time.monotonic() + delay
+    @task
+    def heartbeat(self) -> None:
+        """What is due: a heartbeat, timed until its ACK; or the next connection attempt."""
+        core = self.session
+        if core.phase is Phase.CONNECT:
+            self._open()
+            return
+        beats, acks = core.stats.heartbeats, core.stats.acks
+        core.tick()
+        self._act()
+        self._until_acked(beats, acks)
+
+    def _until_acked(self, beats: int, acks: int) -> None:
+        """If a heartbeat went out since the counts were ``beats`` and ``acks``, read until
+        an ACK comes (a heartbeat step)."""
+        core = self.session
+        if core.stats.heartbeats > beats:
+            self._begin("heartbeat")
+            self._serve(lambda: core.stats.acks > acks)
 
     def _open(self) -> None:
-        """Connect and say HELLO with the newest token (a resume if the session lives),
-        proving with the last WELCOME's key if there was one."""
-        started = time.perf_counter()
+        """Connect; the core says HELLO (a resume, proved, if the session lives), and the
+        user reads until WELCOME."""
+        core = self.session
+        beats, acks = core.stats.heartbeats, core.stats.acks
+        self._begin("connect+hello")
         try:
             ws = self._held.enter_context(
                 connect(
@@ -171,100 +199,84 @@ class TokendUser(User):
                     ping_interval=None,  # heartbeats are the liveness check
                     close_timeout=2,
                     proxy=None,
-                    max_size=p.ACK_HEAD_LENGTH + p.MAX_TOKEN_LENGTH,
+                    max_size=MAX_SERVER_MESSAGE,
                 )
             )
         except InvalidStatus as exc:  # e.g. 503 with Retry-After
-            self._report("connect+hello", started, exc=exc)
-            asked = retry_after(exc.response.headers.get("Retry-After"))
-            if asked is None:
-                self._retry_in(self.backoff.delay(self.failures))
-            else:
-                self._retry_in(self.backoff.after_refusal(self.failures, asked))
-            return
+            core.refused(exc.response.status_code, exc.response.headers.get("Retry-After"))
         except (OSError, TimeoutError, InvalidHandshake) as exc:
-            self._report("connect+hello", started, exc=exc)
-            self._retry_in(self.backoff.delay(self.failures))
-            return
-        key = self.session_key
-        proof = None if key is None else p.resume_proof(key, self._tid_bytes())
-        try:
-            ws.send(p.encode(p.Hello(self.token, proof=proof)))
-            frame = p.decode(ws.recv(timeout=REPLY_TIMEOUT))
-            if not isinstance(frame, p.Welcome):
-                raise p.ProtocolError(f"expected WELCOME, got {type(frame).__name__}")
-        except ConnectionClosed as exc:
-            self._closed(_close_error(exc), started, "connect+hello")
-            return
-        except (TimeoutError, p.ProtocolError) as exc:
-            self._report("connect+hello", started, exc=exc)
-            self._drop()
-            self._retry_in(self.backoff.delay(self.failures))
-            return
-        self._report("connect+hello", started, length=p.WELCOME_LENGTH)
-        self.ws, self.welcome, self.seq = ws, frame, 0
-        self.session_key = frame.session_key
-        self.exp_ms = jwt.decode(self.token, options={"verify_signature": False})["exp"] * 1000
-        override = self.environment.parsed_options.heartbeat_ms
-        self.interval = (override or frame.heartbeat_ms) / 1000
-        self.next_due = time.monotonic() + self.interval
-
-    def _tid_bytes(self) -> bytes:
-        claims = jwt.decode(self.token, options={"verify_signature": False})
-        return uuid.UUID(claims["jti"]).bytes
-
-    def _closed(self, error: CloseError, started: float, name: str) -> None:
-        """An unasked-for close: a failure. Resume later, or move on to a new token."""
-        self._report(name, started, exc=error)
-        self._drop()
-        if error.code is not None and error.code not in p.RECONNECTABLE:
-            self.token, self.session_key = _mint(), None
-        if error.code == p.CloseCode.GOING_AWAY:
-            spare = math.inf if self.welcome is None else going_away_limit(self.welcome)
-            self._retry_in(self.backoff.after_going_away(self.failures, spare))
+            core.lost(f"cannot connect: {exc or type(exc).__name__}")
         else:
-            self._retry_in(self.backoff.delay(self.failures))
+            self.ws = ws
+            core.opened(ws.subprotocol)
+        self._act()
+        self._serve(lambda: core.phase is not Phase.HELLO)
+        self._until_acked(beats, acks)  # the heartbeat WELCOME is answered with
 
-    @task
-    def heartbeat(self) -> None:
-        """One heartbeat, timed until its ACK; a due reconnect instead if disconnected."""
-        if self.ws is None or self.welcome is None:
-            self._open()
-            return
-        self.seq += 1
-        hb = p.make_heartbeat(self.welcome.session_key, self.welcome.tid, self.seq, self.exp_ms)
-        # Keep the cadence; after falling behind, restart it from now rather than burst.
-        now = time.monotonic()
-        self.next_due += self.interval
-        if self.next_due <= now:
-            self.next_due = now + self.interval
-        started = self.in_flight = time.perf_counter()
-        try:
-            self.ws.send(p.encode(hb))
-            while self.in_flight is not None:
-                self._take(p.decode(self.ws.recv(timeout=REPLY_TIMEOUT)))
-        except ConnectionClosed as exc:
-            self.in_flight = None
-            self._closed(_close_error(exc), started, "heartbeat")
-        except (TimeoutError, p.ProtocolError) as exc:
-            self.in_flight = None
-            self._report("heartbeat", started, exc=exc)
+    def _serve(self, done: Callable[[], bool]) -> None:
+        """Read from the server into the core until ``done()`` or the connection is let
+        go; at the core's deadline (a heartbeat due meanwhile, silence, a timeout) tick it."""
+        core = self.session
+        while self.ws is not None and core.phase in ON_A_CONNECTION and not done():
+            deadline = core.deadline
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                data = self.ws.recv(timeout=timeout)
+            except TimeoutError:
+                core.tick()
+            except ConnectionClosed as exc:
+                core.closed(exc.rcvd, exc.sent)
+            else:
+                acks = core.stats.acks
+                core.receive(data)
+                if core.stats.acks > acks and core.stats.last_rtt is not None:
+                    self._report("heartbeat", core.stats.last_rtt, p.ACK_HEAD_LENGTH)
+            self._act()
+
+    def _act(self) -> None:
+        """Do what the core says: send its frames, let the connection go, report its
+        lifecycle changes; a session ended for good starts over with a new token."""
+        core = self.session
+        for item in core.take_outgoing():
+            if self.ws is None:
+                break
+            if isinstance(item, bytes):
+                with contextlib.suppress(ConnectionClosed):  # the next read says how
+                    self.ws.send(item)
+            else:  # closed with the code, or (None) at once
+                if item.code is not None:
+                    self.ws.close(item.code, item.reason)
+                self._drop()
+        for change in core.take_changes():
+            self._report_change(change, core)
+        if core.phase not in ON_A_CONNECTION:
             self._drop()
+        if core.ended and core.error is not None:
+            self.core = self._session(_mint())
 
-    def _take(self, frame: p.Frame) -> None:
-        """A frame from the server after WELCOME: report it, take in a new token."""
-        if isinstance(frame, p.Notice):
-            self._report("notice", time.perf_counter(), exc=Exception("session in WARN"))
-            return
-        if not isinstance(frame, p.HeartbeatAck) or self.in_flight is None:
-            raise p.ProtocolError(f"unexpected {type(frame).__name__}")
-        started, self.in_flight = self.in_flight, None
-        self.failures = 0  # as the SDK: a connection that got an ACK starts the count again
-        self._report("heartbeat", started, length=p.ACK_HEAD_LENGTH)
-        if frame.token is not None:
-            self.token, self.exp_ms = frame.token, frame.exp_ms
-            name = "renewal" if frame.renewed else "token re-sent"
-            self._report(name, started, length=len(frame.token))
+    def _report_change(self, change: Lifecycle, core: ClientCore) -> None:
+        since = time.perf_counter() - self.step_began
+        match change.kind:
+            case Change.CONNECTED | Change.RESUMED:
+                self._report("connect+hello", since, p.WELCOME_LENGTH)
+            case Change.RENEWED:
+                assert change.token is not None
+                name = "renewal" if change.detail == "renewed" else "token re-sent"
+                self._report(name, core.stats.last_rtt or since, len(change.token))
+            case Change.WARNED:
+                self._report("notice", 0.0, exc=Exception("session in WARN"))
+            case Change.RECONNECTING:
+                self._report(self.step, since, exc=Interrupted(change))
+            case Change.ENDED if self.step == "bye":
+                ok = change.code == p.CloseCode.NORMAL
+                self._report("bye", since, exc=None if ok else Interrupted(change))
+            case Change.ENDED:
+                self._report(self.step, since, exc=Interrupted(change))
+
+    def _drop(self) -> None:
+        """Close the connection, if any."""
+        self.ws = None
+        self._held.close()
 
     def on_stop(self) -> None:
         """Log out: BYE, then the server's close 1000.
@@ -272,19 +284,11 @@ class TokendUser(User):
         A user stopped while waiting for an ACK still counts that ACK (and its
         renewal) when it arrives before the close.
         """
-        ws = self.ws
-        if ws is None:
-            return
-        started = time.perf_counter()
-        try:
-            ws.send(p.encode(p.Bye()))
-            while True:
-                self._take(p.decode(ws.recv(timeout=REPLY_TIMEOUT)))
-        except ConnectionClosed as exc:
-            error = _close_error(exc)
-            ok = error.code == p.CloseCode.NORMAL
-            self._report("bye", started, exc=None if ok else error)
-        except (TimeoutError, p.ProtocolError) as exc:
-            self._report("bye", started, exc=exc)
-        finally:
+        core = self.session
+        if not core.connected:
             self._drop()
+            return
+        self._begin("bye")
+        core.close()
+        self._act()
+        self._serve(lambda: False)

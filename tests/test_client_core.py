@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from websockets.frames import Close
 
 from testkit.tokens import minter_in
 from tokend import protocol as p
@@ -164,12 +165,12 @@ def test_every_later_hello_proves_with_the_key_of_the_last_welcome(
     core: ClientCore, clock: FakeClock
 ):
     welcomed(core, KEY)
-    core.closed(CloseCode.INTERNAL_ERROR)
+    core.closed(Close(CloseCode.INTERNAL_ERROR, ""))
     until_deadline(core, clock)
     assert core.phase is Phase.CONNECT
     assert hello_on_open(core).proof == p.resume_proof(KEY, core.tid.bytes)
     # Refused 4509 (another connection holds it live): the next HELLO proves alike.
-    core.closed(CloseCode.SESSION_IN_USE, "session_in_use")
+    core.closed(Close(CloseCode.SESSION_IN_USE, "session_in_use"))
     until_deadline(core, clock)
     assert hello_on_open(core).proof == p.resume_proof(KEY, core.tid.bytes)
     core.receive(welcome_of(core, OTHER_KEY, resumed=True))
@@ -192,7 +193,7 @@ def test_a_hello_after_a_renewal_has_the_newest_token(
     welcomed(core)
     renewed = renew(tokens, core.token, by_s=60)
     core.receive(ack(1, core.exp + 60_000, renewed, renewed=True))
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     until_deadline(core, clock)
     assert hello_on_open(core).token == renewed
 
@@ -219,14 +220,14 @@ def test_welcome_connects_then_resumes(core: ClientCore, clock: FakeClock):
     (connected,) = changes(core)
     assert (connected.kind, connected.detail) == (Change.CONNECTED, "new session")
     assert core.connected and core.session_key == KEY and core.heartbeat_interval == 1.0
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     until_deadline(core, clock)
     welcomed(core, resumed=True)
     assert [(c.kind, c.detail) for c in changes(core)][-1] == (
         Change.RESUMED,
         "the same session goes on",
     )
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     until_deadline(core, clock)
     welcomed(core, resumed=False)  # the server lost it: a new session of the same token
     assert changes(core)[-1].detail == "the server no longer had the session: new one"
@@ -322,7 +323,7 @@ def test_each_connection_counts_seq_from_one(core: ClientCore, clock: FakeClock)
     welcomed(core)
     until_deadline(core, clock)
     assert [f.seq for f in sent(core) if isinstance(f, p.Heartbeat)] == [2]
-    core.closed(CloseCode.INTERNAL_ERROR)
+    core.closed(Close(CloseCode.INTERNAL_ERROR, ""))
     until_deadline(core, clock)
     assert welcomed(core).seq == 1
 
@@ -497,7 +498,7 @@ def test_bye_then_the_servers_close_logs_out(core: ClientCore):
     welcomed(core)
     core.close()
     assert sent(core) == [p.Bye()] and core.phase is Phase.CLOSING
-    core.closed(CloseCode.NORMAL, "bye")
+    core.closed(Close(CloseCode.NORMAL, "bye"))
     change = ended(core)
     assert (change.code, change.detail, change.error, change.reason) == (
         1000,
@@ -529,7 +530,7 @@ def test_no_close_after_bye_gives_up_at_the_close_timeout(token: str, clock: Fak
 def test_a_logout_ended_by_another_close_has_no_error(core: ClientCore):
     welcomed(core)
     core.close()
-    core.closed(CloseCode.TOKEN_REVOKED, "session_revoked")
+    core.closed(Close(CloseCode.TOKEN_REVOKED, "session_revoked"))
     change = ended(core)
     assert change.error is None and core.error is None
     assert change.detail.startswith("closed during logout: token revoked")
@@ -547,7 +548,7 @@ def test_a_close_while_reconnecting_leaves_the_session_resumable(
     core: ClientCore, clock: FakeClock
 ):
     welcomed(core)
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     core.close()
     assert sent(core) == [] and core.deadline is None
     assert ended(core).detail == "closed while not connected; the session stays until it expires"
@@ -559,7 +560,7 @@ def test_a_close_while_reconnecting_leaves_the_session_resumable(
 @pytest.mark.parametrize("code", sorted(p.RECONNECTABLE))
 def test_reconnectable_codes_reconnect(core: ClientCore, code: int):
     welcomed(core)
-    core.closed(code, "why")
+    core.closed(Close(code, "why"))
     change = reconnecting(core)
     assert (change.code, change.reason, change.error) == (code, "why", None)
     assert change.meaning == CloseCode(code).describe()
@@ -584,7 +585,7 @@ def test_terminal_codes_end_with_their_family(
     core: ClientCore, code: int, family: type[TokendError]
 ):
     welcomed(core)
-    core.closed(code, "reason_word")
+    core.closed(Close(code, "reason_word"))
     change = ended(core)
     assert type(change.error) is family and change.error is core.error
     assert (change.error.code, change.error.reason, change.reason) == (
@@ -597,7 +598,7 @@ def test_terminal_codes_end_with_their_family(
 
 def test_a_refused_hello_is_terminal_too(core: ClientCore):
     hello_on_open(core)
-    core.closed(CloseCode.INVALID_TOKEN, "bad_signature")
+    core.closed(Close(CloseCode.INVALID_TOKEN, "bad_signature"))
     assert isinstance(ended(core).error, AuthError)
 
 
@@ -610,7 +611,7 @@ def test_a_lost_connection_reconnects(core: ClientCore):
 
 def test_a_close_the_clients_websocket_sent_on_a_broken_frame_is_terminal(core: ClientCore):
     welcomed(core)
-    core.closed(None, sent=(1009, "over size limit"))
+    core.closed(None, sent=Close(1009, "over size limit"))
     change = ended(core)
     assert isinstance(change.error, ProtocolViolation) and change.code == 1009
     assert change.detail == "closed by the client: 1009 over size limit"
@@ -631,7 +632,7 @@ def test_a_connection_let_go_says_nothing_more(core: ClientCore, clock: FakeCloc
     assert sent(core) == [Disconnect(None)]
     for late in (ack(1, core.exp), p.encode(p.Notice()), b"\x09"):
         core.receive(late)
-    core.closed(CloseCode.TOKEN_REVOKED)
+    core.closed(Close(CloseCode.TOKEN_REVOKED, ""))
     assert (sent(core), changes(core), core.phase) == ([], [], Phase.WAITING)
 
 
@@ -640,7 +641,7 @@ def test_frames_not_sent_before_the_connection_closed_are_not_for_the_next(
 ):
     hello_on_open(core)
     core.receive(welcome_of(core))  # its first heartbeat waits to be sent ...
-    core.closed(CloseCode.INTERNAL_ERROR)  # ... when the connection closes
+    core.closed(Close(CloseCode.INTERNAL_ERROR, ""))  # ... when the connection closes
     until_deadline(core, clock)
     assert sent(core) == []
     hello_on_open(core)  # the HELLO alone
@@ -705,12 +706,12 @@ def test_the_count_starts_again_after_an_ack_not_at_welcome(core: ClientCore, cl
         core.lost("refused")
         until_deadline(core, clock)
     welcomed(core)
-    core.closed(CloseCode.INTERNAL_ERROR)  # welcomed, then failed at once: no reset
+    core.closed(Close(CloseCode.INTERNAL_ERROR, ""))  # welcomed, then failed at once: no reset
     assert reconnecting(core).delay == 4.0
     until_deadline(core, clock)
     welcomed(core)
     core.receive(ack(1, core.exp))
-    core.closed(CloseCode.INTERNAL_ERROR)
+    core.closed(Close(CloseCode.INTERNAL_ERROR, ""))
     assert reconnecting(core).delay == 0.5
 
 
@@ -732,7 +733,7 @@ def test_after_1001_the_first_reconnect_spreads_over_what_the_session_can_spare(
     welcomed(core)
     welcome = p.decode(welcome_of(core))
     assert isinstance(welcome, p.Welcome) and going_away_limit(welcome) == SPARE_S
-    core.closed(CloseCode.GOING_AWAY, "going_away")
+    core.closed(Close(CloseCode.GOING_AWAY, "going_away"))
     # The window is 5 s, but the session can spare 1.5 s only.
     assert reconnecting(core).delay == SPARE_S
 
@@ -740,7 +741,7 @@ def test_after_1001_the_first_reconnect_spreads_over_what_the_session_can_spare(
 def test_after_1001_the_window_applies_when_the_session_can_spare_it(token: str, clock: FakeClock):
     core = ClientCore(token, clock=clock, backoff=dataclasses.replace(BACKOFF, going_away_window=1))
     welcomed(core)
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     assert reconnecting(core).delay == 1.0
 
 
@@ -751,13 +752,13 @@ def test_after_1001_the_wait_is_never_shorter_than_the_attempts_backoff(
         core.lost("refused")
         until_deadline(core, clock)
     welcomed(core)
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     assert reconnecting(core).delay == 8.0  # attempt 5's ceiling, above the 1.5 s spare
 
 
 def test_before_any_welcome_a_1001_spreads_over_the_whole_window(core: ClientCore):
     hello_on_open(core)
-    core.closed(CloseCode.GOING_AWAY)
+    core.closed(Close(CloseCode.GOING_AWAY, ""))
     assert reconnecting(core).delay == 5.0
 
 

@@ -33,6 +33,7 @@ from websockets.uri import parse_uri
 from tokend import protocol as p
 from tokend.client.backoff import Backoff
 from tokend.client.core import (
+    MAX_SERVER_MESSAGE,
     ON_A_CONNECTION,
     Change,
     ClientCore,
@@ -41,9 +42,6 @@ from tokend.client.core import (
     SessionStats,
 )
 from tokend.client.errors import CertificateError, ProtocolViolation, TokendError
-
-# The largest frame a v1 server sends is an ACK with an 8192-byte token.
-MAX_SERVER_MESSAGE = p.ACK_HEAD_LENGTH + p.MAX_TOKEN_LENGTH
 
 
 def _tls_context(
@@ -351,12 +349,7 @@ class ClientSession:
                 self._core.receive(await ws.recv())
                 self._poked.set()
         except ConnectionClosed as exc:
-            received, sent = exc.rcvd, exc.sent
-            self._core.closed(
-                None if received is None else received.code,
-                "" if received is None else received.reason,
-                sent=None if sent is None else (sent.code, sent.reason),
-            )
+            self._core.closed(exc.rcvd, exc.sent)
             self._poked.set()
         except Exception as exc:
             self._failed(exc)

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jwt
 
@@ -115,6 +115,9 @@ class Phase(Enum):
     ENDED = "ended"  # over for good: ``error`` says why, None after a logout
 
 
+# The largest message a v1 server sends: an ACK with an 8192-byte token. A shell caps
+# what its WebSocket takes at this (a larger one is the server's bug: 1009).
+MAX_SERVER_MESSAGE = p.ACK_HEAD_LENGTH + p.MAX_TOKEN_LENGTH
 # The phases in which the session has a connection.
 ON_A_CONNECTION = frozenset({Phase.HELLO, Phase.OPEN, Phase.CLOSING})
 
@@ -129,6 +132,19 @@ class Disconnect(NamedTuple):
 
 
 Outgoing = bytes | Disconnect
+
+
+class CloseFrame(Protocol):
+    """A WebSocket close frame as the shell's WebSocket reports it (websockets' ``Close``,
+    from ``ConnectionClosed.rcvd`` and ``.sent``)."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
 # A server that broke the protocol: RFC 6455 §7.4.1's 1002.
 PROTOCOL_VIOLATED = Disconnect(1002, "protocol error")
 # The server stopped answering.
@@ -308,21 +324,20 @@ class ClientCore:
             violation = ProtocolViolation(None, str(exc))
             self._connection_ended(None, str(exc), violation, drop=PROTOCOL_VIOLATED)
 
-    def closed(
-        self, code: int | None = None, reason: str = "", *, sent: tuple[int, str] | None = None
-    ) -> None:
-        """The connection closed: with the server's close ``code`` and ``reason``, or
-        without a close frame from it (``code`` None), perhaps after a close the client's
-        WebSocket layer ``sent`` itself (code, reason) because the server broke RFC 6455."""
+    def closed(self, received: CloseFrame | None, sent: CloseFrame | None = None) -> None:
+        """The connection closed: after the server's close frame ``received``, or without one
+        (None), perhaps after a close the client's WebSocket layer ``sent`` itself because
+        the server broke RFC 6455 (1002, 1007, 1009)."""
         if self.phase not in ON_A_CONNECTION:
             return
-        if code is None:
-            if sent is not None and sent[0] in CLIENT_SIDE_VIOLATIONS:
-                detail = f"closed by the client: {sent[0]} {sent[1]}"
-                self._connection_ended(sent[0], detail, ProtocolViolation(sent[0], detail))
+        if received is None:
+            if sent is not None and sent.code in CLIENT_SIDE_VIOLATIONS:
+                detail = f"closed by the client: {sent.code} {sent.reason}"
+                self._connection_ended(sent.code, detail, ProtocolViolation(sent.code, detail))
             else:
                 self._connection_ended(None, describe(None))
             return
+        code, reason = received.code, received.reason
         family = classify(code)
         error = None if family is None else family(code, reason)
         self._connection_ended(code, describe(code), error, reason)
