@@ -19,7 +19,7 @@
  * `ws` an HTTP 503 or 429 with Retry-After is honoured. Any other close ends the
  * session with a {@link TokendError} naming the family.
  *
- * It mirrors the Python SDK (tokend/client.py) and the frame codec
+ * It mirrors the Python SDK (tokend/client/core.py) and the frame codec
  * (tokend/protocol.py) byte for byte; the wire format is shared/spec/protocol-v1.md
  * ("Frames"), the behaviour docs/client.md. Usage: sdk/js/README.md.
  *
