@@ -8,6 +8,8 @@ A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module
   What cannot be installed skips the test with a message saying what failed.
   The installs run when collection finishes, outside any test's timeout.
 - ``node_dir``: the npm packages alone, for the SDK under Node (no Chromium).
+- ``node_tools``: Node, npm and the npm packages, for the npm package's tests: what is
+  missing skips the test, and fails it under ``CI=true`` (:func:`unavailable`).
 - ``site``: the browser SDK and the test pages over loopback HTTP.
 - ``chromium``: one headless Chromium for the test session (``tests/browser/driver.mjs``,
   serving pages on a Unix socket); ``browser``: a page of it in a fresh browser
@@ -31,7 +33,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -104,6 +106,25 @@ class BrowserTools:
     @property
     def tsc(self) -> Path:
         return self.node_dir / "node_modules" / ".bin" / "tsc"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTools:
+    node: Path
+    npm: Path
+    node_dir: Path  # holds node_modules with NODE_PACKAGES
+
+    @property
+    def tsc(self) -> Path:
+        return self.node_dir / "node_modules" / ".bin" / "tsc"
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip the test for want of a part; under ``CI=true`` fail it (DEVELOPERS.md: the CI
+    must not pass by skipping)."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 @functools.cache
@@ -334,7 +355,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     needs = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     if "tools" in needs:
         _tools()
-    elif "node_dir" in needs:
+    elif needs & {"node_dir", "node_tools"}:
         _node_packages()
 
 
@@ -351,6 +372,19 @@ def node_dir() -> Path:
     if isinstance(found, str):
         pytest.skip(f"Node tests need node and npm packages: {found}")
     return found
+
+
+@pytest.fixture(scope="session")
+def node_tools() -> NodeTools:
+    """Node, npm, and a directory whose node_modules holds the npm packages (installed if
+    need be); what cannot be had skips the test, or fails it under ``CI=true``."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        unavailable("needs node and npm on PATH")
+    found = _node_packages()
+    if isinstance(found, str):
+        unavailable(f"needs the npm packages {', '.join(NODE_PACKAGES)}: {found}")
+    return NodeTools(Path(node), Path(npm), found)
 
 
 @pytest.fixture(scope="session")
