@@ -3,7 +3,7 @@
 What the server says goes in as bytes made with the codec, how the connection went as
 the shell would say it (opened, refused, lost, closed); what comes out is decoded back
 (frames, a Disconnect), read as lifecycle changes, and timed against the fake clock
-through ``deadline``. Tokens are real (signed by a TokenService in tmp_path; the core
+through ``deadline``. Tokens are real (signed by a WallClockTokens in tmp_path; the core
 reads them without verifying). Waits are drawn by ``longest`` (the top of each range)
 unless a test draws otherwise, so that every delay is exact.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from websockets.frames import Close
 
-from testkit.tokens import minter_in
+from testkit.tokens import WallClockTokens, minter_in
 from tokend import protocol as p
 from tokend.client.backoff import Backoff, going_away_limit, retry_after
 from tokend.client.core import ON_A_CONNECTION, Change, ClientCore, Disconnect, Lifecycle, Phase
@@ -33,7 +33,6 @@ from tokend.client.errors import (
     classify,
 )
 from tokend.protocol import CloseCode, SessionState
-from tokend.tokens import TokenService
 
 # WELCOME's clocks: a heartbeat a second, WARN after 3 s, expiry after 4 s. A session
 # can then spare (4 - 1) / 2 = 1.5 s for a spread reconnect after 1001.
@@ -60,7 +59,7 @@ class FakeClock:
 
 
 @pytest.fixture
-def tokens(tmp_path: Path) -> TokenService:
+def tokens(tmp_path: Path) -> WallClockTokens:
     return minter_in(tmp_path / "keys")
 
 
@@ -70,7 +69,7 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def token(tokens: TokenService) -> str:
+def token(tokens: WallClockTokens) -> str:
     return tokens.mint("alice", ttl_s=600)
 
 
@@ -188,7 +187,7 @@ def test_a_session_key_kept_from_before_proves_the_first_hello(token: str, clock
 
 
 def test_a_hello_after_a_renewal_has_the_newest_token(
-    core: ClientCore, clock: FakeClock, tokens: TokenService
+    core: ClientCore, clock: FakeClock, tokens: WallClockTokens
 ):
     welcomed(core)
     renewed = renew(tokens, core.token, by_s=60)
@@ -352,7 +351,7 @@ def test_no_heartbeat_before_welcome_nor_after_bye(core: ClientCore, clock: Fake
 # ACKs: round trips, renewed and re-sent tokens
 
 
-def renew(tokens: TokenService, token: str, by_s: int) -> str:
+def renew(tokens: WallClockTokens, token: str, by_s: int) -> str:
     """The token of the same session, its exp later by ``by_s`` (as a renewal signs it)."""
     claims = tokens.verify(token)
     return tokens.sign(dataclasses.replace(claims, exp=claims.exp + by_s))
@@ -366,7 +365,7 @@ def test_an_ack_measures_the_round_trip(core: ClientCore, clock: FakeClock):
 
 
 def test_a_renewed_token_is_taken_and_the_next_heartbeat_says_its_exp(
-    core: ClientCore, clock: FakeClock, tokens: TokenService
+    core: ClientCore, clock: FakeClock, tokens: WallClockTokens
 ):
     welcomed(core)
     changes(core)
@@ -387,7 +386,7 @@ def test_a_renewed_token_is_taken_and_the_next_heartbeat_says_its_exp(
 
 
 def test_a_resent_token_replaces_a_stale_one_without_counting_a_renewal(
-    core: ClientCore, tokens: TokenService
+    core: ClientCore, tokens: WallClockTokens
 ):
     welcomed(core)
     changes(core)
@@ -406,7 +405,7 @@ def test_a_resent_token_replaces_a_stale_one_without_counting_a_renewal(
     ],
 )
 def test_an_ack_token_not_of_this_session_is_a_protocol_violation(
-    core: ClientCore, tokens: TokenService, foreign: str, detail: str
+    core: ClientCore, tokens: WallClockTokens, foreign: str, detail: str
 ):
     welcomed(core)
     token = tokens.mint("alice") if foreign == "other-session" else "x.y.z"
@@ -508,7 +507,7 @@ def test_bye_then_the_servers_close_logs_out(core: ClientCore):
     )
 
 
-def test_acks_during_a_logout_still_count(core: ClientCore, tokens: TokenService):
+def test_acks_during_a_logout_still_count(core: ClientCore, tokens: WallClockTokens):
     welcomed(core)
     core.close()
     renewed = renew(tokens, core.token, by_s=60)
@@ -674,7 +673,7 @@ def test_reconnects_back_off_exponentially_with_full_jitter_up_to_the_cap(
     for _ in range(7):
         core.lost("cannot connect: refused")
         change = reconnecting(core)
-        assert core.deadline == clock.now + change.delay
+        assert change.delay is not None and core.deadline == clock.now + change.delay
         delays.append(until_deadline(core, clock))
         assert change.delay == delays[-1] and core.phase is Phase.CONNECT
     assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]  # the ceilings: draws at the top
@@ -683,8 +682,13 @@ def test_reconnects_back_off_exponentially_with_full_jitter_up_to_the_cap(
 
 
 def test_the_jitter_is_full_from_zero(token: str, clock: FakeClock):
-    bounds = []
-    shortest = Backoff(base=0.5, cap=8.0, draw=lambda low, high: bounds.append(high) or low)
+    bounds: list[float] = []
+
+    def shortest_noted(low: float, high: float) -> float:
+        bounds.append(high)
+        return low
+
+    shortest = Backoff(base=0.5, cap=8.0, draw=shortest_noted)
     core = ClientCore(token, clock=clock, backoff=shortest)
     for _ in range(3):
         core.lost("refused")

@@ -25,9 +25,9 @@ import pytest
 
 from testkit.events import EventLog
 from testkit.net import LOOPBACK
+from testkit.tokens import WallClockTokens
 from tokend import protocol as p
 from tokend.server import App
-from tokend.tokens import TokenService
 
 if TYPE_CHECKING:
     from tests.browser.harness import NodeTools
@@ -83,7 +83,7 @@ def project(
     directory = tmp_path_factory.mktemp("consumer")
     (directory / "package.json").write_text('{"private": true, "type": "module"}\n')
     ws = node_tools.node_dir / "node_modules" / "ws"
-    install = [node_tools.npm, "install", "--offline", "--no-audit", "--no-fund"]
+    install: list[str | Path] = [node_tools.npm, "install", "--offline", "--no-audit", "--no-fund"]
     run([*install, packed.tarball, ws], directory)
     for consumer in ("npm_consumer.mjs", "npm_consumer.ts"):
         shutil.copy(CONSUMERS / consumer, directory / consumer)
@@ -127,7 +127,7 @@ def test_the_package_is_named_versioned_and_ships_the_module_and_its_types(packe
 
 
 async def test_under_node_20_with_ws_the_package_imports_by_name_and_gets_a_welcome(
-    node_tools: NodeTools, project: Path, app: App, tokens: TokenService, events: EventLog
+    node_tools: NodeTools, project: Path, app: App, tokens: WallClockTokens, events: EventLog
 ):
     token = tokens.mint("npm-node20")
     tid = str(tokens.verify(token).tid)
@@ -141,7 +141,7 @@ async def test_under_node_20_with_ws_the_package_imports_by_name_and_gets_a_welc
 
 
 async def test_under_node_22_the_package_works_bare_on_nodes_own_websocket(
-    node_tools: NodeTools, project: Path, app: App, tokens: TokenService, events: EventLog
+    node_tools: NodeTools, project: Path, app: App, tokens: WallClockTokens, events: EventLog
 ):
     major = node_major(node_tools)
     if major < 22:
@@ -161,8 +161,10 @@ def test_tsc_strict_types_a_consumer_with_the_packages_own_types(
     node_tools: NodeTools, project: Path, resolution: tuple[str, str]
 ):
     module, resolver = resolution
-    tsc = [node_tools.tsc, "--strict", "--noEmit", "--target", "es2022", "--lib", "es2022,dom",
-           "--module", module, "--moduleResolution", resolver]  # fmt: skip
+    tsc: list[str | Path] = [
+        node_tools.tsc, "--strict", "--noEmit", "--target", "es2022", "--lib", "es2022,dom",
+        "--module", module, "--moduleResolution", resolver,
+    ]  # fmt: skip
     run([*tsc, "npm_consumer.ts"], project)
     # The types are the package's, not any: a wrong use of them does not compile.
     (project / "wrong.ts").write_text(

@@ -8,17 +8,18 @@ drives a :class:`ClientCore` over websockets' asyncio client, the locust user
 (load_tests/locustfile.py) over websockets' sync client, and tests/test_client_core.py
 from lists of frames and a fake clock.
 
-Every rule of the client's side of the protocol (docs/protocol.md; the spec,
-``shared/spec/protocol-v1.md``) lives here: HELLO with the newest token, and from the
-first WELCOME on with the resume proof made with the last WELCOME's session key (spec
-"Resume proof", revision 2); WELCOME naming our tid; heartbeats on WELCOME's cadence
-with the next ``seq`` and their HMAC proof; ACKs (renewed and re-sent tokens, WARN
-recovery), NOTICE, BYE; a server that breaks the protocol (closed 1002, never retried);
-a link that stops answering (no ACK for ``warn_after``: dropped, reconnected); which
-closes reconnect and which end the session with which :mod:`~tokend.client.errors`
-family; and how long to wait before the next attempt (:class:`~tokend.client.backoff.Backoff`:
-full jitter, the first reconnect after a 1001 spread over a window no longer than the
-session can spare, an HTTP 503 or 429 waited out for its ``Retry-After``).
+Every rule of the client's side of the protocol (docs/protocol.md) lives here: HELLO
+with the newest token, and from the first WELCOME on with the resume proof made with the
+last WELCOME's session key (§2 0x01, "Resume proof", revision 2); WELCOME naming our tid
+(§2 0x02); heartbeats on WELCOME's cadence with the next ``seq`` and their HMAC proof
+(§2 0x03, §3); ACKs with renewed and re-sent tokens and WARN recovery (§2 0x04, §4),
+NOTICE (§2 0x06, §5), BYE (§2 0x05); a server that breaks the protocol (closed 1002,
+never retried); a link that stops answering (no ACK for ``warn_after``: dropped,
+reconnected); which closes reconnect and which end the session with which
+:mod:`~tokend.client.errors` family (§7); and how long to wait before the next
+attempt (:class:`~tokend.client.backoff.Backoff`: full jitter, the first reconnect after
+a 1001 spread over a window no longer than the session can spare, an HTTP 503 or 429
+waited out for its ``Retry-After``).
 
 The shell's loop, in every :class:`Phase`: send what :meth:`ClientCore.take_outgoing`
 gives (frames, then perhaps a :class:`Disconnect`), hand out
