@@ -40,10 +40,11 @@ from httptools.parser.url_parser import URL
 
 from tokend import events, health
 from tokend.answers import EndOutcome
+from tokend.background import Background
 from tokend.config import Settings
 from tokend.http_answer import HttpAnswer, head
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokend.node import Background, Node
+from tokend.node import Node
 from tokend.store.unavailable import UNAVAILABLE, NotConfirmed, Retry, StoreUnavailable
 from tokend.tokens import DEFAULT_PRIO, PRIO_RANGE
 
