@@ -45,7 +45,7 @@ from bench.common import (
     tokend_server,
 )
 from testkit.events import read_events
-from testkit.procs import CpuMeter
+from testkit.procs import CpuMeter, proc_cpu
 from tokend import config
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import open_client
@@ -239,14 +239,17 @@ async def paced(ctx: Context) -> dict[str, Any]:
         events = Events(client, f"{KEY_PREFIX}:events", count)
         try:
             await events.start()
-            meter = CpuMeter({"tokend": server.pid, "redis": redis_pid(store)})
+            pids = {"tokend": server.pid, "redis": redis_pid(store)}
+            meter = CpuMeter(pids)
             heartbeats = await seed_paced(store.url, count, rate)
             meter.start()
+            used = {name: proc_cpu(pid) for name, pid in pids.items()}
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(PACED_LEAD_MS / 1000 + expire_ms / 1000 + 30):
                     await events.all_expired.wait()
             await asyncio.sleep(1)  # any duplicate would come now
             cpu = meter.stop()
+            used = {name: proc_cpu(pid) - used[name] for name, pid in pids.items()}
             expired_streams = await stream_counts(client)
             warned_streams = await stream_counts(client, "SESSION_WARN")
         finally:
@@ -266,6 +269,8 @@ async def paced(ctx: Context) -> dict[str, Any]:
             lags(events.warned, {t: hb + warn_ms for t, hb in heartbeats.items()})
         ),
         "cpu_pct": cpu,
+        # Over the whole window (idle sweeps too), per WARN or EXPIRED made.
+        "cpu_us_per_transition": {n: round(1e6 * t / (2 * count), 1) for n, t in used.items()},
     }
 
 
@@ -293,12 +298,14 @@ def lag_row(scenario: str, metric: str, result: dict[str, Any], once: bool, note
 def paced_row(result: dict[str, Any]) -> Row:
     lag, warn = result["lag_ms"], result["warn_lag_ms"]
     exactly_once = not any(result["expired"].values()) and not any(result["warned"].values())
+    per = result["cpu_us_per_transition"]
     note = (
         f"{result['sessions']:,} sessions; EXPIRED lag {spread_of(lag)}; WARN lag "
         f"{spread_of(warn)}; each once: "
         f"{'yes' if exactly_once else 'NO'} (EXPIRED {shortfall(result['expired'])}; "
         f"WARN {shortfall(result['warned'])}); CPU "
-        f"{', '.join(f'{k} {v:.0f}%' for k, v in result['cpu_pct'].items())}"
+        f"{', '.join(f'{k} {v:.0f}%' for k, v in result['cpu_pct'].items())}, per "
+        f"transition {', '.join(f'{k} {v:.0f} us' for k, v in per.items())}"
     )
     metric = f"TOKEN_EXPIRED lag p99, deadlines at {result['rate']:,.0f}/s"
     return lag_row("expiry paced", metric, result, exactly_once, note)
