@@ -27,7 +27,7 @@ from tokend.store.unavailable import UNAVAILABLE, Retry
 if TYPE_CHECKING:
     from tokend.connection import Connection
 
-log = structlog.get_logger("tokend.node")
+log = structlog.get_logger("tokend.control")
 
 # Through Sentinel, how often the master's name is asked while the subscription is down.
 SENTINEL_POLL = 0.1

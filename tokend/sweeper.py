@@ -22,7 +22,7 @@ from tokend.protocol import CloseCode
 from tokend.store.sessions import Store
 from tokend.store.unavailable import Retry, StoreUnavailable
 
-log = structlog.get_logger("tokend.node")
+log = structlog.get_logger("tokend.sweeper")
 
 # Due sessions one sweep.lua call judges at most, per shard: it bounds how long one call
 # holds Redis (an expiry is about ten commands, an XADD and a PUBLISH among them; ~10 ms
