@@ -54,10 +54,11 @@ from tokend.store.sessions import HelloRequest, Store
 
 LAG_TARGET_MS = 100
 EXTRA_WAIT_S = 30
-# Paced deadlines: the clocks (short: nothing waits on clients), and how long after the
-# seeding the first deadline falls.
-PACED_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 2.0, "expire_after": 4.0}
-PACED_LEAD_MS = 2_000
+# Paced deadlines: the clocks (warn_after beyond the seeding, so that no session warns by
+# hello.lua's own deadline; the EXPIRED deadlines 5 s after the WARN ones), and how long
+# after the HELLOs the first deadline falls (the rest of the seeding must fit in it).
+PACED_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 15.0, "expire_after": 20.0}
+PACED_LEAD_MS = 10_000
 
 
 class Events:
@@ -199,7 +200,8 @@ def summary(values: list[int]) -> dict[str, float]:
 async def seed_paced(url: str, count: int, rate: float) -> dict[str, int]:
     """``count`` sessions, no connection holding them, whose WARN deadlines fall at
     ``rate`` a second from PACED_LEAD_MS after now (Redis time); returns each one's hb."""
-    settings = config.load({"redis_url": url, "key_prefix": KEY_PREFIX, **PACED_CLOCKS}, environ={})
+    values = {"redis_url": url, "key_prefix": KEY_PREFIX, "redis_timeout": 10, **PACED_CLOCKS}
+    settings = config.load(values, environ={})  # redis_timeout: seeding, not the figure
     store = Store(open_client(url, settings), settings, "bench-seed")
     try:
         now_s = int(time.time())
@@ -208,8 +210,8 @@ async def seed_paced(url: str, count: int, rate: float) -> dict[str, int]:
             HelloRequest(tid, f"paced-{n}", 5, now_s, now_s + 600, "gone/1")
             for n, tid in enumerate(tids)
         ]
-        for first in range(0, count, 2_000):  # one hello.lua call per chunk
-            await store.hellos(requests[first : first + 2_000])
+        for first in range(0, count, 500):  # one hello.lua call per chunk
+            await store.hellos(requests[first : first + 500])
         seconds, micros = await store.redis.time()
         first_due = seconds * 1000 + micros // 1000 + PACED_LEAD_MS
         warn_ms = settings.ms("warn_after")
@@ -224,6 +226,9 @@ async def seed_paced(url: str, count: int, rate: float) -> dict[str, int]:
             pipe.hset(session, mapping={"hb": hb, "left": "gone/1"})
             pipe.zadd(due, {tid: hb + warn_ms})
         await pipe.execute()
+        seconds, micros = await store.redis.time()
+        if seconds * 1000 + micros // 1000 >= first_due:
+            raise BenchError(f"seeding {count:,} sessions took longer than {PACED_LEAD_MS} ms")
         return heartbeats
     finally:
         await store.redis.aclose()
