@@ -54,11 +54,24 @@ from tokend.store.sessions import HelloRequest, Store
 
 LAG_TARGET_MS = 100
 EXTRA_WAIT_S = 30
-# Paced deadlines: the clocks (warn_after beyond the seeding, so that no session warns by
-# hello.lua's own deadline; the EXPIRED deadlines 5 s after the WARN ones), and how long
-# after the HELLOs the first deadline falls (the rest of the seeding must fit in it).
-PACED_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 15.0, "expire_after": 20.0}
-PACED_LEAD_MS = 10_000
+# Paced deadlines: how long after the HELLOs the first deadline falls (the rest of the
+# seeding must fit in it: 2 s, and 0.4 ms a session, ample on a busy machine), and the
+# gap between the WARN and the EXPIRED deadlines.
+PACED_LEAD_MS = 2_000
+PACED_LEAD_MS_PER_SESSION = 0.4
+PACED_GAP_S = 5.0
+
+
+def paced_clocks(count: int) -> tuple[int, dict[str, float]]:
+    """The lead (ms) and the clocks for ``count`` paced sessions: warn_after beyond the
+    whole seeding, so that no session warns by hello.lua's own deadline."""
+    lead_ms = PACED_LEAD_MS + round(PACED_LEAD_MS_PER_SESSION * count)
+    warn_after = lead_ms / 1000 + PACED_GAP_S
+    return lead_ms, {
+        "heartbeat_interval": 1.0,
+        "warn_after": warn_after,
+        "expire_after": warn_after + PACED_GAP_S,
+    }
 
 
 class Events:
@@ -199,8 +212,10 @@ def summary(values: list[int]) -> dict[str, float]:
 
 async def seed_paced(url: str, count: int, rate: float) -> dict[str, int]:
     """``count`` sessions, no connection holding them, whose WARN deadlines fall at
-    ``rate`` a second from PACED_LEAD_MS after now (Redis time); returns each one's hb."""
-    values = {"redis_url": url, "key_prefix": KEY_PREFIX, "redis_timeout": 10, **PACED_CLOCKS}
+    ``rate`` a second from the lead (:func:`paced_clocks`) after now (Redis time);
+    returns each one's hb."""
+    lead_ms, clocks = paced_clocks(count)
+    values = {"redis_url": url, "key_prefix": KEY_PREFIX, "redis_timeout": 10, **clocks}
     settings = config.load(values, environ={})  # redis_timeout: seeding, not the figure
     store = Store(open_client(url, settings), settings, "bench-seed")
     try:
@@ -213,7 +228,7 @@ async def seed_paced(url: str, count: int, rate: float) -> dict[str, int]:
         for first in range(0, count, 500):  # one hello.lua call per chunk
             await store.hellos(requests[first : first + 500])
         seconds, micros = await store.redis.time()
-        first_due = seconds * 1000 + micros // 1000 + PACED_LEAD_MS
+        first_due = seconds * 1000 + micros // 1000 + lead_ms
         warn_ms = settings.ms("warn_after")
         heartbeats = {
             str(tid): first_due - warn_ms + int(n * 1000 / rate) for n, tid in enumerate(tids)
@@ -228,7 +243,7 @@ async def seed_paced(url: str, count: int, rate: float) -> dict[str, int]:
         await pipe.execute()
         seconds, micros = await store.redis.time()
         if seconds * 1000 + micros // 1000 >= first_due:
-            raise BenchError(f"seeding {count:,} sessions took longer than {PACED_LEAD_MS} ms")
+            raise BenchError(f"seeding {count:,} sessions took longer than {lead_ms} ms")
         return heartbeats
     finally:
         await store.redis.aclose()
@@ -238,7 +253,7 @@ async def paced(ctx: Context) -> dict[str, Any]:
     """Deadlines falling at ``ctx.sizes.expiry_rate`` a second, one tokend sweeping."""
     rate = ctx.sizes.expiry_rate
     count = max(ctx.sizes.storm_sessions, int(rate))
-    clocks = PACED_CLOCKS
+    lead_ms, clocks = paced_clocks(count)
     warn_ms, expire_ms = round(clocks["warn_after"] * 1000), round(clocks["expire_after"] * 1000)
     with redis_server(ctx) as store, tokend_server(ctx, store.url, **clocks) as server:
         client = aioredis.from_url(store.url, decode_responses=True)
@@ -251,7 +266,7 @@ async def paced(ctx: Context) -> dict[str, Any]:
             meter.start()
             used = {name: proc_cpu(pid) for name, pid in pids.items()}
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(PACED_LEAD_MS / 1000 + expire_ms / 1000 + 30):
+                async with asyncio.timeout(lead_ms / 1000 + expire_ms / 1000 + 30):
                     await events.all_expired.wait()
             await asyncio.sleep(1)  # any duplicate would come now
             cpu = meter.stop()
