@@ -91,18 +91,14 @@ class ControlListener:
             return
         clock = self.clock or asyncio.get_running_loop().time
         ends = clock() + backoff
-        # The loop's own timeout too: a Sentinel that does not answer ends the wait.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(backoff):
-                while True:
-                    # No master named (it is down, not yet replaced) is no change.
-                    with contextlib.suppress(*UNAVAILABLE):
-                        if await master_named(self.redis) != named:
-                            return
-                    left = ends - clock()
-                    if left <= 0:
+        while (left := ends - clock()) > 0:
+            # No master named (it is down, not yet replaced), or no answer within the
+            # wait, is no change.
+            with contextlib.suppress(TimeoutError, *UNAVAILABLE):
+                async with asyncio.timeout(left):
+                    if await master_named(self.redis) != named:
                         return
-                    await self.sleep(min(SENTINEL_POLL, left))
+            await self.sleep(min(SENTINEL_POLL, max(0.0, ends - clock())))
 
     def control(self, data: str) -> None:
         """Act on one control message (JSON: op, tid, conn, code)."""
