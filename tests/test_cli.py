@@ -6,10 +6,8 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import re
 import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -19,7 +17,7 @@ import redis as redis_lib
 
 from testkit.clients import RawClient
 from testkit.net import http_get
-from testkit.tokend_process import TokendProcess
+from testkit.tokend_process import CLEAN_ENV, TokendProcess, tokend
 from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend import config
@@ -28,20 +26,6 @@ from tokend.cli import COMMAND_SETTINGS
 from tokend.store.keyspace import Keyspace
 from tokend.store.sessions import proof_digest
 from tokend.tokens import TokenService
-
-# The environment a newcomer has: no TOKEND_* settings at all.
-CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
-
-
-def tokend(*args: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tokend", *args],
-        env={**CLEAN_ENV, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, http_request
 from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.tokend_process import tokend
 from testkit.waiting import eventually, eventually_sync
-from tests.test_cli import tokend
 from tokend import config
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
@@ -217,6 +217,25 @@ async def test_without_the_replicas_asked_for_nothing_is_reported_done(
 
     for tid in tids:  # the master has each of them
         assert await redis.get(session_keys(app, tid)[1]) == "revoked"
+
+    # The command's flags set both for one call, over the environment's.
+    tid = str(uuid.uuid4())
+    unwaited = await asyncio.to_thread(
+        tokend, "revoke", tid, "--durable-replicas", "0", env=cli_env(app.settings)
+    )
+    assert (unwaited.returncode, unwaited.stdout) == (0, "revoked (no live session)\n")
+    env = {**cli_env(app.settings), config.env_name("durable_replicas"): "0"}
+    waited = await asyncio.to_thread(
+        tokend,
+        "revoke",
+        str(uuid.uuid4()),
+        "--durable-replicas",
+        "1",
+        "--durable-timeout",
+        "0.05",
+        env=env,
+    )
+    assert waited.returncode == 3 and "0 of 1 replicas" in waited.stderr, waited.stderr
 
     async with RawClient.connect(app.port) as client:
         tid = tid_of(await client.hello(tokens.mint("leaving")))
