@@ -28,12 +28,6 @@ from tokend.store.sessions import proof_digest
 from tokend.tokens import TokenService
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> dict[str, str]:
-    """A fresh HOME, so the default data dir (~/.local/share/tokend) is empty."""
-    return {"HOME": str(tmp_path / "home"), "XDG_DATA_HOME": ""}
-
-
 def verifier(data_dir: Path) -> TokenService:
     settings = config.load({"data_dir": str(data_dir)}, environ={})
     return minter(settings)

@@ -9,23 +9,20 @@ import re
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
 from testkit.clients import Closed, RawClient, tid_of
-from testkit.events import EventLog
-from testkit.net import LOOPBACK
+from testkit.events import EventLog, next_event, one_session
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import node_env
 from testkit.waiting import eventually
 from tokend import events
 from tokend import protocol as p
-from tokend.client import Backoff, connect
 from tokend.config import Settings
 from tokend.server import App
 from tokend.store.keyspace import Keyspace
@@ -33,18 +30,6 @@ from tokend.tokens import TokenService
 
 Event = dict[str, Any]
 StartApp = Callable[..., Awaitable[App]]
-
-
-async def one_session(app: App, tokens: TokenService, sub: str) -> str:
-    """Start a session and log it out: SESSION_STARTED then SESSION_CLOSED. Returns its tid."""
-    url = f"ws://{LOOPBACK}:{app.port}{p.WS_PATH}"
-    async with connect(url, tokens.mint(sub), backoff=Backoff(0.05, 0.5)) as session:
-        pass
-    return str(session.tid)
-
-
-async def next_event(stream: AsyncIterator[Event], timeout: float = 5.0) -> Event:
-    return await asyncio.wait_for(anext(stream), timeout)
 
 
 async def pending(redis: aioredis.Redis, keys: Keyspace, group: str) -> list[str]:
@@ -65,11 +50,6 @@ async def group_created(redis: aioredis.Redis, keys: Keyspace, group: str) -> No
         return True
 
     await eventually(created)
-
-
-@pytest.fixture
-def keys(settings: Settings) -> Keyspace:
-    return Keyspace(settings.key_prefix)
 
 
 async def test_live_yields_events_published_while_subscribed(
