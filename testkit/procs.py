@@ -3,12 +3,14 @@ stopping one for good."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 
@@ -109,3 +111,14 @@ def terminate(process: subprocess.Popen[bytes], timeout: float) -> bool:
         process.kill()
         process.wait(timeout=10)
         return False
+
+
+@contextlib.asynccontextmanager
+async def killed_on_exit(process: asyncio.subprocess.Process) -> AsyncIterator[None]:
+    """Kill ``process`` (and reap it) on leaving, if it is still running."""
+    try:
+        yield
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
-from testkit.net import LOOPBACK
+from testkit.net import LOOPBACK, url_of
 
 
 class LatencyProxy:
@@ -143,3 +144,69 @@ class RoundRobinProxy:
                 writer.write(data)
                 await writer.drain()
         writer.close()
+
+
+@dataclass
+class _Relayed:
+    client: asyncio.StreamWriter
+    server: asyncio.StreamWriter
+    broken: bool = False  # bytes are dropped, and neither side is closed by the relay
+
+
+class Link:
+    """A TCP relay to a tokend port whose open connections a test can break as a network
+    does. :meth:`cut` resets the client's side and leaves the server's open and silent
+    (it notices nothing, as when a phone loses its network); :meth:`blackhole` leaves
+    both open and silent. New connections pass as before."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.port = 0
+        self._relayed: list[_Relayed] = []
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return url_of(self.port)
+
+    async def __aenter__(self) -> Link:
+        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for relayed in self._relayed:
+            relayed.client.close()
+            relayed.server.close()
+        await self._server.wait_closed()
+
+    def cut(self) -> None:
+        for relayed in self._relayed:
+            relayed.broken = True
+            relayed.client.transport.abort()
+
+    def blackhole(self) -> None:
+        for relayed in self._relayed:
+            relayed.broken = True
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(LOOPBACK, self.upstream)
+        relayed = _Relayed(writer, up_writer)
+        self._relayed.append(relayed)
+        await asyncio.gather(
+            self._pump(reader, up_writer, relayed), self._pump(up_reader, writer, relayed)
+        )
+
+    @staticmethod
+    async def _pump(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, relayed: _Relayed
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if not relayed.broken:
+                    writer.write(data)
+                    await writer.drain()
+        if not relayed.broken:
+            writer.close()

@@ -1,8 +1,8 @@
 """tokend on a Redis Cluster (three masters) and through Sentinel (docs/scaling.md).
 
-The module's ``redis_server`` is a local Redis Cluster, so the conformance and
-event-reader tests imported below run unchanged against it, with
-``TOKEND_REDIS_URL=redis+cluster://...``.
+The module's ``redis_server`` is a local Redis Cluster. The conformance, CLI and
+event-reader tests listed in tests/conftest.py (``ON_A_CLUSTER_TOO``) run a second
+time, unchanged, on one too (their ids end in ``[cluster]``).
 """
 
 from __future__ import annotations
@@ -23,32 +23,18 @@ from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from testkit.clients import RawClient, tid_of
-from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
-from testkit.net import LOOPBACK, free_port, http_get, is_ready
-from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
-from testkit.waiting import eventually, eventually_sync
-from tests import test_cli, test_events
-from tests.test_cli import (  # noqa: F401 - collected here, against the cluster
-    CLEAN_ENV,
-    test_unused_tid_revoked_is_barred,
-    tokend,
-)
-from tests.test_events import (  # noqa: F401 - collected here, against the cluster
+from testkit.events import (
+    EventLog,
+    after_a_full_sweep,
+    left_to_judge,
     next_event,
     one_session,
-    test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left,
-    test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end,
-    test_from_start_replays_what_the_streams_hold,
+    read_events,
 )
-from tests.test_server import (  # noqa: F401 - collected here, against the cluster
-    test_bye_closes_1000_and_leaves_tombstone,
-    test_hello_welcome_and_heartbeat_ack,
-    test_renewal_inside_window,
-    test_revoke_closes_connection_and_bars_token,
-    test_silence_expires_once,
-    test_takeover_closes_older_connection,
-    test_warn_notice_then_recovery,
-)
+from testkit.net import LOOPBACK, free_port, http_get, is_ready
+from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.tokend_process import CLEAN_ENV, tokend
+from testkit.waiting import eventually, eventually_sync
 from tokend import events
 from tokend import protocol as p
 from tokend.answers import ReleaseOutcome
@@ -58,10 +44,6 @@ from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.redis_client import Client, _multi_host, open_client, slot_groups, subscription
 from tokend.store.sessions import Store
 from tokend.tokens import TokenService
-
-# Fixtures of those modules, for the tests taken from them.
-home = test_cli.home
-keys = test_events.keys
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ async def test_scripts_flushed_mid_session(app, tokens: TokenService, redis, eve
 
 async def test_readyz_reports_a_dead_background_task(app):
     assert app.node is not None
-    # The app runs in this loop: its node's sweeper is found by name (tests/test_node.py
+    # The app runs in this loop: its node's sweeper is found by name (tests/test_node_core.py
     # holds Node.failed_task to naming it).
     [sweeper] = [t for t in asyncio.all_tasks() if t.get_name() == "sweeper"]
     sweeper.cancel()  # stands in for a task that crashed

@@ -78,6 +78,10 @@ async def test_a_client_that_stops_reading_is_dropped(
         # The session is not ended: the client may come back and resume it.
         async with RawClient.connect(app.port) as again:
             assert (await again.hello(token)).resumed
+            await again.send(p.encode(p.Bye()))
+            await again.expect_close()
+        # A session's events come in order: an expiry of it would have come before its close.
+        await events.wait_for("SESSION_CLOSED", tid)
         assert not events.of("TOKEN_EXPIRED", tid)
     assert app.node.metrics.dropped == {"not_reading": 1}
     [dropped] = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import pytest
@@ -72,9 +73,22 @@ async def test_frame_flood_is_rate_limited(start_app, tokens: TokenService):
         assert (await client.expect_close()).code == p.CloseCode.RATE_LIMITED
 
 
+# A cadence of 4 heartbeats a second against a limit of 5 frames a second (burst 50).
+CADENCE_S, FRAME_RATE = 0.25, 5
+
+
 async def test_normal_cadence_is_not_limited(start_app, tokens: TokenService):
-    app = await start_app(max_frame_rate=5)
+    """A client on cadence is never limited, even with its burst spent first (as after
+    catching up): each interval refills more than its heartbeat takes. Sent on a schedule
+    of the loop's clock, each acknowledged; at a cadence faster than the rate (or with a
+    bucket that does not refill) the connection is closed 4029 within the cadence part."""
+    app = await start_app(max_frame_rate=FRAME_RATE, heartbeat_interval=CADENCE_S)
     async with RawClient.connect(app.port) as client:
         await client.hello(tokens.mint("calm"))
-        for _ in range(40):  # within the burst, each acknowledged
+        for _ in range(10 * FRAME_RATE - 1):  # the burst spent, but one frame
+            assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for n in range(1, 21):  # 5 s of cadence
+            await asyncio.sleep(max(0.0, start + n * CADENCE_S - loop.time()))
             assert isinstance(await client.heartbeat(), p.HeartbeatAck)

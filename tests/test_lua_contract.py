@@ -22,6 +22,16 @@ from importlib import resources
 import pytest
 from redis.asyncio import Redis
 
+from testkit.stores import (
+    CLOCKS,
+    EXPIRE_MS,
+    HEARTBEAT_MS,
+    RESTART_GRACE_MS,
+    WARN_MS,
+    redis_ms,
+    store,
+    sweep,
+)
 from tokend.answers import Ended, HeartbeatOutcome, HelloOutcome, ReleaseOutcome
 from tokend.clocks import (
     ExpiryReason,
@@ -35,18 +45,7 @@ from tokend.store.keyspace import HEARTBEAT_FIELDS, SESSION_FIELDS, Keyspace
 from tokend.store.scripts import SCRIPTS, lua_constants
 from tokend.store.sessions import HelloRequest, Store, proof_digest
 
-from .test_store import (
-    CLOCKS,
-    EXPIRE_MS,
-    HEARTBEAT_MS,
-    RESTART_GRACE_MS,
-    WARN_MS,
-    redis_ms,
-    store,
-    sweep,
-)
-
-__all__ = ["store"]  # a fixture
+__all__ = ["store"]  # a fixture of testkit
 
 LUA = resources.files("tokend.store") / "lua"
 PRELUDE = "_prelude.lua"

@@ -9,6 +9,18 @@ from __future__ import annotations
 import asyncio
 import time
 
+from testkit.pure import FakeClock, clock, tokens
+from testkit.session_core import (
+    CADENCE,
+    EXP_MS,
+    IAT_S,
+    SESSION_S,
+    Host,
+    heartbeat,
+    host,
+    session,
+    welcome,
+)
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
@@ -17,22 +29,7 @@ from tokend.session import OVERLOADED, Ask, Close, Session
 from tokend.shedding import CALM_FOR, WINDOW, Shedder
 from tokend.tokens import TokenService
 
-from .test_session import (
-    CADENCE,
-    EXP_MS,
-    IAT_S,
-    SESSION_S,
-    FakeClock,
-    Host,
-    clock,
-    heartbeat,
-    host,
-    session,
-    tokens,
-    welcome,
-)
-
-__all__ = ["clock", "host", "session", "tokens"]  # fixtures, shared with test_session
+__all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
 
 SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
 

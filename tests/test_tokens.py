@@ -70,10 +70,17 @@ def claims(**changes: Any) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
+def private_key(ring: KeyRing, kid: str) -> Ed25519PrivateKey:
+    """The private key of ``kid``, read from its file as any holder of the directory can."""
+    key = serialization.load_pem_private_key((ring.directory / f"{kid}.pem").read_bytes(), None)
+    assert isinstance(key, Ed25519PrivateKey)
+    return key
+
+
 def sign(ring: KeyRing, body: dict[str, Any], **headers: Any) -> str:
     """Sign arbitrary claims/headers with the ring's newest private key."""
     kid = ring.kids[-1]
-    key = ring._private[kid]
+    key = private_key(ring, kid)
     return jwt.encode(body, key, algorithm="EdDSA", headers={"kid": kid, **headers})
 
 
@@ -84,7 +91,7 @@ def raw_token(header: dict[str, Any], body: dict[str, Any], signature: bytes = b
 def sign_raw(ring: KeyRing, header: dict[str, Any], body: dict[str, Any]) -> str:
     """A token with a genuine signature by the newest key over any header (PyJWT-free)."""
     signing_input = f"{b64url_json(header)}.{b64url_json(body)}"
-    signature = ring._private[ring.kids[-1]].sign(signing_input.encode())
+    signature = private_key(ring, ring.kids[-1]).sign(signing_input.encode())
     return f"{signing_input}.{b64url(signature)}"
 
 
@@ -473,7 +480,7 @@ def test_malformed_kid_is_refused(service: TokenService, ring: KeyRing, kid: Any
 
 
 def test_missing_kid_is_refused(service: TokenService, ring: KeyRing) -> None:
-    key = ring._private[ring.kids[-1]]
+    key = private_key(ring, ring.kids[-1])
     token = jwt.encode(claims(), key, algorithm="EdDSA")
     assert "kid" not in jwt.get_unverified_header(token)
     refused(service, token, "unknown_kid")
@@ -560,7 +567,7 @@ def test_signed_malformed_payload_is_refused(service: TokenService, ring: KeyRin
     head = b64url_json({"alg": "EdDSA", "typ": "JWT", "kid": kid})
     for payload in (b"{not json", b"[1, 2]", b'"string"', b"\xff\xfe"):
         signing_input = f"{head}.{b64url(payload)}".encode()
-        signature = ring._private[kid].sign(signing_input)
+        signature = private_key(ring, kid).sign(signing_input)
         refused(service, f"{signing_input.decode()}.{b64url(signature)}", "malformed")
 
 

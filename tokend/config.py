@@ -150,7 +150,9 @@ class Settings:
     )
     max_frame_rate: float = _setting(
         5.0,
-        "frames per second per connection after WELCOME, bursts up to 10x; beyond it close "
+        "binary messages per second per connection after WELCOME (a fragmented message "
+        "counts once; pongs, continuation and close frames are not counted), bursts up to "
+        "10x; pings count in a bucket of their own at the same rate; beyond either close "
         "4029; 0: no limit",
     )
     max_pending_hellos: int = _setting(

@@ -1,8 +1,7 @@
 """Protocol v1 frame codec: bytes in, frames out, and back. No I/O.
 
-Implements the frame layouts of ``shared/spec/protocol-v1.md`` ("Frames"); the
-project's own account of it is ``docs/protocol.md``. Every integer is unsigned
-big-endian, every time is Unix epoch milliseconds.
+Implements the frame layouts of ``docs/protocol.md`` (section 2, "Frames"). Every
+integer is unsigned big-endian, every time is Unix epoch milliseconds.
 
 :func:`decode` raises nothing but :class:`ProtocolError`, whatever the input.
 """

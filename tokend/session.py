@@ -5,7 +5,7 @@ ask the store, and the close (code and reason) come out. Nothing here waits, rea
 a socket or talks to Redis: :mod:`tokend.connection` drives a :class:`Session` from
 a WebSocket, ``tests/test_session.py`` from lists of frames and a fake clock.
 
-Every check of the spec (``shared/spec/protocol-v1.md``) that concerns one
+Every check of the protocol (``docs/protocol.md``) that concerns one
 connection lives here: frame order, token verification, the sub's session cap, the
 frame rate, the heartbeat proof (mac, then tid, then seq), the renew / re-send
 decision, WARN notice and recovery, heartbeats held through a store outage, the resume
