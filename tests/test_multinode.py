@@ -17,18 +17,13 @@ from typing import Any
 
 from redis import asyncio as aioredis
 
-from testkit.clients import RawClient, tid_of
+from testkit.clients import RawClient, proof_of, tid_of
 from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, running_nodes
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.tokens import TokenService
-
-
-def proof_of(welcome: p.Welcome) -> bytes:
-    """The resume proof a client shows after ``welcome`` (spec "Resume proof")."""
-    return p.resume_proof(welcome.session_key, welcome.tid)
 
 
 async def refused_with(port: int, token: str) -> int | None:
