@@ -73,6 +73,10 @@ async def test_a_thief_with_the_token_alone_is_4509_and_the_rightful_client_goes
             before = len(acks)
             await eventually(lambda: len(acks) >= before + 2, what="more ACKs")
         assert rightful.ws.close_code is None  # untouched
+        await rightful.send(p.encode(p.Bye()))
+        assert (await rightful.expect_close()).code == p.CloseCode.NORMAL
+    # The session's events come in order: a resume by a thief would be before its close.
+    await events.wait_for("SESSION_CLOSED", tid)
     assert events.of("SESSION_RESUMED", tid) == []
 
 
