@@ -54,6 +54,13 @@ def proc_cpu(pid: int, *, children: bool = True) -> float:
     return own
 
 
+def proc_running(pid: int) -> bool:
+    """Whether a process's main thread is running or ready to run (state R), rather
+    than asleep waiting for something (an event loop in epoll_wait is S)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rpartition(")")[2].split()[0] == "R"
+
+
 def pin(pid: int, cpus: frozenset[int] | None) -> None:
     """Restrict every thread of a process to these CPUs (no-op when ``cpus`` is None)."""
     if cpus is None:

@@ -17,11 +17,15 @@ class LatencyProxy:
 
     Put between tokend and Redis, it makes Redis slow without touching it; order and
     content are kept. Set ``delay`` at any time; it applies to data read from then on.
+    It counts the chunks the clients sent (``received``) and those passed on upstream
+    (``forwarded``): with one delay, they are passed on in the order they came.
     """
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.delay = 0.0
+        self.received = 0
+        self.forwarded = 0
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -75,6 +79,8 @@ class LatencyProxy:
                     if not chunk:
                         break
                     writer.write(chunk)
+                    if delayed:
+                        self.forwarded += 1
                     await writer.drain()
             writer.close()
 
@@ -82,6 +88,8 @@ class LatencyProxy:
         try:
             with contextlib.suppress(OSError):
                 while chunk := await reader.read(65536):
+                    if delayed:
+                        self.received += 1
                     queue.put_nowait((loop.time() + (self.delay if delayed else 0.0), chunk))
             queue.put_nowait((loop.time() + (self.delay if delayed else 0.0), b""))
             await delivery

@@ -364,7 +364,9 @@ async def test_blocked_loop_warns_then_recovers(
     assert kinds[-1] is Change.ENDED and session.error is None  # logged out by us
     # Blocked from an ACK until warn_after had passed: late by warn_after less a cadence.
     assert session.stats.max_lag >= app.settings.warn_after - app.settings.heartbeat_interval
-    await events.wait_for("SESSION_RECOVERED", str(session.tid))
+    # Events come in order: an expiry would have come before the logout's SESSION_CLOSED.
+    await events.wait_for("SESSION_CLOSED", str(session.tid))
+    assert events.of("SESSION_RECOVERED", str(session.tid))
     assert not events.of("TOKEN_EXPIRED", str(session.tid))
 
 
@@ -501,6 +503,8 @@ async def test_a_copied_token_cannot_take_a_live_session_from_its_client(
         acks = session.stats.acks
         await eventually(lambda: session.stats.acks > acks + 2)  # still heartbeating
         assert session.connected and session.stats.reconnects == 0
+    # Events come in order: a resume by the thief would have come before the logout's.
+    await events.wait_for("SESSION_CLOSED", str(session.tid))
     assert not events.of("SESSION_RESUMED", str(session.tid))
 
 

@@ -32,7 +32,6 @@ from tokend.tokens import (
     KeySchedule,
     TokenError,
     TokenService,
-    _write_private_key,
 )
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -75,6 +74,17 @@ def private_key(ring: KeyRing, kid: str) -> Ed25519PrivateKey:
     key = serialization.load_pem_private_key((ring.directory / f"{kid}.pem").read_bytes(), None)
     assert isinstance(key, Ed25519PrivateKey)
     return key
+
+
+def write_key_file(path: Path, key: Ed25519PrivateKey) -> None:
+    """A key file as an operator puts one in the keys directory: PKCS8 PEM, mode 0600."""
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    path.write_bytes(pem)
+    path.chmod(0o600)
 
 
 def sign(ring: KeyRing, body: dict[str, Any], **headers: Any) -> str:
@@ -282,8 +292,8 @@ def test_a_retired_key_neither_verifies_nor_is_published(settings: Settings) -> 
     directory = settings.resolved_keys_dir
     directory.mkdir(parents=True)
     retired, successor = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-    _write_private_key(directory / f"{T0}.pem", retired)
-    _write_private_key(directory / f"{T1}.pem", successor)
+    write_key_file(directory / f"{T0}.pem", retired)
+    write_key_file(directory / f"{T1}.pem", successor)
     service = TokenService(settings, KeyRing.open(directory))
     assert service.published_kids(time.time()) == [T1] == [k["kid"] for k in service.jwks()["keys"]]
     old = jwt.encode(claims(), retired, algorithm="EdDSA", headers={"kid": T0})
