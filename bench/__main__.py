@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--expire-after", type=float, help="expiry storm's expire_after, seconds (warn at 3/4)"
     )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        help="paced expiry: deadlines falling per second (default 20000; 0 skips it)",
+    )
     parser.add_argument("--connects", type=int, help="sessions opened by the connect storm")
     parser.add_argument("--clients", type=int, help="client processes for the big scenarios")
     parser.add_argument("--concurrency", type=int, help="handshakes in flight per client process")
@@ -124,6 +129,7 @@ def sizes_from(args: argparse.Namespace) -> Any:
         "storm_sessions": args.storm_sessions,
         "renew_rounds": args.renew_rounds,
         "expire_after": args.expire_after,
+        "expiry_rate": args.rate,
         "connects": args.connects,
         "clients": args.clients,
         "concurrency": args.concurrency,

@@ -56,6 +56,7 @@ class Sizes:
     storm_sessions: int  # renewal and expiry storms
     renew_rounds: int  # renewal storms, at least a second apart
     expire_after: float  # expiry storm's clock; every session must open before 3/4 of it
+    expiry_rate: float  # paced expiry: deadlines a second (0: not run)
     connects: int  # connect storm: sessions opened
     clients: int  # client processes for the scenarios with thousands of connections
     concurrency: int  # handshakes in flight per client process
@@ -74,6 +75,7 @@ FULL = Sizes(
     storm_sessions=10_000,
     renew_rounds=3,
     expire_after=60.0,
+    expiry_rate=20_000,
     connects=10_000,
     clients=4,
     concurrency=50,
@@ -86,6 +88,7 @@ QUICK = Sizes(
     storm_sessions=200,
     renew_rounds=2,
     expire_after=4.0,
+    expiry_rate=2_000,
     connects=300,
     clients=2,
     concurrency=20,

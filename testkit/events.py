@@ -94,22 +94,22 @@ async def read_events(
 
 
 async def sweeps_begun(admin_port: int) -> int:
-    """How many sweeps a node has begun, from its metrics: one claim.lua round trip each."""
+    """How many sweeps a node has begun, from its metrics: one sweep.lua round trip each."""
     metrics = (await http_request(admin_port, "GET", "/metrics")).body.decode()
-    found = re.search(r'^tokend_redis_call_seconds_count\{script="claim"\} (\S+)$', metrics, re.M)
+    found = re.search(r'^tokend_redis_call_seconds_count\{script="sweep"\} (\S+)$', metrics, re.M)
     return int(float(found[1])) if found else 0
 
 
 async def after_a_full_sweep(*admin_ports: int, timeout: float = 10.0) -> None:
     """Return once each node has made a whole sweep begun after this call.
 
-    A node sweeps one claim and its transitions at a time, so by then whatever any
-    sweep had claimed earlier has been judged, and each event it made is in the
-    streams. With :func:`left_to_judge` empty too, no script can emit for those
-    sessions again: the fence to count their events at, instead of a pause "long enough
-    for a duplicate to show".
+    A node makes one sweep at a time, each finding and judging due sessions in one
+    atomic script per shard, so by then whatever was due before this call has been
+    judged, and each event made is in the streams. With :func:`left_to_judge` empty
+    too, no script can emit for those sessions again: the fence to count their events
+    at, instead of a pause "long enough for a duplicate to show".
     """
-    # b + 1: the sweep under way (claimed, judging) has finished; b + 2: a later one too.
+    # b + 1: the sweep under way has finished; b + 2: a later one too.
     begun = {port: await sweeps_begun(port) for port in admin_ports}
 
     async def swept() -> bool:

@@ -71,9 +71,8 @@ async def redis_ms(store: Store) -> int:
 
 
 async def sweep(store: Store, tids: list[uuid.UUID]) -> dict[str, tuple[str, str]]:
-    """Make ``tids`` due now, claim and sweep them: what was made, by tid."""
+    """Make ``tids`` due now and sweep: the transitions made, by tid."""
     for tid in tids:
         await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
-    _, claimed, _ = await store.claim_due(100, 1000)
-    assert sorted(t for shard in claimed for t in shard) == sorted(map(str, tids))
-    return {tid: (what, conn) for tid, what, conn in await store.transitions(claimed)}
+    swept = await store.sweep(100)
+    return {tid: (what, conn) for tid, what, conn in swept.made}

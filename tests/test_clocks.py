@@ -264,9 +264,9 @@ def _eval_lua_expression(expr: str, names: dict[str, object]) -> int:
 
 
 def test_lua_scripts_schedule_the_same_deadlines_as_clocks() -> None:
-    """hello/heartbeat schedule deadline(ACTIVE, now, exp); transition to WARN deadline(WARN)."""
+    """hello/heartbeat schedule deadline(ACTIVE, now, exp); the sweep to WARN deadline(WARN)."""
     found = _lua_deadlines()
-    assert {name for name, _ in found} >= {"hello.lua", "heartbeat.lua", "transition.lua"}
+    assert {name for name, _ in found} >= {"hello.lua", "heartbeat.lua", "sweep.lua"}
     now, exp = HB + 7, HB + 200_000
     for name, expr in found:
         names: dict[str, object] = {
@@ -277,7 +277,7 @@ def test_lua_scripts_schedule_the_same_deadlines_as_clocks() -> None:
             "expire_ms": EXPIRE,
         }
         got = _eval_lua_expression(expr, names)
-        state = State.WARN if name == "transition.lua" else State.ACTIVE
+        state = State.WARN if name == "sweep.lua" else State.ACTIVE
         assert got == deadline(state, now, exp, CLOCKS), (name, expr)
         # The token's exp caps the deadline there too.
         names["exp"] = now + 1

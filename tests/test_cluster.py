@@ -39,6 +39,7 @@ from tokend import events
 from tokend import protocol as p
 from tokend.answers import ReleaseOutcome
 from tokend.config import ConfigError, Settings
+from tokend.control import SENTINEL_POLL, ControlListener
 from tokend.server import App
 from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.redis_client import Client, _multi_host, open_client, slot_groups, subscription
@@ -168,15 +169,6 @@ async def start_sessions(store: Store) -> list[uuid.UUID]:
     return tids
 
 
-async def claim_all(store: Store, tids: list[uuid.UUID]) -> list[list[str]]:
-    """Make every session due now, then CLAIM them: one tid per shard."""
-    for tid in tids:
-        await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
-    _, claimed, _ = await store.claim_due(100, 1000)
-    assert sorted(t for shard in claimed for t in shard) == sorted(map(str, tids))
-    return claimed
-
-
 async def drive_hello(store: Store) -> None:
     await start_sessions(store)
 
@@ -187,15 +179,12 @@ async def drive_heartbeat(store: Store) -> None:
     assert [r.outcome for r in results] == ["ok"] * SHARDS
 
 
-async def drive_claim(store: Store) -> None:
-    await claim_all(store, await start_sessions(store))
-
-
-async def drive_transition(store: Store) -> None:
+async def drive_sweep(store: Store) -> None:
     tids = await start_sessions(store)
-    for tid in tids:  # silent since before warn_after
+    for tid in tids:  # silent since before warn_after, and due now
         await store.redis.hset(store.keys.session_keys(tid)[0], "hb", 0)
-    made = await store.transitions(await claim_all(store, tids))
+        await store.redis.zadd(store.keys.script_keys(tid)[0], {str(tid): 0})
+    made = (await store.sweep(100)).made
     # Expired (silent for expire_after too); no connection of this node to close.
     assert sorted(made) == sorted((str(t), "heartbeat_timeout", "") for t in tids)
 
@@ -224,8 +213,7 @@ async def drive_release(store: Store) -> None:
 DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
     "hello": drive_hello,
     "heartbeat": drive_heartbeat,
-    "claim": drive_claim,
-    "transition": drive_transition,
+    "sweep": drive_sweep,
     "end": drive_end,
     "release": drive_release,
 }
@@ -387,16 +375,23 @@ async def test_the_control_subscription_retries_as_soon_as_sentinel_names_a_new_
         )
         return bool(named) and int(named[1]) == replica.port
 
-    loop = asyncio.get_running_loop()
     try:
         dead = (LOOPBACK, master.port)
         master.kill()
         await eventually(unsubscribed)
-        # While Sentinel names the master the failed try was for, a wait lasts its length.
-        started = loop.time()
-        await node._until_retry(0.3, dead)
-        assert loop.time() - started >= 0.3
-        waiting = asyncio.create_task(node._until_retry(60, dead))
+        # While Sentinel names the master the failed try was for, a wait lasts its length,
+        # asking Sentinel every SENTINEL_POLL (on a clock of the test's own).
+        slept: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+
+        listener = ControlListener(
+            node.redis, "unheard", lambda conn: None, clock=lambda: sum(slept), sleep=sleep
+        )
+        await listener.until_retry(0.3, dead)
+        assert sum(slept) == pytest.approx(0.3) and len(slept) == round(0.3 / SENTINEL_POLL)
+        waiting = asyncio.create_task(node.control.until_retry(60, dead))
         await sentinel.execute_command("SENTINEL", "FAILOVER", watcher.service)
         await eventually(promoted, timeout=30)
         await asyncio.wait_for(waiting, 10)  # at once, not after its 60 s

@@ -4,7 +4,7 @@
   of the field list Python declares), never a field by its position in a reply.
 * Close codes, states and outcomes come from Python's enums, never Lua literals.
 * heartbeat.lua and hello.lua expire a session exactly when :mod:`tokend.clocks` says it
-  is expired, for the same reason; transition.lua makes the transitions it says are due;
+  is expired, for the same reason; sweep.lua makes the transitions it says are due;
   release.lua parks a session exactly when it says so (``parked_heartbeat``), and
   hello.lua refuses a resume without the proof exactly when it says the session is held
   live by another connection (``held_live``).
@@ -157,7 +157,7 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
     assert await redis.eval(prelude + missing, 3, *keys, *args) == 1
 
 
-# --- heartbeat.lua, hello.lua and transition.lua decide as tokend.clocks does ----------------
+# --- heartbeat.lua, hello.lua and sweep.lua decide as tokend.clocks does ---------------------
 
 # Times a second or more away from every boundary, so that the few milliseconds between
 # reading Redis time here and the script's own cannot change a verdict.
@@ -282,7 +282,7 @@ async def test_a_resume_expires_as_clocks_does(store: Store, redis: Redis) -> No
 
 
 async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None:
-    """transition.lua against tokend.clocks: the transition made, the deadline put back."""
+    """sweep.lua against tokend.clocks: the transition made, the deadline put back."""
     now = await redis_ms(store)
     cases = await _sessions(store, redis, now)
     made = await sweep(store, list(cases))

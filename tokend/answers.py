@@ -75,9 +75,20 @@ class ReleaseOutcome(IntEnum):
 
 
 class Swept(StrEnum):
-    """What a sweep made of a claimed session (transition.lua)."""
+    """What a sweep made of a due session (sweep.lua)."""
 
     WARN = "warn"
     TOKEN_EXPIRED = ExpiryReason.TOKEN_EXPIRED.value
     HEARTBEAT_TIMEOUT = ExpiryReason.HEARTBEAT_TIMEOUT.value
     GONE = "gone"  # vanished unswept: its hash expired before any sweep judged it
+
+
+class SweepAnswer(NamedTuple):
+    """One sweep of every shard (sweep.lua): the transitions it made, each (tid, what, the
+    connection of the sweeping node to warn or close, or ""), and what the next sweep
+    needs to know."""
+
+    now_ms: int  # Redis time at the sweep
+    made: list[tuple[str, Swept, str]]
+    next_due_ms: int | None  # the earliest deadline left in any shard (None: none left)
+    full: bool  # a shard had as many due sessions as a sweep judges: more may be due now

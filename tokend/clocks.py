@@ -7,7 +7,7 @@ This is the reference the server's decisions are held to: they are made in Redis
 on Redis ``TIME`` (so that no node's own clock decides an expiry), by
 ``heartbeat.lua`` when it records a heartbeat, ``hello.lua`` when it resumes a session
 (and decides whether another connection holds it live), ``release.lua`` when a
-connection that held its session ended, and ``transition.lua`` when a sweep judges due
+connection that held its session ended, and ``sweep.lua`` when a sweep judges due
 sessions; ``tests/test_clocks.py`` tests these rules and ``tests/test_lua_contract.py``
 holds those scripts to them.
 """

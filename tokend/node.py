@@ -5,14 +5,11 @@
   later replays those Redis could not take. :class:`HelloBatcher` does the same
   for HELLOs, :class:`ReleaseBatcher` for the sessions of connections that ended
   (flushed once more when the node stops).
-* :meth:`Node._sweep` claims due sessions from every shard's deadline set and
-  makes their WARN/EXPIRED transitions (decided in the script, as
-  :mod:`tokend.clocks` decides).
-  Every node sweeps, so no clock dies with a node.
-* :meth:`Node._listen` holds the node's single pub/sub subscription, to its own
-  control channel, on which the scripts ask it to close or warn a connection it
-  holds. (A transition the node sweeps itself for one of its own connections is
-  acted on directly, with no message.)
+* Its :class:`tokend.sweeper.Sweeper` makes the due WARN/EXPIRED transitions of every
+  shard; its :class:`tokend.control.ControlListener` holds its one subscription, on which
+  the scripts ask it to close or warn a connection it holds (a transition the node sweeps
+  itself for one of its own connections is acted on directly, with no message). Its
+  tasks run in a :class:`tokend.background.Background`.
 * :meth:`Node._refresh_keys` follows the keys directory, off the event loop.
 """
 
@@ -22,33 +19,29 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import structlog
 
 from tokend import logs
-from tokend.answers import ReleaseOutcome, Swept
+from tokend.answers import ReleaseOutcome
+from tokend.background import Background
 from tokend.clocks import State
 from tokend.config import KEYS_REFRESH_INTERVAL, Settings
+from tokend.control import ControlListener
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.revocations import Revocations
 from tokend.session import GOING_AWAY, Close, Session
 from tokend.shedding import Shedder
-from tokend.store.redis_client import (
-    Client,
-    close_quietly,
-    master_named,
-    subscription,
-    through_sentinel,
-)
+from tokend.store.redis_client import Client
 from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
-from tokend.store.unavailable import UNAVAILABLE, Retry, StoreUnavailable
+from tokend.store.unavailable import StoreUnavailable
+from tokend.sweeper import Sweeper
 from tokend.tokens import Claims, TokenService
 
 if TYPE_CHECKING:
@@ -56,35 +49,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("tokend.node")
 
-SWEEP_BATCH = 1000
-# Shortest pause between sweeps that found work ahead: bounds the round trips a node
-# spends on deadlines falling due one by one.
-MIN_SWEEP_PAUSE = 0.005
-# Through Sentinel, how often the master's name is asked while the subscription is down.
-SENTINEL_POLL = 0.1
-
 Item = TypeVar("Item")
-
-
-class Background:
-    """Tasks that run until :meth:`stop` cancels them (a node's, its admin listener's)."""
-
-    def __init__(self) -> None:
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=name)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
-
-    async def stop(self, timeout: float = 5) -> None:
-        """Cancel every task and wait for them to end, up to ``timeout``."""
-        tasks = list(self.tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
 
 
 class Batcher(Generic[Item]):
@@ -356,7 +321,13 @@ class Node:
         )
         # Connections per tid, per sub: for the max_sessions_per_sub cap.
         self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
-        self.subscribed = asyncio.Event()
+        self.control = ControlListener(
+            redis, self.store.keys.control_channel(self.name), self.sessions.get
+        )
+        self.subscribed = self.control.subscribed
+        self.sweeper = Sweeper(
+            self.store, settings, self.metrics, self.control.act, self._replay_first
+        )
         self._conn_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._releases: asyncio.Task[None] | None = None
@@ -382,8 +353,8 @@ class Node:
             spawn(self.heartbeat_batcher.run(self, lanes), "heartbeats"),
             spawn(self.hello_batcher.run(self, lanes), "hellos"),
             self._releases,
-            spawn(self._sweep(), "sweeper"),
-            spawn(self._listen(), "control"),
+            spawn(self.sweeper.run(lambda: self.running), "sweeper"),
+            spawn(self.control.run(lambda: self.running), "control"),
             spawn(self.revocations.run(lambda: self.running), "revocations"),
             spawn(self._refresh_keys(), "keys"),
         ]
@@ -512,77 +483,13 @@ class Node:
 
     # Background work
 
-    async def _sweep(self) -> None:
-        """Claim due sessions and make their transitions, forever."""
-        interval = self.settings.sweep_interval
-        lease_ms = max(1000, 10 * self.settings.ms("sweep_interval"))
-        retry = Retry(first=2 * interval)
-        while self.running:
-            pause = interval
-            try:
-                if self.heartbeat_batcher.unstored:
-                    # Heartbeats held through an outage go in before any deadline is
-                    # judged, or their sessions would be warned or expired wrongly.
-                    self.heartbeat_batcher.kick()
-                else:
-                    pause = await self._sweep_once(lease_ms, interval)
-                retry.succeeded()
-            except StoreUnavailable as exc:
-                log.warning("sweep skipped: store unavailable", error=str(exc))
-                pause = retry.failed()
-            except Exception:
-                log.exception("sweep failed")
-            if pause:
-                await asyncio.sleep(pause)
-
-    async def _sweep_once(self, lease_ms: int, interval: float) -> float:
-        """Claim the due sessions, then judge and transition them: two round trips.
-
-        Returns how long to wait before the next sweep: none when a shard filled its
-        batch (more may be due there), else until the earliest deadline left, within
-        [MIN_SWEEP_PAUSE, interval]: a deadline is met within a few milliseconds
-        rather than up to a whole interval late.
-        """
-        loop = asyncio.get_running_loop()
-        claimed_at = loop.time()
-        now, claimed, next_due = await self.store.claim_due(SWEEP_BATCH, lease_ms)
-        if any(claimed):
-            await self._judge(claimed)
-        if any(len(tids) >= SWEEP_BATCH for tids in claimed):
-            return 0.0
-        # The earliest deadline as of the claim, less the time the sweep took since.
-        until_due = interval if next_due is None else (next_due - now) / 1000
-        until_due -= loop.time() - claimed_at
-        return min(interval, max(MIN_SWEEP_PAUSE, until_due))
-
-    async def _judge(self, claimed: list[list[str]]) -> None:
-        """Make the claimed sessions' due transitions; warn or close those held here.
-
-        transition.lua decides in Redis, by the rules of :func:`tokend.clocks.due_transition`
-        (spec "Session states and clocks").
-        """
-        expired: Counter[str] = Counter()
-        vanished = 0
-        # Logged by the one node whose script made them: each WARN (the spec asks for
-        # it), the expiries of a sweep in one line.
-        for tid, what, conn in await self.store.transitions(claimed):
-            if what is Swept.GONE:
-                # Only when no node swept for expire_after past the token's exp: the
-                # script dropped the orphaned deadline entry.
-                vanished += 1
-            elif what is Swept.WARN:
-                log.warning("session warn", tid=tid)
-                if conn:
-                    self._act("notice", tid, conn, None)
-            else:
-                expired[what] += 1
-                self.metrics.expired(what)
-                if conn:
-                    self._act("close", tid, conn, CloseCode.SESSION_EXPIRED)
-        if vanished:
-            log.warning("sessions vanished unswept", count=vanished)
-        if expired:
-            log.info("sessions expired", count=expired.total(), reasons=dict(expired))
+    def _replay_first(self) -> bool:
+        """Whether heartbeats held through an outage are still unstored: they go in (kicked
+        here) before the sweeper judges any deadline."""
+        if not self.heartbeat_batcher.unstored:
+            return False
+        self.heartbeat_batcher.kick()
+        return True
 
     async def _refresh_keys(self) -> None:
         """Follow the keys directory (keys rotated in or deleted by another process, files
@@ -592,68 +499,3 @@ class Node:
         while self.running:
             await asyncio.sleep(KEYS_REFRESH_INTERVAL)
             keys.apply(await asyncio.to_thread(keys.scan))
-
-    async def _listen(self) -> None:
-        """The node's one subscription: control messages for connections it holds."""
-        retry = Retry()
-        channel = self.store.keys.control_channel(self.name)
-        while self.running:
-            pubsub = named = None
-            try:
-                named = await master_named(self.redis)
-                pubsub = await subscription(self.redis)
-                await pubsub.subscribe(channel)
-                self.subscribed.set()
-                retry.succeeded()
-                while self.running:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None:
-                        self._control(message["data"])
-            except UNAVAILABLE as exc:
-                self.subscribed.clear()
-                log.warning("control subscription lost", error=type(exc).__name__)
-            # Not in a finally: on cancellation (stop) the pool's aclose() reclaims the
-            # connection, and awaiting pubsub.aclose() while cancelled can block.
-            if pubsub is not None:
-                await close_quietly(pubsub)
-            await self._until_retry(retry.failed(), named)
-
-    async def _until_retry(self, backoff: float, named: tuple[str, int] | None) -> None:
-        """Wait ``backoff`` before subscribing again; through Sentinel, only until it names
-        another master than ``named`` (asked before the try that failed): a failover is
-        done, so retry now rather than after a wait that doubled while the old master was
-        named. Sentinel is asked every SENTINEL_POLL."""
-        if not through_sentinel(self.redis):
-            await asyncio.sleep(backoff)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(backoff):
-                while True:
-                    # No master named (it is down, not yet replaced) is no change.
-                    with contextlib.suppress(*UNAVAILABLE):
-                        if await master_named(self.redis) != named:
-                            return
-                    await asyncio.sleep(SENTINEL_POLL)
-
-    def _control(self, data: str) -> None:
-        try:
-            message = json.loads(data)
-            op, tid, conn = message["op"], message["tid"], message["conn"]
-        except (ValueError, KeyError, TypeError):
-            log.warning("malformed control message")
-            return
-        self._act(op, tid, conn, message.get("code"))
-
-    def _act(self, op: str, tid: str, conn: str, code: int | None) -> None:
-        """Close (``op`` "close", with ``code``) or warn ("notice") a connection held here."""
-        connection = self.sessions.get(conn)
-        session = connection.session if connection is not None else None
-        # A node restarted under the same name numbers its connections afresh: a
-        # message about a connection of its previous life must not reach a new one.
-        if session is None or session.claims is None or str(session.claims.tid) != tid:
-            return
-        assert connection is not None
-        if op == "close":
-            connection.told_to_close(code)
-        elif op == "notice":
-            connection.warn()

@@ -26,8 +26,9 @@ from tokend import health
 from tokend.admin.api import AdminApi
 from tokend.admin.event_ring import EventRing
 from tokend.admin.listener import WILDCARDS, HTTPError, HttpListener, Request, Response, only
+from tokend.background import Background
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokend.node import Background, Node
+from tokend.node import Node
 
 log = structlog.get_logger("tokend.admin")
 

@@ -8,7 +8,7 @@ Which module owns what:
 * :mod:`~tokend.store.scripts` - the Lua scripts (``lua/``), the constants they share with
   Python, and running them by SHA with a deadline.
 * :mod:`~tokend.store.sessions` - the :class:`~tokend.store.sessions.Store`: HELLO and
-  heartbeat batches, sweeps, BYE and revocation.
+  heartbeat batches, the sweep, BYE and revocation.
 * :mod:`~tokend.store.queries` - read-only queries for the admin API and the CLI.
 * :mod:`~tokend.store.unavailable` - Redis not answering: the exception tuple, the errors
   the store raises, the deadline of every call.

@@ -92,11 +92,10 @@ class Script:
 
 HELLO = Script("hello")
 HEARTBEAT = Script("heartbeat")
-CLAIM = Script("claim")
-TRANSITION = Script("transition")
+SWEEP = Script("sweep")
 END = Script("end")
 RELEASE = Script("release")
-SCRIPTS = (HELLO, HEARTBEAT, CLAIM, TRANSITION, END, RELEASE)
+SCRIPTS = (HELLO, HEARTBEAT, SWEEP, END, RELEASE)
 
 # One script call: the script, its keys, its arguments (after the common ones).
 ScriptCall = tuple[Script, list[str], list[Any]]

@@ -1,7 +1,7 @@
 """The session store: every session state change, as one script call with a deadline.
 
 HELLOs and heartbeats go in batches (one round trip for many sessions, grouped by shard);
-the sweep claims due sessions and makes their transitions; BYE and revocation end a
+the sweep makes the due transitions (one atomic script per shard); BYE and revocation end a
 session. Each call's reply becomes one of :mod:`tokend.answers`' enums and tuples here,
 so that no raw reply leaves this module.
 """
@@ -24,6 +24,7 @@ from tokend.answers import (
     HelloAnswer,
     HelloOutcome,
     ReleaseOutcome,
+    SweepAnswer,
     Swept,
 )
 from tokend.clocks import HELD_LIVE_SLACK_MS
@@ -33,12 +34,11 @@ from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.queries import Queries
 from tokend.store.redis_client import Client
 from tokend.store.scripts import (
-    CLAIM,
     END,
     HEARTBEAT,
     HELLO,
     RELEASE,
-    TRANSITION,
+    SWEEP,
     Script,
     ScriptRunner,
 )
@@ -360,42 +360,23 @@ class Store(ScriptRunner):
             raise NotConfirmed(outcome, acknowledged, wanted, self.durable_timeout)
         return outcome
 
-    async def claim_due(self, limit: int, lease_ms: int) -> tuple[int, list[list[str]], int | None]:
-        """Claim due sessions of every shard.
-
-        Returns Redis time, the claimed tids by shard, and the earliest deadline left
-        in any shard (None when no session is left to judge).
-        """
-        calls = [(CLAIM, self.keys.shard_keys(n), [limit, lease_ms]) for n in range(SHARDS)]
-        replies = await self._eval_many(calls)
-        upcoming = [int(float(reply[2])) for reply in replies if reply[2]]
-        return (
-            max(int(reply[0]) for reply in replies),
-            [reply[1] for reply in replies],
-            min(upcoming, default=None),
-        )
-
-    async def transitions(self, claimed: Sequence[Sequence[str]]) -> list[tuple[str, Swept, str]]:
-        """Judge the claimed sessions (tids by shard) and make the transitions due.
-
-        One script call per shard (transition.lua), all in one round trip. Returns the
-        transitions made, as (tid, what, conn): ``conn`` is the connection of this node
-        to warn or close (the script sends no control message for it), or "".
-        """
-        calls, tids = [], []
-        for shard, shard_tids in enumerate(claimed):
-            if shard_tids:
-                keys = self._shard_keys[shard][:]
-                for tid in shard_tids:
-                    keys += self.keys.session_keys_of(shard, tid)
-                calls.append((TRANSITION, keys, [self.warn_ms, self.expire_ms, *shard_tids]))
-                tids += shard_tids
-        made = []
-        replies = (reply for shard in await self._eval_many(calls) for reply in shard)
-        for tid, reply in zip(tids, replies, strict=True):
-            if reply:
-                made.append((tid, Swept(reply[0]), reply[1]))
-        return made
+    async def sweep(self, limit: int) -> SweepAnswer:
+        """Make the due transitions of every shard, up to ``limit`` due sessions a shard:
+        one sweep.lua call per shard (finding and judging in one atomic step), all in one
+        round trip."""
+        calls = [
+            (SWEEP, self._shard_keys[n], [limit, self.warn_ms, self.expire_ms, *prefixes])
+            for n, prefixes in enumerate(self._session_prefixes)
+        ]
+        now, made, upcoming, full = 0, [], [], False
+        for reply in await self._eval_many(calls):
+            now = max(now, int(reply[0]))
+            if reply[1]:
+                upcoming.append(int(float(reply[1])))
+            full = full or int(reply[2]) >= limit
+            for i in range(3, len(reply), 3):
+                made.append((reply[i], Swept(reply[i + 1]), reply[i + 2]))
+        return SweepAnswer(now, made, min(upcoming, default=None), full)
 
     async def revoke(self, tid: uuid.UUID, by: str) -> EndOutcome:
         """Revoke a token: its session ends wherever it is (close TOKEN_REVOKED) and it is
