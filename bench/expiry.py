@@ -11,7 +11,8 @@ durable event streams.
 every session to be opened before the first one could warn; the lag does not depend
 on its length.
 
-Paced deadlines (``--rate``, 20,000/s by default; 0 skips it): a second's worth of
+Paced deadlines (``--rate``, 20,000/s by default; 0 skips it; ``--storm-sessions 0``
+runs them alone): a second's worth of
 sessions (at least ``--storm-sessions``) whose WARN deadlines, and then their EXPIRED
 deadlines, fall at that rate, evenly, one millisecond's share per millisecond. They are
 written straight into Redis (hello.lua through a :class:`tokend.store.sessions.Store`,
@@ -312,7 +313,7 @@ def paced_row(result: dict[str, Any]) -> Row:
 
 
 async def run(ctx: Context) -> list[Row]:
-    rows = [storm_row(await storm(ctx))]
+    rows = [storm_row(await storm(ctx))] if ctx.sizes.storm_sessions else []
     if ctx.sizes.expiry_rate:
         rows.append(paced_row(await paced(ctx)))
     return rows
