@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from testkit.net import LOOPBACK, url_of
 
@@ -98,7 +98,33 @@ class LatencyProxy:
             writer.close()
 
 
-class RoundRobinProxy:
+class _Listener:
+    """A TCP listener on a free loopback port, whose connections :meth:`_relay` takes;
+    leaving it closes the listener and the streams :meth:`_streams` names."""
+
+    port = 0
+    _server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._streams():
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def _streams(self) -> list[asyncio.StreamWriter]:
+        raise NotImplementedError
+
+
+class RoundRobinProxy(_Listener):
     """A TCP load balancer on loopback, as a test's stand-in for HAProxy.
 
     Each connection goes to the next backend in turn; one that refuses is skipped
@@ -109,21 +135,10 @@ class RoundRobinProxy:
     def __init__(self, backends: list[int]) -> None:
         self.backends = backends
         self._turn = itertools.count()
-        self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self.port = 0
 
-    async def __aenter__(self) -> RoundRobinProxy:
-        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-        await self._server.wait_closed()
+    def _streams(self) -> list[asyncio.StreamWriter]:
+        return list(self._writers)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
@@ -161,7 +176,7 @@ class _Relayed:
     broken: bool = False  # bytes are dropped, and neither side is closed by the relay
 
 
-class Link:
+class Link(_Listener):
     """A TCP relay to a tokend port whose open connections a test can break as a network
     does. :meth:`cut` resets the client's side and leaves the server's open and silent
     (it notices nothing, as when a phone loses its network); :meth:`blackhole` leaves
@@ -169,26 +184,14 @@ class Link:
 
     def __init__(self, upstream: int) -> None:
         self.upstream = upstream
-        self.port = 0
         self._relayed: list[_Relayed] = []
-        self._server: asyncio.Server | None = None
 
     @property
     def url(self) -> str:
         return url_of(self.port)
 
-    async def __aenter__(self) -> Link:
-        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for relayed in self._relayed:
-            relayed.client.close()
-            relayed.server.close()
-        await self._server.wait_closed()
+    def _streams(self) -> list[asyncio.StreamWriter]:
+        return [writer for r in self._relayed for writer in (r.client, r.server)]
 
     def cut(self) -> None:
         for relayed in self._relayed:

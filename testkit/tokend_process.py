@@ -19,6 +19,17 @@ from testkit.net import LOOPBACK, free_port
 from tokend import activation, config
 from tokend.config import Settings
 
+# Clocks short enough to watch WARN and EXPIRED happen in a test (tests/conftest.py's apps).
+SHORT_CLOCKS: dict[str, Any] = {
+    "heartbeat_interval": 0.2,
+    "warn_after": 0.6,
+    "expire_after": 1.2,
+    "sweep_interval": 0.05,
+    "hello_timeout": 1.0,
+    "redis_timeout": 1.0,
+    "token_ttl": 60,
+    "renew_window": 2,
+}
 # Clocks no test step outlasts (a subprocess's start-up included): no WARN or expiry
 # where a test is about something else.
 CALM_CLOCKS: dict[str, Any] = {"heartbeat_interval": 5.0, "warn_after": 20.0, "expire_after": 30.0}

@@ -1,4 +1,5 @@
-"""Fixtures: a private redis-server per test session, tokend apps with short clocks."""
+"""Fixtures: a private redis-server per test session, tokend apps with short clocks
+(testkit.tokend_process.SHORT_CLOCKS)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from redis import asyncio as aioredis
 
 from testkit.events import EventLog
 from testkit.redis_servers import RedisClusterProcess, RedisProcess
+from testkit.tokend_process import SHORT_CLOCKS
 from testkit.tokens import minter
 from tokend import config, connection, logs, server, tls
 from tokend.config import Settings
@@ -23,18 +25,6 @@ from tokend.store.redis_client import Client, open_client
 from tokend.tokens import TokenService
 
 logs.configure("console", "warning")
-
-# Clocks short enough to watch WARN and EXPIRED happen in a test.
-SHORT_CLOCKS: dict[str, Any] = {
-    "heartbeat_interval": 0.2,
-    "warn_after": 0.6,
-    "expire_after": 1.2,
-    "sweep_interval": 0.05,
-    "hello_timeout": 1.0,
-    "redis_timeout": 1.0,
-    "token_ttl": 60,
-    "renew_window": 2,
-}
 
 
 # Tests that run twice: on one Redis, and with every app and client on a local Redis

@@ -1,4 +1,5 @@
-"""What README.md and docs/*.md name exists in the tree, so that the docs stay true.
+"""What README.md and docs/*.md name exists in the tree, so that the docs stay true;
+and every section of a doc that the docs or the code cite exists.
 
 Names are read from backticks outside fenced blocks: a test (``tests/x.py::name``, and
 ``::name`` for another test of the file named last), a file or directory of the
@@ -194,9 +195,58 @@ def missing_names() -> list[str]:
     return missing
 
 
+# A cited section: README, "Title" or docs/x.md (§ n), "Title", in docs and code alike.
+CITED = re.compile(
+    r'(README(?:\.md)?|docs/[\w-]+\.md)\s*(?:,|§\s*\d+,?)?\s*(?:section\s+)?"([^"\n]+)"'
+)
+CITING_DIRS = ("tokend", "tests", "testkit", "sdk", "bench", "load_tests")
+
+
+def anchors(doc: Path) -> list[str]:
+    """What a citation may name in ``doc``: its headings (without their numbers) and
+    the bold labels that open its paragraphs."""
+    text = doc.read_text()
+    headings = [
+        re.sub(r"^#+\s*(?:\d+\.\s*)?", "", line).strip()
+        for line in text.splitlines()
+        if line.startswith("#")
+    ]
+    return [*headings, *(label.rstrip(".") for label in re.findall(r"\*\*([^*\n]+)\*\*", text))]
+
+
+def missing_sections() -> list[str]:
+    citing = [
+        *DOCS,
+        *(
+            path
+            for path in code_files()
+            if path.relative_to(ROOT).parts[0] in CITING_DIRS and path != Path(__file__)
+        ),
+    ]
+    missing = []
+    for path in citing:
+        for match in CITED.finditer(path.read_text(errors="replace")):
+            name = "README.md" if match.group(1).startswith("README") else match.group(1)
+            title = match.group(2).rstrip(" .…").lower()
+            doc = ROOT / name
+            found = doc.is_file() and any(
+                title in anchor.lower() or anchor.lower() in title for anchor in anchors(doc)
+            )
+            if not found:
+                missing.append(f"{path.relative_to(ROOT)}: {name}, {match.group(2)!r}")
+    return missing
+
+
 @pytest.mark.parametrize(
     "check",
-    [missing_tests, missing_paths, missing_dotted, missing_settings, missing_names],
+    [
+        missing_tests,
+        missing_paths,
+        missing_dotted,
+        missing_settings,
+        missing_names,
+        missing_sections,
+    ],
     ids=lambda check: check.__name__.removeprefix("missing_"),
 )
 def test_every_name_in_the_docs_exists(check: Callable[[], list[str]]) -> None:
@@ -213,5 +263,7 @@ def test_the_reader_finds_what_the_docs_name() -> None:
     assert any(DOTTED.fullmatch(text) for text in texts)
     assert any(ENV.fullmatch(text) for text in texts)
     assert any(CAMEL.fullmatch(text) for text in texts)
+    cites = [m for d in DOCS for m in CITED.finditer(d.read_text())]
+    assert len(cites) > 10 and any(m.group(1).startswith("README") for m in cites)
     assert not resolves("tokend.session.NoSuchClass")
     assert not defines("def test_a(): pass", "test_ab")

@@ -122,8 +122,8 @@ class NodeTools:
 
 
 def unavailable(reason: str) -> NoReturn:
-    """Skip the test for want of a part; under ``CI=true`` fail it (DEVELOPERS.md: the CI
-    must not pass by skipping)."""
+    """Skip the test for want of a part; under ``CI=true`` fail it (README, "Quick
+    start": the CI must not pass by skipping)."""
     if os.environ.get("CI") == "true":
         pytest.fail(reason)
     pytest.skip(reason)
