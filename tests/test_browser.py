@@ -44,7 +44,8 @@ from tests.test_client import (
     url_of,
 )
 from tokend import protocol as p
-from tokend.server import RETRY_AFTER_S, App
+from tokend.admission import RETRY_AFTER_S
+from tokend.server import App
 from tokend.tokens import TokenService
 
 if TYPE_CHECKING:

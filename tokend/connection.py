@@ -99,6 +99,14 @@ class Gate(Protocol):
         """None to go on with the WebSocket handshake, else the HTTP answer to give."""
         ...
 
+    def shed(self, connection: Connection) -> None:
+        """The node shed the connection's verified session (close 1013, overloaded)."""
+        ...
+
+    def refuses_hello(self, token: str) -> bool:
+        """Whether a HELLO is refused (1013) before its token is checked."""
+        ...
+
 
 class TokendProtocol(ServerProtocol):
     """websockets' server protocol, offering subprotocol ``tokend.v1`` only."""
@@ -462,6 +470,13 @@ class Connection(asyncio.Protocol):
             self.log.info("malformed message", error=str(exc))
             self._outcome(session.malformed())
             return
+        if (
+            type(frame) is p.Hello
+            and session.claims is None
+            and self.gate.refuses_hello(frame.token)
+        ):
+            self._outcome(session.close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED))
+            return
         shed_from = self.gate.node.shedder.shed_from
         if received:
             decoded = time.perf_counter()
@@ -667,10 +682,14 @@ class Connection(asyncio.Protocol):
             return
         if close.reason == OVERLOADED:
             # Counted, not logged one by one: the node logs its shedding steps.
-            assert self.session is not None and self.session.claims is not None
-            self.gate.node.metrics.shed[self.session.claims.prio] += 1
+            assert self.session is not None
+            claims = self.session.claims
+            if claims is not None:  # None: refused by a shed penalty, token not checked
+                self.gate.node.metrics.shed[claims.prio] += 1
+                self.gate.shed(self)
         elif close.routine:
-            self.log.info("closing", code=int(close.code), reason=close.reason)
+            if close.code is not p.CloseCode.GOING_AWAY:  # the drain logs one line a batch
+                self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)
         self.gate.node.metrics.closed(close.code)
