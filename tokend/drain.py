@@ -2,12 +2,13 @@
 
 One close loop for the drain on SIGTERM and for the stop (period 0: all at once).
 Batches are due at fixed times against the loop's clock (a late batch is caught up
-by a bigger next one, so the drain ends near ``drain_period`` however busy the loop
-is), and between two batches the loop serves the connections not yet closed: their
-heartbeats are answered throughout. Each batch's sessions are parked before their
-clients hear the 1001 (:meth:`tokend.node.Node.going_away`, docs/protocol.md §5,
-"Planned close"); one timer per batch, not one per connection, bounds the batch's
-closing handshakes; one log line per batch. docs/operations.md, "Draining".
+by bigger next ones, at most :data:`CATCH_UP` batches at once, so the drain ends near
+``drain_period`` unless its closes alone take longer), and between two batches the
+loop serves the connections not yet closed: their heartbeats are answered
+throughout. Each batch's sessions are parked before their clients hear the 1001
+(:meth:`tokend.node.Node.going_away`, docs/protocol.md §5, "Planned close"); one
+timer per batch, not one per connection, bounds the batch's closing handshakes; one
+log line per batch. docs/operations.md, "Draining".
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ log = structlog.get_logger("tokend.drain")
 
 # Least time between two batches of a drain's closes.
 DRAIN_TICK = 0.05
+# Most batches' worth of closes a late drain catches up at once: closing thousands in
+# one go would stall the heartbeats of the rest for as long as their closes take.
+CATCH_UP = 4
 
 
 class Drain:
@@ -63,9 +67,10 @@ class Drain:
                     log.warning("second signal: closing every connection now", left=n - done)
                 tick = ticks
             else:
-                # The batch due now; a late loop catches up on the ones it missed.
+                # The batch due now; a late loop catches up on the ones it missed, a
+                # few batches at a time.
                 late = math.floor((loop.time() - start) / slot) + 1 if slot else ticks
-                tick = max(tick + 1, min(ticks, late))
+                tick = max(tick + 1, min(ticks, late, tick + CATCH_UP))
             due = n * tick // ticks
             batch = connections[done:due]
             done = due
