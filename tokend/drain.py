@@ -40,14 +40,16 @@ class Drain:
         self.admission = admission
         self.node = node
         self.server = server
+        self.park = True  # until Redis fails to take a batch's parks
 
     async def run(self, period: float, hurry: asyncio.Event) -> None:
         """Stop accepting, close every connection with 1001 spread over ``period`` (0: at
         once), then wait for their closing handshakes.
 
         Sessions stay resumable, each parked before its client is told (one round trip
-        per batch, none more once Redis failed to answer one). Once ``hurry`` is set, the
-        rest are closed at once, without waiting for Redis.
+        per batch, the batches' round trips overlapping; none more once Redis failed to
+        answer one). Once ``hurry`` is set, the rest are closed at once, without waiting
+        for Redis.
         """
         self.admission.draining = True
         self.server.close()
@@ -59,7 +61,7 @@ class Drain:
         slot = period / ticks
         if n:
             log.info("draining", connections=n, period=period, batches=ticks)
-        park = True
+        closing: list[asyncio.Task[None]] = []
         done = tick = 0
         while done < n:
             if hurry.is_set():
@@ -74,27 +76,32 @@ class Drain:
             due = n * tick // ticks
             batch = connections[done:due]
             done = due
-            parked = await self._close(batch, wait=park and not hurry.is_set())
-            park = park and parked  # Redis did not answer: the rest close without waiting
-            log.info("drained a batch", closed=len(batch), left=n - done, parked=parked)
+            # Each batch waits for its own parks, not for the batches before it: a slow
+            # Redis delays a batch's closes, never the schedule.
+            wait = self.park and not hurry.is_set()
+            closing.append(asyncio.create_task(self._close(batch, n - done, wait=wait)))
             if done < n:
                 # Yield to the loop until the next batch is due (at once if it is).
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(start + tick * slot):
                         await hurry.wait()
+        await asyncio.gather(*closing)
         await self._closed_within(CLOSE_TIMEOUT + 1)
 
-    async def _close(self, batch: Sequence[Connection], *, wait: bool) -> bool:
-        """Close the batch's connections still open; one timer drops the ones whose
-        clients have not finished the closing handshake within CLOSE_TIMEOUT."""
+    async def _close(self, batch: Sequence[Connection], left: int, *, wait: bool) -> None:
+        """Close the batch's connections still open, once their sessions are parked (with
+        ``wait``); one timer drops the ones whose clients have not finished the closing
+        handshake within CLOSE_TIMEOUT."""
         open_now = self.admission.connections
         batch = [c for c in batch if c in open_now]
         for connection in batch:
             # Their closing handshakes are bounded by the batch's timer, not one each.
             connection.closing = True
         parked = await self.node.going_away(batch, wait=wait)
+        if not parked:
+            self.park = False  # Redis did not answer: the next batches close without waiting
         asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self._drop, batch)
-        return parked
+        log.info("drained a batch", closed=len(batch), left=left, parked=parked and wait)
 
     def _drop(self, batch: Sequence[Connection]) -> None:
         open_now = self.admission.connections
