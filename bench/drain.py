@@ -72,7 +72,7 @@ async def run(ctx: Context) -> list[Row]:
                 procs=sizes.clients,
                 tokens=ctx.tokens(n),
             ) as pool:
-                opened = await open_all(pool, sizes.concurrency)
+                opened = await open_all(pool, sizes.concurrency, retry_for=60.0)
                 await soak(pool, interval, interval)  # warm-up: the opening's tail settles
                 before = await soak(pool, interval, interval)
                 process = tokend.process
