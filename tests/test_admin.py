@@ -24,8 +24,9 @@ from testkit.tokend_process import TokendProcess
 from testkit.waiting import eventually
 from tokend import cli as tokend_cli
 from tokend import protocol as p
+from tokend.admission import connection_budget
 from tokend.config import Settings
-from tokend.server import App, connection_budget
+from tokend.server import App
 from tokend.tokens import TokenService
 
 ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"

@@ -41,7 +41,8 @@ from testkit.reconnects import (
 )
 from testkit.tokens import minter
 from tokend import protocol as p
-from tokend.server import RETRY_AFTER_S, App
+from tokend.admission import RETRY_AFTER_S
+from tokend.server import App
 from tokend.tokens import TokenService
 
 if TYPE_CHECKING:

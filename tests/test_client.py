@@ -40,6 +40,7 @@ from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend import protocol as p
+from tokend.admission import RETRY_AFTER_S
 from tokend.client import (
     AuthError,
     Backoff,
@@ -55,7 +56,7 @@ from tokend.client import (
     connect,
 )
 from tokend.protocol import CloseCode, SessionState
-from tokend.server import RETRY_AFTER_S, App
+from tokend.server import App
 from tokend.tokens import TokenService
 
 FAST = Backoff(base=0.05, cap=0.5, going_away_window=0.5)

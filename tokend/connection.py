@@ -66,6 +66,8 @@ HEARTBEAT_FRAME_LENGTH = 2 + 4 + p.HEARTBEAT_LENGTH
 # pauses until the store answers: a client keeps one out at a time, and one that sends
 # faster than the store answers is held back as TCP holds back a slow reader.
 READ_PAUSE_AT = 16
+# Bytes of one read handed to websockets' parser at a time (see data_received).
+READ_SLICE = 4096
 
 
 class Gate(Protocol):
@@ -97,6 +99,14 @@ class Gate(Protocol):
 
     def answer(self, ip: str, path: str) -> HttpAnswer | Awaitable[HttpAnswer] | None:
         """None to go on with the WebSocket handshake, else the HTTP answer to give."""
+        ...
+
+    def shed(self, connection: Connection) -> None:
+        """The node shed the connection's verified session (close 1013, overloaded)."""
+        ...
+
+    def refuses_hello(self, token: str) -> bool:
+        """Whether a HELLO is refused (1013) before its token is checked."""
         ...
 
 
@@ -249,15 +259,22 @@ class Connection(asyncio.Protocol):
                 return
         ws = self.ws
         try:
-            ws.receive_data(data)
-            for event in ws.events_received():
-                if isinstance(event, Frame):
-                    self._frame(event)
-                else:
-                    self._request(event)  # type: ignore[arg-type]
-            session = self.session
-            if ws.close_sent is not None and session is not None:
-                self._failed(session)
+            # A slice at a time: once closed (max_frame_rate, a bad frame), what is left of a
+            # read bigger than a client's close reply is not parsed (nor answered: a ping
+            # gets a pong even after the close), and the closing handshake's deadline ends
+            # the connection. One read may hold 40,000 pings.
+            for offset in range(0, len(data), READ_SLICE):
+                if ws.close_sent is not None and len(data) > READ_SLICE:
+                    break
+                ws.receive_data(data[offset : offset + READ_SLICE])
+                for event in ws.events_received():
+                    if isinstance(event, Frame):
+                        self._frame(event)
+                    else:
+                        self._request(event)  # type: ignore[arg-type]
+                session = self.session
+                if ws.close_sent is not None and session is not None:
+                    self._failed(session)
         except Exception:
             self._internal_error()
         self.aligned = self.fast_path and at_frame_start(ws)
@@ -461,6 +478,13 @@ class Connection(asyncio.Protocol):
         except p.ProtocolError as exc:
             self.log.info("malformed message", error=str(exc))
             self._outcome(session.malformed())
+            return
+        if (
+            type(frame) is p.Hello
+            and session.claims is None
+            and self.gate.refuses_hello(frame.token)
+        ):
+            self._outcome(session.close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED))
             return
         shed_from = self.gate.node.shedder.shed_from
         if received:
@@ -667,10 +691,14 @@ class Connection(asyncio.Protocol):
             return
         if close.reason == OVERLOADED:
             # Counted, not logged one by one: the node logs its shedding steps.
-            assert self.session is not None and self.session.claims is not None
-            self.gate.node.metrics.shed[self.session.claims.prio] += 1
+            assert self.session is not None
+            claims = self.session.claims
+            if claims is not None:  # None: refused by a shed penalty, token not checked
+                self.gate.node.metrics.shed[claims.prio] += 1
+                self.gate.shed(self)
         elif close.routine:
-            self.log.info("closing", code=int(close.code), reason=close.reason)
+            if close.code is not p.CloseCode.GOING_AWAY:  # the drain logs one line a batch
+                self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)
         self.gate.node.metrics.closed(close.code)

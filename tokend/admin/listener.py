@@ -352,7 +352,7 @@ class HttpListener:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Beyond the cap, refused before reading: the descriptor budget of the main port
-        # (tokend.server.connection_budget) keeps admin_max_connections free, no more.
+        # (tokend.admission.connection_budget) keeps admin_max_connections free, no more.
         full = self.open >= self.settings.admin_max_connections
         self.open += 1
         try:
