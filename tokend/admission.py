@@ -6,7 +6,7 @@ per-address cap (429), near the open-file limit, beyond the pending-HELLO budget
 while the node sheds every class but its best (503 with Retry-After), refuses a client
 shed a moment ago before its handshake or its token check (:class:`tokend.shedding.Penalties`),
 and answers ``/healthz``, ``/readyz`` and ``/.well-known/jwks.json`` (docs/protocol.md,
-"HTTP on the same port"; docs/security.md for the limits).
+"Tokens and HTTP routes"; docs/security.md for the limits).
 """
 
 from __future__ import annotations

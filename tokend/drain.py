@@ -8,7 +8,7 @@ loop serves the connections not yet closed: their heartbeats are answered
 throughout. Each batch's sessions are parked before their clients hear the 1001
 (:meth:`tokend.node.Node.going_away`, docs/protocol.md §5, "Planned close"); one
 timer per batch, not one per connection, bounds the batch's closing handshakes; one
-log line per batch. docs/operations.md, "Draining".
+log line per batch. docs/operations.md, "Graceful drain".
 """
 
 from __future__ import annotations
