@@ -19,14 +19,12 @@ from testkit import tokend_process
 from testkit.clients import RawClient, WireClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import http_request
-from testkit.tokend_process import TokendProcess
+from testkit.tokend_process import SHORT_CLOCKS, TokendProcess
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.server import App
 from tokend.tokens import TokenService
-
-from .conftest import SHORT_CLOCKS
 
 SESSIONS = 50
 DRAIN_PERIOD = 2.0
