@@ -1,9 +1,10 @@
-"""The store's answers to a session, as the session core sees them: enums and tuples.
+"""What a session asks of the store and the store's answers, as the session side sees them:
+enums and tuples.
 
-This is the narrow interface between :mod:`tokend.session` (pure protocol logic) and
-:mod:`tokend.store` (Redis): no key, script name or raw reply crosses it. The store
-turns each script's reply into one of these; the session decides what it means for
-the connection.
+This is the narrow interface between :mod:`tokend.session` and :mod:`tokend.connection`
+(pure protocol logic and its connection) and :mod:`tokend.store` (Redis): no key, script
+name or raw reply crosses it. The store turns each script's reply into one of these; the
+session decides what it means for the connection.
 """
 
 from __future__ import annotations
@@ -56,6 +57,29 @@ class HeartbeatAnswer(NamedTuple):
     exp_ms: int = 0
     iat_s: int = 0  # 0: unchanged (only a renewal changes it)
     ended: Ended | None = None
+
+
+class HeartbeatRequest(NamedTuple):
+    """A connection's heartbeat for the batch; built once per session (at WELCOME), reused.
+
+    Small on purpose: every idle session keeps one. Its keys are made at each flush.
+    """
+
+    tid: str
+    conn: str
+    shard: int
+
+
+class Known(NamedTuple):
+    """What a live connection knows of its session: enough for heartbeat.lua to restore
+    it should a failover have lost it (or lost this connection's resume of it)."""
+
+    sub: str
+    prio: int
+    iat_s: int
+    exp_ms: int
+    since_ms: int  # Redis time at which this connection took the session (HELLO's answer)
+    proof: bytes  # the resume proof this connection's session key makes
 
 
 class EndOutcome(IntEnum):

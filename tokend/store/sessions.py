@@ -21,8 +21,10 @@ from tokend.answers import (
     EndOutcome,
     HeartbeatAnswer,
     HeartbeatOutcome,
+    HeartbeatRequest,
     HelloAnswer,
     HelloOutcome,
+    Known,
     ReleaseOutcome,
     Swept,
 )
@@ -84,35 +86,6 @@ class ReleaseRequest(NamedTuple):
     since_ms: int  # Redis time at which the connection took the session (HELLO's answer)
     reason: str  # the close reason of a planned close (1001 from the server), else ""
     shard: int
-
-
-class HeartbeatRequest(NamedTuple):
-    """A connection's heartbeat for the batch; built once per connection, reused.
-
-    Small on purpose: every idle session keeps one. Its keys are made at each flush.
-    """
-
-    tid: str
-    conn: str
-    shard: int
-
-
-class Known(NamedTuple):
-    """What a live connection knows of its session: enough for heartbeat.lua to restore
-    it should a failover have lost it (or lost this connection's resume of it)."""
-
-    sub: str
-    prio: int
-    iat_s: int
-    exp_ms: int
-    since_ms: int  # Redis time at which this connection took the session (HELLO's answer)
-    proof: bytes  # the resume proof this connection's session key makes
-
-    @property
-    def encoded(self) -> str:
-        """heartbeat.lua's restore argument."""
-        proof = proof_digest(self.proof)
-        return f"{self.prio}|{self.iat_s}|{self.exp_ms}|{self.since_ms}|{proof}|{self.sub}"
 
 
 class Store(ScriptRunner):
@@ -237,7 +210,7 @@ class Store(ScriptRunner):
             what = known(i)
             if what is not None and what.since_ms:
                 again.append(i)
-                knowledge.append(what.encoded)
+                knowledge.append(_restore_argument(what))
         if again:
             retried = await self._beat(
                 [batch[i] for i in again],
@@ -412,6 +385,12 @@ class Store(ScriptRunner):
             code=CloseCode.TOKEN_REVOKED,
             by=by,
         )
+
+
+def _restore_argument(known: Known) -> str:
+    """heartbeat.lua's restore argument: what a live connection knows of its session."""
+    proof = proof_digest(known.proof)
+    return f"{known.prio}|{known.iat_s}|{known.exp_ms}|{known.since_ms}|{proof}|{known.sub}"
 
 
 def _never(tid: str) -> bool:
