@@ -51,7 +51,13 @@ from tests.test_server import (  # noqa: F401 - collected here, against the clus
 )
 from tokend import events
 from tokend import protocol as p
-from tokend.answers import ReleaseOutcome
+from tokend.answers import (
+    HeartbeatAnswer,
+    HeartbeatOutcome,
+    HeartbeatReply,
+    ReleaseOutcome,
+    heartbeat_outcome,
+)
 from tokend.config import ConfigError, Settings
 from tokend.server import App
 from tokend.store.keyspace import SHARDS, Keyspace
@@ -62,6 +68,11 @@ from tokend.tokens import TokenService
 # Fixtures of those modules, for the tests taken from them.
 home = test_cli.home
 keys = test_events.keys
+
+
+def as_answer(reply: HeartbeatReply) -> HeartbeatAnswer:
+    """A heartbeat's reply as an answer (a plain OK is the session's exp alone)."""
+    return HeartbeatAnswer(HeartbeatOutcome.OK, exp_ms=reply) if isinstance(reply, int) else reply
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +213,7 @@ async def drive_hello(store: Store) -> None:
 async def drive_heartbeat(store: Store) -> None:
     tids = await start_sessions(store)
     results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
-    assert [r.outcome for r in results] == ["ok"] * SHARDS
+    assert [heartbeat_outcome(r) for r in results] == ["ok"] * SHARDS
 
 
 async def drive_claim(store: Store) -> None:
@@ -270,7 +281,7 @@ async def test_scripts_reload_on_every_master_after_a_flush(store: Store, redis:
     tids = await start_sessions(store)
     await redis.script_flush()  # on every primary
     results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
-    assert [r.outcome for r in results] == ["ok"] * SHARDS
+    assert [heartbeat_outcome(r) for r in results] == ["ok"] * SHARDS
     assert await store.ready() is None
 
 
@@ -451,7 +462,8 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
         async with asyncio.timeout(10):
             while wins < 2:
                 replies = await asyncio.gather(*(s.record_heartbeats([request]) for s in stores))
-                results = [reply[0] for reply in replies]
+                # A plain OK (not renewed) is the exp alone: as an answer here.
+                results = [as_answer(reply[0]) for reply in replies]
                 assert [r.outcome for r in results] == ["ok", "ok"]
                 # Both win only when they straddle a second: then each moved exp to its own
                 # boundary (a loaded machine can put the two calls a second apart).

@@ -49,7 +49,7 @@ class HeartbeatOutcome(StrEnum):
 
 
 class HeartbeatAnswer(NamedTuple):
-    """One heartbeat's outcome; a tuple: made per heartbeat, at a tenth of a dataclass' cost."""
+    """One heartbeat's outcome, unless it is a plain OK (see :data:`HeartbeatReply`)."""
 
     outcome: HeartbeatOutcome
     was_warn: bool = False
@@ -57,6 +57,17 @@ class HeartbeatAnswer(NamedTuple):
     exp_ms: int = 0
     iat_s: int = 0  # 0: unchanged (only a renewal changes it)
     ended: Ended | None = None
+
+
+# The store's answer to a heartbeat: the common one, stored with nothing else changed (not
+# renewed, not leaving WARN), is the session's exp_ms alone, as heartbeat.lua replies it (no
+# object made per heartbeat); any other is a HeartbeatAnswer.
+HeartbeatReply = HeartbeatAnswer | int
+
+
+def heartbeat_outcome(reply: HeartbeatReply) -> HeartbeatOutcome:
+    """The outcome of a heartbeat's reply."""
+    return HeartbeatOutcome.OK if isinstance(reply, int) else reply.outcome
 
 
 class HeartbeatRequest(NamedTuple):

@@ -37,7 +37,7 @@ from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend import proxy_protocol, tls
-from tokend.answers import HeartbeatAnswer, HeartbeatRequest, HelloAnswer, Known
+from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.http_answer import HttpAnswer
 from tokend.peer import Hub
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
@@ -428,7 +428,7 @@ class Connection(asyncio.Protocol):
             return  # data after our close frame (RFC 6455 5.5.1: the closing handshake)
         if opcode is Opcode.BINARY:
             if frame.fin:
-                link.message(frame.data)
+                link.message(bytes(frame.data))  # as it is when it is bytes already
             else:
                 self.fragments = bytearray(frame.data)
         elif opcode is Opcode.CONT:
@@ -455,9 +455,10 @@ class Connection(asyncio.Protocol):
         rate = self.gate.settings.max_frame_rate
         if not rate:
             return
+        now = time.monotonic()
         if self.pings is None:
-            self.pings = TokenBucket(rate, time.monotonic)
-        if not self.pings.take():
+            self.pings = TokenBucket(rate, now)
+        if not self.pings.take(now):
             link.outcome(link.session.close(p.CloseCode.RATE_LIMITED, "too_many_pings"))
 
     def pause_reading(self) -> None:
@@ -619,23 +620,24 @@ class SessionLink:
 
     # The client's messages
 
-    def message(self, data: bytes | bytearray | memoryview) -> None:
-        """A binary message from the client (docs/protocol.md §3)."""
+    def message(self, data: bytes) -> None:
+        """A binary message from the client (docs/protocol.md §3). A heartbeat is handed
+        to the session as it came (Session.receive_heartbeat); any other, decoded."""
         session = self.session
         hub = self.hub
         received = time.perf_counter() if hub.metrics.sampling() else 0.0
-        try:
-            frame = p.decode(data)  # type: ignore[arg-type]
-        except p.ProtocolError as exc:
-            self.connection.log.info("malformed message", error=str(exc))
-            self.connection.close_with(session.malformed())
-            return
-        if received:
-            decoded = time.perf_counter()
-            outcome = session.receive(frame, hub.shedder.shed_from)
-            if outcome is Ask.HEARTBEAT:
-                self.marks = (received, decoded, time.perf_counter())
+        if p.is_heartbeat(data):
+            outcome = session.receive_heartbeat(data, hub.shedder.shed_from)
+            if received and outcome is Ask.HEARTBEAT:
+                # Decoding is part of verifying here: the decode stage takes no time.
+                self.marks = (received, received, time.perf_counter())
         else:
+            try:
+                frame = p.decode(data)
+            except p.ProtocolError as exc:
+                self.connection.log.info("malformed message", error=str(exc))
+                self.connection.close_with(session.malformed())
+                return
             outcome = session.receive(frame, hub.shedder.shed_from)
         if outcome is Ask.HEARTBEAT:
             hub.submit_heartbeat(self)
@@ -688,25 +690,28 @@ class SessionLink:
                 self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error")
             )
 
-    def heartbeats_stored(self, answer: HeartbeatAnswer) -> None:
+    def heartbeats_stored(self, answer: HeartbeatReply) -> None:
         """The batch flush stored this connection's heartbeats: send their ACKs."""
         connection = self.connection
-        stored = time.perf_counter() if self.marks is not None else 0.0
+        marks = self.marks
+        stored = time.perf_counter() if marks is not None else 0.0
         out = self.session.stored(answer)
         if connection.paused:
             connection.resume_reading()
-        if type(out) is list:
-            if answer.was_warn:
-                connection.log.info("session recovered")
+        if isinstance(out, list):
             connection.send(out)
+            renewed = False
+            if not isinstance(answer, int):  # not a plain OK
+                if answer.was_warn:
+                    connection.log.info("session recovered")
+                renewed = answer.renewed
             metrics = self.hub.metrics
-            metrics.acked(len(out), answer.renewed)
-            if stored:
-                assert self.marks is not None
-                metrics.stages((*self.marks, stored, time.perf_counter()))
+            metrics.acked(len(out), renewed)
+            if marks is not None:
+                metrics.stages((*marks, stored, time.perf_counter()))
                 self.marks = None
         elif out is not None:
-            connection.close_with(out)  # type: ignore[arg-type]
+            connection.close_with(out)
 
     def heartbeats_held(self) -> None:
         """The store is unavailable: ACK from what the session knows (replayed later)."""
@@ -717,7 +722,7 @@ class SessionLink:
         if acks:
             connection.send(acks)
 
-    def replayed(self, answer: HeartbeatAnswer) -> None:
+    def replayed(self, answer: HeartbeatReply) -> None:
         """A heartbeat held through an outage was stored at last."""
         self.connection.close_with(self.session.replayed(answer))
 
@@ -772,13 +777,15 @@ def binary_frame(payload: bytes) -> bytes:
     shortest payload length encoding), as ``Frame(BINARY, payload).serialize(mask=False)``
     makes it; tests/test_connection.py holds the two equal."""
     n = len(payload)
-    if n < 126:
-        return bytes((0x82, n)) + payload
+    if n < 126:  # every ACK without a token: one allocation
+        return _SHORT_HEADS[n] + payload
     if n < 0x10000:
         return _HEAD_16.pack(0x82, 126, n) + payload
     return _HEAD_64.pack(0x82, 127, n) + payload
 
 
+# The two-byte heads of the frames of 0..125 bytes, made once.
+_SHORT_HEADS = [bytes((0x82, n)) for n in range(126)]
 _HEAD_16 = struct.Struct("!BBH")
 _HEAD_64 = struct.Struct("!BBQ")
 

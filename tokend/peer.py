@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from tokend.answers import HeartbeatAnswer, HeartbeatRequest, HelloAnswer, Known
+from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.metrics import Metrics
 from tokend.protocol import CloseCode
 from tokend.session import Close, Host, Session
@@ -40,7 +40,7 @@ class Peer(Protocol):
         """The store could not take the HELLO: unavailable (1013), or a script error (1011)."""
         ...
 
-    def heartbeats_stored(self, answer: HeartbeatAnswer) -> None:
+    def heartbeats_stored(self, answer: HeartbeatReply) -> None:
         """The batch flush stored this connection's heartbeats: their ACKs go out."""
         ...
 
@@ -48,7 +48,7 @@ class Peer(Protocol):
         """The store is unavailable: ACK from what the session knows (stored later)."""
         ...
 
-    def replayed(self, answer: HeartbeatAnswer) -> None:
+    def replayed(self, answer: HeartbeatReply) -> None:
         """A heartbeat held through an outage was stored at last."""
         ...
 
