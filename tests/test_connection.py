@@ -29,6 +29,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.frames import Close, Frame, Opcode, apply_mask
+from websockets.http11 import Request
 from websockets.protocol import State
 
 from tokend import config
@@ -374,6 +375,27 @@ def test_fragments_with_a_ping_between_are_one_message() -> None:
         assert b"".join(o.transport.written) == binary_frame(b"")[:0] + Frame(
             Opcode.PONG, b"x"
         ).serialize(mask=False, extensions=[])
+
+
+def test_an_idle_session_holds_neither_the_handshake_request_nor_its_hello() -> None:
+    """After WELCOME the parser starts again between frames (connection.restart_parser):
+    none of its suspended generators holds the request (its headers) or the HELLO frame,
+    which an idle session would otherwise keep for its life (the heartbeats after it take
+    the fast path). That the restarted parser parses as the first did, the differential
+    tests above hold: their fast connection has it, their slow one not."""
+
+    async def held() -> list[object]:
+        o = opened(fast=True)
+        values: list[object] = []
+        generator: Any = o.connection.ws.parser
+        while generator is not None:
+            values += generator.gi_frame.f_locals.values()
+            generator = generator.gi_yieldfrom
+        return values
+
+    values = asyncio.run(held())
+    assert values  # the generators were found, and their locals read
+    assert not [v for v in values if isinstance(v, Request | Frame)]
 
 
 @pytest.mark.parametrize("size", [0, 1, 20, 125, 126, 127, 370, 65535, 65536, 70000])

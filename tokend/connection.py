@@ -30,6 +30,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import NegotiationError
 from websockets.frames import Frame, Opcode, apply_mask
 from websockets.http11 import Request, Response
+from websockets.protocol import Protocol as WebSocketProtocol
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.streams import StreamReader
@@ -676,6 +677,8 @@ class SessionLink:
             connection.disarm()
             self.hub.attach(self)
             connection.send([welcome])
+            if connection.aligned:  # the session goes idle: drop what the handshake left
+                restart_parser(connection.ws)
             # debug: in a connect storm an info line per session costs a tenth of the
             # work; SESSION_STARTED / SESSION_RESUMED on the event stream are the record.
             connection.log.debug(
@@ -807,6 +810,19 @@ def at_frame_start(ws: ServerProtocol) -> bool:
 
 
 _AT_EOF = StreamReader.at_eof.__code__
+
+
+def restart_parser(ws: ServerProtocol) -> None:
+    """Restart websockets' frame parser where :func:`at_frame_start` says it waits between
+    two frames: the same state (``Protocol.parse`` at its first wait), without what its
+    suspended generators held, the opening handshake's request (its headers: ~3 KB) and
+    the last frame parsed (the HELLO). The heartbeats that follow take the fast path, so
+    an idle session would keep those for its whole life (docs/performance.md, idle memory).
+    """
+    ws.parser = WebSocketProtocol.parse(ws)
+    next(ws.parser)
+
+
 _DATA = frozenset({Opcode.BINARY, Opcode.CONT, Opcode.TEXT})
 
 
