@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, NamedTuple
 
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.frames import Close, Frame, Opcode, apply_mask
@@ -396,6 +397,19 @@ def test_an_idle_session_holds_neither_the_handshake_request_nor_its_hello() -> 
     values = asyncio.run(held())
     assert values  # the generators were found, and their locals read
     assert not [v for v in values if isinstance(v, Request | Frame)]
+
+
+def test_a_session_logs_with_the_logger_bound_at_its_welcome() -> None:
+    """One logger per session, bound once with its fields (not built per line)."""
+    o = asyncio.run(_opened_fast())
+    log = o.connection.log
+    assert log is o.link.log and o.connection.log is log
+    context = structlog.get_context(log)
+    assert context == {"peer": "127.0.0.1:40000", "conn": "test/1", "tid": str(TID), "sub": "alice"}
+
+
+async def _opened_fast() -> Opened:
+    return opened(fast=True)
 
 
 @pytest.mark.parametrize("size", [0, 1, 20, 125, 126, 127, 370, 65535, 65536, 70000])

@@ -182,20 +182,17 @@ class Connection(asyncio.Protocol):
 
     @property
     def log(self) -> structlog.typing.FilteringBoundLogger:
-        """This connection's logger, built per line rather than kept: an idle session
-        should cost little more than its socket (docs/performance.md, idle memory)."""
-        session = self.session
-        fields = {"peer": self.peer}
-        if session is not None:
-            fields["conn"] = session.conn
-            if session.claims is not None:
-                fields |= {"tid": str(session.claims.tid), "sub": session.claims.sub}
-        return _log.bind(**fields)
+        """This connection's logger: its session's, bound once at WELCOME; before that
+        (the opening, HELLO: few lines) bound per line with what is known."""
+        link = self.link
+        if link is not None and link.log is not None:
+            return link.log
+        return _bound(self.peer, link.session if link is not None else None)
 
     @property
     def peer(self) -> str:
         """The client's address and port, for logs: a PROXY header's, else the TCP
-        peer's (not kept: see ``log``)."""
+        peer's."""
         peer = self.address or self._tcp_peer()
         return f"{peer[0]}:{peer[1]}" if peer else "?"
 
@@ -609,13 +606,15 @@ class SessionLink:
     a HELLO, heartbeats or a BYE to store).
     """
 
-    __slots__ = ("connection", "heartbeat_request", "hub", "marks", "session")
+    __slots__ = ("connection", "heartbeat_request", "hub", "log", "marks", "session")
 
     def __init__(self, connection: Connection, hub: Hub, session: Session) -> None:
         self.connection = connection
         self.hub = hub
         self.session = session
         self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
+        # The session's logger (peer, conn, tid, sub), bound once at WELCOME.
+        self.log: structlog.typing.FilteringBoundLogger | None = None
         # perf_counter() readings of a heartbeat sampled for the stage histogram.
         self.marks: tuple[float, float, float] | None = None
 
@@ -675,6 +674,7 @@ class SessionLink:
         transport = connection.transport
         if transport is not None and not transport.is_closing():
             connection.disarm()
+            self.log = _bound(connection.peer, session)
             self.hub.attach(self)
             connection.send([welcome])
             if connection.aligned:  # the session goes idle: drop what the handshake left
@@ -773,6 +773,17 @@ class SessionLink:
         """Carry out a close the session decided (the node's planned close sends it once
         the session's release is recorded: Node.going_away)."""
         self.connection.close_with(close)
+
+
+def _bound(peer: str, session: Session | None) -> structlog.typing.FilteringBoundLogger:
+    """A logger with a connection's fields: its peer, and its session's conn, tid and sub
+    as far as they are known."""
+    fields = {"peer": peer}
+    if session is not None:
+        fields["conn"] = session.conn
+        if session.claims is not None:
+            fields |= {"tid": str(session.claims.tid), "sub": session.claims.sub}
+    return _log.bind(**fields)
 
 
 def binary_frame(payload: bytes) -> bytes:

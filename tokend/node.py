@@ -104,6 +104,14 @@ class Batcher(Generic[Item]):
     def forget(self, item: Item) -> None:
         self.waiting.pop(item, None)
 
+    @property
+    def pending(self) -> int:
+        """How many wait for the next flush."""
+        return len(self.waiting)
+
+    def is_waiting(self, item: Item) -> bool:
+        return item in self.waiting
+
     async def run(self, node: Node, lanes: int = 1) -> None:
         """Flush until the node stops, with up to ``lanes`` round trips in flight at once:
         while Redis runs one batch's scripts, the node reads and answers the next."""
@@ -189,6 +197,11 @@ class HeartbeatBatcher(Batcher[Peer]):
     def kick(self) -> None:
         if self.unstored:
             self._wake.set()
+
+    @property
+    def unstored_peers(self) -> int:
+        """How many peers have heartbeats acknowledged during an outage and not stored yet."""
+        return len(self.unstored)
 
     def _take(self) -> list[Peer]:
         """Remove and return the next flush's peers, best-ranked first."""
@@ -355,7 +368,7 @@ class Node:
         self.shedder = Shedder(
             settings.shed_lag,
             self.registry.ranks,
-            lambda: len(self.heartbeat_batcher.waiting) > settings.heartbeat_batch,
+            lambda: self.heartbeat_batcher.pending > settings.heartbeat_batch,
         )
         self.subscribed = asyncio.Event()
         self._conn_ids = itertools.count(1)
