@@ -627,10 +627,10 @@ class SessionLink:
         hub = self.hub
         received = time.perf_counter() if hub.metrics.sampling() else 0.0
         if p.is_heartbeat(data):
+            decoded = time.perf_counter() if received else 0.0
             outcome = session.receive_heartbeat(data, hub.shedder.shed_from)
             if received and outcome is Ask.HEARTBEAT:
-                # Decoding is part of verifying here: the decode stage takes no time.
-                self.marks = (received, received, time.perf_counter())
+                self.marks = (received, decoded, time.perf_counter())
         else:
             try:
                 frame = p.decode(data)
