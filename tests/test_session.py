@@ -16,14 +16,7 @@ import pytest
 
 from testkit.tokens import minter_in
 from tokend import protocol as p
-from tokend.answers import (
-    Ended,
-    HeartbeatAnswer,
-    HeartbeatOutcome,
-    HeartbeatReply,
-    HelloAnswer,
-    HelloOutcome,
-)
+from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.clocks import serving_rank
 from tokend.session import Ask, Cadence, Close, Phase, Release, Session
 from tokend.tokens import Claims, TokenService
@@ -120,7 +113,7 @@ def stored(exp_ms: int = EXP_MS, **flags: bool) -> HeartbeatAnswer:
     )
 
 
-def store_one(session: Session, answer: HeartbeatReply) -> list[p.HeartbeatAck]:
+def store_one(session: Session, answer: HeartbeatAnswer | int) -> list[p.HeartbeatAck]:
     session.take_heartbeats()
     return acks(session.stored(answer))
 
