@@ -165,7 +165,8 @@ class Heartbeat:
         return _HEARTBEAT_SIGNED.pack(FrameType.HEARTBEAT, 0, self.tid, self.seq, self.exp_ms)
 
     def mac_is_valid(self, session_key: bytes) -> bool:
-        """Constant-time check of the heartbeat proof (spec 0x03)."""
+        """Constant-time check of the heartbeat proof (spec 0x03) of a frame object (the
+        server checks the bytes as they came: :func:`heartbeat_proof_holds`)."""
         return hmac.compare_digest(self.mac, heartbeat_mac(session_key, self.signed_part()))
 
 
