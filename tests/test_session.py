@@ -54,7 +54,7 @@ def stored(exp_ms: int = EXP_MS, **flags: bool) -> HeartbeatAnswer:
     )
 
 
-def store_one(session: Session, answer: HeartbeatAnswer) -> list[p.HeartbeatAck]:
+def store_one(session: Session, answer: HeartbeatAnswer | int) -> list[p.HeartbeatAck]:
     session.take_heartbeats()
     return acks(session.stored(answer))
 
@@ -228,7 +228,7 @@ def test_store_unavailable_at_hello_is_1013(session: Session, tokens: TokenServi
 def test_a_valid_heartbeat_asks_the_store(session: Session, tokens: TokenService) -> None:
     w = welcome(session, tokens)
     assert session.receive(heartbeat(w, 1)) is Ask.HEARTBEAT
-    assert session.unanswered == ((1, EXP_MS),)
+    assert [a.seq for a in store_one(session, stored())] == [1]
 
 
 def test_the_mac_is_checked_before_the_tid(session: Session, tokens: TokenService) -> None:
@@ -282,7 +282,25 @@ def test_a_stored_heartbeat_is_acknowledged(session: Session, tokens: TokenServi
     session.receive(heartbeat(w, 1))
     [ack] = store_one(session, stored())
     assert (ack.seq, ack.exp_ms, ack.token, ack.flags) == (1, EXP_MS, None, 0)
-    assert session.unanswered == ()
+    assert store_one(session, stored()) == []  # answered once
+
+
+def test_a_plain_ok_the_store_answers_with_the_exp_alone_is_acknowledged(
+    session: Session, tokens: TokenService
+) -> None:
+    """heartbeat.lua's common reply is the session's exp_ms alone (answers.HeartbeatReply):
+    stored, not renewed, not leaving WARN."""
+    w = welcome(session, tokens)
+    session.warn()  # an integer says the session is ACTIVE now
+    session.receive(heartbeat(w, 1))
+    [ack] = store_one(session, EXP_MS)
+    assert (ack.seq, ack.exp_ms, ack.token, ack.flags) == (1, EXP_MS, None, 0)
+    assert not session.warned
+    # A newer exp (renewed by another node): the client lacks that token, re-sent.
+    session.receive(heartbeat(w, 2))
+    [ack] = store_one(session, EXP_MS + 60_000)
+    assert (ack.seq, ack.exp_ms, ack.resent, ack.renewed) == (2, EXP_MS + 60_000, True, False)
+    assert ack.token is not None
 
 
 def test_a_renewal_hands_over_a_new_token(
@@ -353,7 +371,7 @@ def test_a_heartbeat_arriving_during_the_store_call_waits_for_the_next(
     session.take_heartbeats()
     session.receive(heartbeat(w, 2))
     [ack] = acks(session.stored(stored()))
-    assert ack.seq == 1 and session.unanswered == ((2, EXP_MS),)
+    assert ack.seq == 1
     assert [a.seq for a in store_one(session, stored())] == [2]
 
 
@@ -406,7 +424,7 @@ def test_heartbeats_held_through_an_outage_are_acked_then_replayed(
     [ack] = [p.decode(a) for a in session.held_back() or []]
     assert isinstance(ack, p.HeartbeatAck)
     assert (ack.seq, ack.exp_ms, ack.was_warn, ack.token) == (1, EXP_MS, True, None)
-    assert session.held and session.unanswered == ()
+    assert session.held
     new_exp = EXP_MS + 1000
     assert session.replayed(stored(new_exp)) is None
     assert not session.held and session.exp_ms == new_exp and not session.warned

@@ -163,14 +163,19 @@ def test_mint_defaults(service: TokenService, ring: KeyRing) -> None:
     assert payload["jti"] == str(got.tid)
 
 
-@pytest.mark.parametrize("prio", [5, 0, 9])
-def test_tokens_are_the_bytes_pyjwt_makes(service: TokenService, ring: KeyRing, prio: int) -> None:
-    """KeyRing.sign builds the JWS itself (for speed): the same bytes as jwt.encode."""
-    token = service.mint("alice", prio=prio)
+@pytest.mark.parametrize(
+    ("prio", "sub"), [(5, "alice"), (0, "alice"), (9, "alice"), (5, 'a"b\\c/\u00e9\u2028\x01')]
+)
+def test_tokens_are_the_bytes_pyjwt_makes(
+    service: TokenService, ring: KeyRing, prio: int, sub: str
+) -> None:
+    """TokenService.sign writes the claims' JSON and KeyRing the JWS itself (for speed):
+    the same bytes as jwt.encode, a sub that JSON escapes included."""
+    token = service.mint(sub, prio=prio)
     body = jwt.decode(token, options={"verify_signature": False})
     assert token == sign(ring, body)
     public = ring.public_key(ring.kids[-1])
-    assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == "alice"
+    assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == sub
 
 
 def test_minted_tokens_have_fresh_ids(service: TokenService) -> None:
