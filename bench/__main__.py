@@ -36,6 +36,7 @@ SCENARIOS = {
     "socketio": "bench.socketio",
     "revoke": "bench.revoke",
     "tls": "bench.tls",
+    "drain": "bench.drain",
 }
 
 
@@ -53,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds per scenario")
     parser.add_argument("--json", type=Path, help="write every number to this file")
     parser.add_argument("--repeat", type=int, default=1, help="run the scenarios N times")
-    parser.add_argument("--connections", type=int, help="closed-loop connections")
+    parser.add_argument(
+        "--connections", type=int, help="closed-loop connections; the drain's sessions"
+    )
     parser.add_argument("--warmup", type=float, help="closed-loop warm-up, seconds")
     parser.add_argument("--duration", type=float, help="closed-loop measured window, seconds")
     parser.add_argument("--sessions", type=int, nargs="+", help="idle-memory session counts")
@@ -123,6 +126,7 @@ def sizes_from(args: argparse.Namespace) -> Any:
     sizes = QUICK if args.quick else FULL
     overrides = {
         "connections": args.connections,
+        "drain_connections": args.connections,
         "warmup": args.warmup,
         "duration": args.duration,
         "idle_sessions": tuple(args.sessions) if args.sessions else None,

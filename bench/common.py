@@ -60,6 +60,7 @@ class Sizes:
     connects: int  # connect storm: sessions opened
     clients: int  # client processes for the scenarios with thousands of connections
     concurrency: int  # handshakes in flight per client process
+    drain_connections: int  # drain: sessions on the one worker SIGTERMed
 
 
 def max_sessions() -> int:
@@ -79,6 +80,7 @@ FULL = Sizes(
     connects=10_000,
     clients=4,
     concurrency=50,
+    drain_connections=min(19_000, max_sessions()),
 )
 QUICK = Sizes(
     connections=20,
@@ -92,6 +94,7 @@ QUICK = Sizes(
     connects=300,
     clients=2,
     concurrency=20,
+    drain_connections=200,
 )
 
 

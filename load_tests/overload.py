@@ -17,6 +17,12 @@ group in load-generator processes of its own (``bench.loadgen``):
   (a connect storm), retrying refusals with the SDK's backoff, each heartbeating at
   the cadence from its WELCOME.
 
+Every client retries as the SDK does (``bench.loadgen`` drives the SDK's ``Backoff``):
+jittered exponential backoff after a 1013 or a lost connection, and after an HTTP 503
+never sooner than its ``Retry-After`` (the node's shed penalty answers a client shed a
+moment ago with the seconds it has left, ``shed_penalty``), so the figures are those
+of real clients, not of a retry loop.
+
 Phases: a baseline (every group but ``warn`` at the cadence, long enough for ``warn``
 to reach WARN) gives the unloaded p99; then the overload; then a recovery in which
 every client heartbeats at the cadence and resumes what was shed. Reported per group:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -19,6 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from testkit.net import LOOPBACK
+from tokend import protocol as p
+from tokend.server import App
+
+StartApp = Callable[..., Awaitable[App]]
 
 HOSTS = (LOOPBACK, "localhost")
 
@@ -118,3 +124,26 @@ def served_serial(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> int:
     der = ssl_object.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
+
+
+@dataclass(frozen=True)
+class TlsNode:
+    """tokend serving ``wss://`` itself, with a certificate of a CA made for the test."""
+
+    app: App
+    ca_file: Path  # the CA (PEM) a client must trust
+    settings: dict[str, str]  # the certificate and key settings, for a restart
+
+    @property
+    def url(self) -> str:
+        return f"wss://{LOOPBACK}:{self.app.port}{p.WS_PATH}"
+
+
+async def tls_node(start_app: StartApp, directory: Path, **settings: Any) -> TlsNode:
+    """A tokend with ``tls_cert_file`` and ``tls_key_file`` of a new CA's (testkit/certificates.py)
+    certificate for 127.0.0.1, written in ``directory``."""
+    authority = Authority.create()
+    cert, key = authority.issue(directory / "cert.pem", directory / "key.pem")
+    tls = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+    app = await start_app(**tls, **settings)
+    return TlsNode(app, authority.write(directory / "ca.pem"), tls)

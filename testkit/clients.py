@@ -34,6 +34,11 @@ def tid_of(welcome: p.Welcome) -> str:
     return str(uuid.UUID(bytes=welcome.tid))
 
 
+def proof_of(welcome: p.Welcome) -> bytes:
+    """The resume proof a client shows after ``welcome`` (docs/protocol.md §3, "Takeover")."""
+    return p.resume_proof(welcome.session_key, welcome.tid)
+
+
 async def open_socket(
     port: int, *, source: str | None = None, preface: bytes = b""
 ) -> socket.socket:

@@ -2,7 +2,7 @@
 
 Where it cannot be had (not root, no apt-get, no network) the test is skipped with
 the reason, except under ``CI=true``, where a missing part fails the test
-(DEVELOPERS.md: the CI must not pass by skipping).
+(README, "Quick start": the CI must not pass by skipping).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Reading what tokend emits: the pub/sub channel (:class:`EventLog`), the durable
-stream shards, and the sweep fence that makes counting them exact."""
+stream shards, the sweep fence that makes counting them exact, and a session that
+makes two events (started, closed)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import redis
 
-from testkit.net import http_request
+from testkit.net import http_request, url_of
 from testkit.waiting import eventually
+from tokend.client import Backoff, connect
+from tokend.events import Event
+from tokend.server import App
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, subscription
+from tokend.tokens import TokenService
 
 READ_CHUNK = 5000  # stream entries per XRANGE call
 
@@ -125,3 +130,14 @@ async def left_to_judge(client: Client, prefix: str, tids: Sequence[str]) -> lis
         if await client.exists(session_key) or await client.zscore(due, tid) is not None:
             left.append(tid)
     return left
+
+
+async def one_session(app: App, tokens: TokenService, sub: str) -> str:
+    """Start a session and log it out: SESSION_STARTED then SESSION_CLOSED. Returns its tid."""
+    async with connect(url_of(app.port), tokens.mint(sub), backoff=Backoff(0.05, 0.5)) as session:
+        pass
+    return str(session.tid)
+
+
+async def next_event(stream: AsyncIterator[Event], timeout: float = 5.0) -> Event:
+    return await asyncio.wait_for(anext(stream), timeout)

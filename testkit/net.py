@@ -11,6 +11,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from tokend import protocol as p
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -82,3 +84,8 @@ async def http_request(
     return HttpReply(
         int(status_line.split(" ")[1]), {k.lower(): v for k, v in fields.items()}, content
     )
+
+
+def url_of(port: int) -> str:
+    """The WebSocket URL of a tokend listening on ``port`` of loopback."""
+    return f"ws://{LOOPBACK}:{port}{p.WS_PATH}"

@@ -3,12 +3,14 @@ stopping one for good."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 
@@ -50,6 +52,13 @@ def proc_cpu(pid: int, *, children: bool = True) -> float:
         with contextlib.suppress(OSError):  # it may have exited meanwhile
             own += proc_cpu(child_pid)
     return own
+
+
+def proc_running(pid: int) -> bool:
+    """Whether a process's main thread is running or ready to run (state R), rather
+    than asleep waiting for something (an event loop in epoll_wait is S)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rpartition(")")[2].split()[0] == "R"
 
 
 def pin(pid: int, cpus: frozenset[int] | None) -> None:
@@ -109,3 +118,14 @@ def terminate(process: subprocess.Popen[bytes], timeout: float) -> bool:
         process.kill()
         process.wait(timeout=10)
         return False
+
+
+@contextlib.asynccontextmanager
+async def killed_on_exit(process: asyncio.subprocess.Process) -> AsyncIterator[None]:
+    """Kill ``process`` (and reap it) on leaving, if it is still running."""
+    try:
+        yield
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

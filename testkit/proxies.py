@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Self
 
-from testkit.net import LOOPBACK
+from testkit.net import LOOPBACK, url_of
 
 
 class LatencyProxy:
@@ -16,11 +17,15 @@ class LatencyProxy:
 
     Put between tokend and Redis, it makes Redis slow without touching it; order and
     content are kept. Set ``delay`` at any time; it applies to data read from then on.
+    It counts the chunks the clients sent (``received``) and those passed on upstream
+    (``forwarded``): with one delay, they are passed on in the order they came.
     """
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.delay = 0.0
+        self.received = 0
+        self.forwarded = 0
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -74,6 +79,8 @@ class LatencyProxy:
                     if not chunk:
                         break
                     writer.write(chunk)
+                    if delayed:
+                        self.forwarded += 1
                     await writer.drain()
             writer.close()
 
@@ -81,6 +88,8 @@ class LatencyProxy:
         try:
             with contextlib.suppress(OSError):
                 while chunk := await reader.read(65536):
+                    if delayed:
+                        self.received += 1
                     queue.put_nowait((loop.time() + (self.delay if delayed else 0.0), chunk))
             queue.put_nowait((loop.time() + (self.delay if delayed else 0.0), b""))
             await delivery
@@ -89,7 +98,33 @@ class LatencyProxy:
             writer.close()
 
 
-class RoundRobinProxy:
+class _Listener:
+    """A TCP listener on a free loopback port, whose connections :meth:`_relay` takes;
+    leaving it closes the listener and the streams :meth:`_streams` names."""
+
+    port = 0
+    _server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._streams():
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def _streams(self) -> list[asyncio.StreamWriter]:
+        raise NotImplementedError
+
+
+class RoundRobinProxy(_Listener):
     """A TCP load balancer on loopback, as a test's stand-in for HAProxy.
 
     Each connection goes to the next backend in turn; one that refuses is skipped
@@ -100,21 +135,10 @@ class RoundRobinProxy:
     def __init__(self, backends: list[int]) -> None:
         self.backends = backends
         self._turn = itertools.count()
-        self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self.port = 0
 
-    async def __aenter__(self) -> RoundRobinProxy:
-        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-        await self._server.wait_closed()
+    def _streams(self) -> list[asyncio.StreamWriter]:
+        return list(self._writers)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
@@ -143,3 +167,57 @@ class RoundRobinProxy:
                 writer.write(data)
                 await writer.drain()
         writer.close()
+
+
+@dataclass
+class _Relayed:
+    client: asyncio.StreamWriter
+    server: asyncio.StreamWriter
+    broken: bool = False  # bytes are dropped, and neither side is closed by the relay
+
+
+class Link(_Listener):
+    """A TCP relay to a tokend port whose open connections a test can break as a network
+    does. :meth:`cut` resets the client's side and leaves the server's open and silent
+    (it notices nothing, as when a phone loses its network); :meth:`blackhole` leaves
+    both open and silent. New connections pass as before."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self._relayed: list[_Relayed] = []
+
+    @property
+    def url(self) -> str:
+        return url_of(self.port)
+
+    def _streams(self) -> list[asyncio.StreamWriter]:
+        return [writer for r in self._relayed for writer in (r.client, r.server)]
+
+    def cut(self) -> None:
+        for relayed in self._relayed:
+            relayed.broken = True
+            relayed.client.transport.abort()
+
+    def blackhole(self) -> None:
+        for relayed in self._relayed:
+            relayed.broken = True
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(LOOPBACK, self.upstream)
+        relayed = _Relayed(writer, up_writer)
+        self._relayed.append(relayed)
+        await asyncio.gather(
+            self._pump(reader, up_writer, relayed), self._pump(up_reader, writer, relayed)
+        )
+
+    @staticmethod
+    async def _pump(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, relayed: _Relayed
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if not relayed.broken:
+                    writer.write(data)
+                    await writer.drain()
+        if not relayed.broken:
+            writer.close()

@@ -19,9 +19,22 @@ from testkit.net import LOOPBACK, free_port
 from tokend import activation, config
 from tokend.config import Settings
 
+# Clocks short enough to watch WARN and EXPIRED happen in a test (tests/conftest.py's apps).
+SHORT_CLOCKS: dict[str, Any] = {
+    "heartbeat_interval": 0.2,
+    "warn_after": 0.6,
+    "expire_after": 1.2,
+    "sweep_interval": 0.05,
+    "hello_timeout": 1.0,
+    "redis_timeout": 1.0,
+    "token_ttl": 60,
+    "renew_window": 2,
+}
 # Clocks no test step outlasts (a subprocess's start-up included): no WARN or expiry
 # where a test is about something else.
 CALM_CLOCKS: dict[str, Any] = {"heartbeat_interval": 5.0, "warn_after": 20.0, "expire_after": 30.0}
+# The environment a newcomer has: no TOKEND_* settings at all.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
 
 
 def node_env(settings: Settings) -> dict[str, str]:
@@ -166,15 +179,21 @@ def running_nodes(settings: Settings, *names: str) -> Iterator[list[TokendProces
                 node.stop()
 
 
-def serve_refused(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
-    """``tokend serve`` that must refuse to start: run to its end (at most 60 s, else
-    TimeoutExpired: it served), with ``env`` added to the environment less its TOKEND_*."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TOKEND_")}
+def tokend(
+    *args: str, env: dict[str, str], timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``tokend ARGS`` run to its end, with ``env`` added to :data:`CLEAN_ENV`."""
     return subprocess.run(
-        [sys.executable, "-m", "tokend", "serve", *flags],
-        env={**base, **env},
+        [sys.executable, "-m", "tokend", *args],
+        env={**CLEAN_ENV, **env},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         check=False,
     )
+
+
+def serve_refused(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    """``tokend serve`` that must refuse to start: run to its end (at most 60 s, else
+    TimeoutExpired: it served)."""
+    return tokend("serve", *flags, env=env, timeout=60)

@@ -1,4 +1,5 @@
-"""Fixtures: a private redis-server per test session, tokend apps with short clocks."""
+"""Fixtures: a private redis-server per test session, tokend apps with short clocks
+(testkit.tokend_process.SHORT_CLOCKS)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,64 @@ import structlog.testing
 from redis import asyncio as aioredis
 
 from testkit.events import EventLog
-from testkit.redis_servers import RedisProcess
+from testkit.redis_servers import RedisClusterProcess, RedisProcess
+from testkit.tokend_process import SHORT_CLOCKS
 from testkit.tokens import minter
 from tokend import config, connection, logs, server, tls
 from tokend.config import Settings
 from tokend.server import App
+from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import Client, open_client
 from tokend.tokens import TokenService
 
 logs.configure("console", "warning")
 
-# Clocks short enough to watch WARN and EXPIRED happen in a test.
-SHORT_CLOCKS: dict[str, Any] = {
-    "heartbeat_interval": 0.2,
-    "warn_after": 0.6,
-    "expire_after": 1.2,
-    "sweep_interval": 0.05,
-    "hello_timeout": 1.0,
-    "redis_timeout": 1.0,
-    "token_ttl": 60,
-    "renew_window": 2,
-}
+
+# Tests that run twice: on one Redis, and with every app and client on a local Redis
+# Cluster of three masters (docs/scaling.md), unchanged; their ids end in [cluster].
+ON_A_CLUSTER_TOO = frozenset(
+    {
+        "test_cli.py::test_unused_tid_revoked_is_barred",
+        "test_events.py::test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left",
+        "test_events.py::test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end",
+        "test_events.py::test_from_start_replays_what_the_streams_hold",
+        "test_server.py::test_bye_closes_1000_and_leaves_tombstone",
+        "test_server.py::test_hello_welcome_and_heartbeat_ack",
+        "test_server.py::test_renewal_inside_window",
+        "test_server.py::test_revoke_closes_connection_and_bars_token",
+        "test_server.py::test_silence_expires_once",
+        "test_server.py::test_takeover_closes_older_connection",
+        "test_server.py::test_warn_notice_then_recovery",
+    }
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if f"{metafunc.definition.path.name}::{metafunc.definition.originalname}" in ON_A_CLUSTER_TOO:
+        metafunc.parametrize("redis_server", ["single", "cluster"], indirect=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test of :data:`ON_A_CLUSTER_TOO` renamed or gone is an error, not a test less."""
+    files = {item.path.name for item in items}
+    found = {f"{item.path.name}::{item.originalname}" for item in items}  # type: ignore[attr-defined]
+    lost = sorted(n for n in ON_A_CLUSTER_TOO - found if n.split("::")[0] in files)
+    if lost:
+        raise pytest.UsageError(f"ON_A_CLUSTER_TOO names tests that do not exist: {lost}")
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+def redis_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisProcess | RedisClusterProcess]:
+    """The Redis of every test: one redis-server, or a Redis Cluster for the tests of
+    :data:`ON_A_CLUSTER_TOO` on their second run."""
+    if getattr(request, "param", "single") == "cluster":
+        server: RedisProcess | RedisClusterProcess = RedisClusterProcess(
+            tmp_path_factory.mktemp("cluster")
+        )
+    else:
+        server = RedisProcess(tmp_path_factory.mktemp("redis"))
     server.start()
     yield server
     server.stop()
@@ -50,6 +84,18 @@ def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> dict[str, str]:
+    """A fresh HOME, so the default data dir (~/.local/share/tokend) is empty."""
+    return {"HOME": str(tmp_path / "home"), "XDG_DATA_HOME": ""}
+
+
+@pytest.fixture
+def keys(settings: Settings) -> Keyspace:
+    """The key names of this test's prefix."""
+    return Keyspace(settings.key_prefix)
 
 
 @pytest.fixture
@@ -126,8 +172,12 @@ def tokend_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]
 
 
 @pytest.fixture
-async def redis(redis_server: RedisProcess) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_server.url, decode_responses=True)
+async def redis(redis_server: RedisProcess | RedisClusterProcess) -> AsyncIterator[Client]:
+    """A client of the test's Redis (of a cluster: as tokend makes one)."""
+    if isinstance(redis_server, RedisClusterProcess):
+        client: Client = open_client(redis_server.url, config.load({}, environ={}))
+    else:
+        client = aioredis.from_url(redis_server.url, decode_responses=True)
     yield client
     await client.aclose()
 

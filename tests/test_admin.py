@@ -1,4 +1,4 @@
-"""The admin listener (tokend/admin.py) on a real App: routes, auth, errors, admin API."""
+"""The admin listener (tokend/admin/) on a real App: routes, auth, errors, admin API."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from testkit.tokend_process import TokendProcess
 from testkit.waiting import eventually
 from tokend import cli as tokend_cli
 from tokend import protocol as p
+from tokend.admission import connection_budget
 from tokend.config import Settings
-from tokend.server import App, connection_budget
+from tokend.server import App
 from tokend.tokens import TokenService
 
 ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"
@@ -581,14 +582,14 @@ async def test_admin_connections_beyond_the_cap_get_503_and_one_log_line(
     assert app.admin is not None
     port = admin_port(app)
     idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-    await eventually(lambda: app.admin is not None and app.admin.open == 2)
+    await eventually(lambda: app.admin is not None and app.admin.listener.open == 2)
     capsys.readouterr()
     assert_error(await call(app, "GET", "/healthz"), 503, "too_many_connections")
     lines = admin_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "error=too_many_connections" in lines[0]
     for _, writer in idle:
         writer.close()
-    await eventually(lambda: app.admin is not None and app.admin.open == 0)
+    await eventually(lambda: app.admin is not None and app.admin.listener.open == 0)
     assert (await call(app, "GET", "/healthz")).status == 200
 
 

@@ -24,27 +24,25 @@ import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection
 
+from testkit.certificates import tls_node
 from testkit.clients import RawClient
 from testkit.events import EventLog
-from testkit.net import LOOPBACK
-from testkit.tokens import minter
-from tests.test_client import (
+from testkit.fake_servers import fake_server, unsigned_token, welcome_for
+from testkit.net import LOOPBACK, url_of
+from testkit.procs import killed_on_exit
+from testkit.proxies import Link
+from testkit.reconnects import (
     PROOF_CLOCKS,
     SPREAD_SESSIONS,
     SPREAD_WINDOW,
-    Link,
-    _unsigned_token,
-    _welcome_for,
     assert_spread,
     balanced,
-    fake_server,
-    killed_on_exit,
     resumed_at,
-    tls_node,
-    url_of,
 )
+from testkit.tokens import minter
 from tokend import protocol as p
-from tokend.server import RETRY_AFTER_S, App
+from tokend.admission import RETRY_AFTER_S
+from tokend.server import App
 from tokend.tokens import TokenService
 
 if TYPE_CHECKING:
@@ -379,7 +377,7 @@ async def test_a_server_breaking_the_protocol_is_left_with_4503(
     received: list[int | None] = []
 
     async def handler(ws: ServerConnection) -> None:
-        await ws.send(_welcome_for(await ws.recv(), 1000, 3000))
+        await ws.send(welcome_for(await ws.recv(), 1000, 3000))
         await ws.send(b"\x09")  # an unknown frame type
         await ws.wait_closed()
         received.append(ws.close_code)
@@ -564,7 +562,7 @@ async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
     """With storage: sessionStorage the page keeps its newest token and the last WELCOME's
     key: after a reload, the same session's HELLO carries both; 4509 is retried; the
     entry goes when the session ends."""
-    token = _unsigned_token()
+    token = unsigned_token()
     renewed = _renewed(token, 60)
     keys = [os.urandom(p.SESSION_KEY_LENGTH) for _ in range(2)]
     hellos: list[p.Hello] = []
@@ -573,7 +571,7 @@ async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
         data = await ws.recv()
         hellos.append(hello := p.decode(data))  # type: ignore[arg-type]
         if len(hellos) == 1:  # a new session, renewed by the first ACK
-            await ws.send(_welcome_for(data, 1000, 3000, keys[0]))
+            await ws.send(welcome_for(data, 1000, 3000, keys[0]))
             beat = p.decode(await ws.recv())
             assert isinstance(beat, p.Heartbeat)
             exp_ms = jwt.decode(renewed, options={"verify_signature": False})["exp"] * 1000
@@ -583,7 +581,7 @@ async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
             await ws.close(p.CloseCode.SESSION_IN_USE, "session_in_use")
         else:
             assert isinstance(hello, p.Hello)
-            await ws.send(_welcome_for(data, 1000, 3000, keys[1], resumed=True))
+            await ws.send(welcome_for(data, 1000, 3000, keys[1], resumed=True))
             await ws.wait_closed()
 
     options = {"backoff": FAST_BACKOFF, "storage": "sessionStorage"}

@@ -5,16 +5,16 @@ from __future__ import annotations
 import time
 
 from testkit.events import EventLog
+from testkit.pure import tokens
+from testkit.session_core import CADENCE, EXP_MS, IAT_S, Host, host
+from testkit.stores import control, proof_of, started, store
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
 from tokend.session import Ask, Close, Session
 from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
-from .test_session import CADENCE, EXP_MS, IAT_S, Host, host, tokens
-from .test_store import control, proof_of, started, store
-
-__all__ = ["control", "host", "store", "tokens"]  # fixtures, shared with their modules
+__all__ = ["control", "host", "store", "tokens"]  # fixtures of testkit
 
 
 async def test_a_resume_on_a_connection_of_the_same_id_closes_nothing(

@@ -13,23 +13,34 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jwt
 import pytest
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import ServerConnection
 
-from testkit.certificates import Authority
+from testkit.certificates import tls_node
 from testkit.clients import Closed, RawClient
 from testkit.events import EventLog
-from testkit.net import LOOPBACK, free_port
-from testkit.proxies import RoundRobinProxy
+from testkit.fake_servers import fake_server, unsigned_token, welcome_for
+from testkit.net import free_port, url_of
+from testkit.procs import killed_on_exit
+from testkit.proxies import Link
+from testkit.reconnects import (
+    HELD_LIVE_FOR,
+    PROOF_CLOCKS,
+    SPREAD_SESSIONS,
+    SPREAD_WINDOW,
+    assert_spread,
+    balanced,
+    resumed_at,
+)
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend import protocol as p
+from tokend.admission import RETRY_AFTER_S
 from tokend.client import (
     AuthError,
     Backoff,
@@ -45,15 +56,11 @@ from tokend.client import (
     connect,
 )
 from tokend.protocol import CloseCode, SessionState
-from tokend.server import RETRY_AFTER_S, App
+from tokend.server import App
 from tokend.tokens import TokenService
 
 FAST = Backoff(base=0.05, cap=0.5, going_away_window=0.5)
 StartApp = Callable[..., Awaitable[App]]
-
-
-def url_of(port: int) -> str:
-    return f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
 
 
 class Recorder:
@@ -293,18 +300,12 @@ async def test_refused_tokens_end_without_retrying(
 
 async def test_gives_up_after_max_attempts_when_nothing_listens():
     backoff = Backoff(base=0.01, cap=0.05, max_attempts=3)
-    session = ClientSession(url_of(free_port()), _unsigned_token(), backoff=backoff)
+    session = ClientSession(url_of(free_port()), unsigned_token(), backoff=backoff)
     with pytest.raises(RetriesExhausted) as gave_up:
         await session.start()
     assert gave_up.value.code is None
     assert session.stats.reconnects == 3
     assert "cannot connect" in str(gave_up.value)
-
-
-def _unsigned_token() -> str:
-    """A JWT-shaped token for servers that do not verify it (or are not there)."""
-    claims = {"jti": str(uuid.uuid4()), "sub": "nobody", "exp": int(time.time()) + 60}
-    return jwt.encode(claims, "k" * 32, algorithm="HS256")
 
 
 # A client whose event loop is blocked (it runs in a thread, with its own loop,
@@ -364,7 +365,9 @@ async def test_blocked_loop_warns_then_recovers(
     assert kinds[-1] is Change.ENDED and session.error is None  # logged out by us
     # Blocked from an ACK until warn_after had passed: late by warn_after less a cadence.
     assert session.stats.max_lag >= app.settings.warn_after - app.settings.heartbeat_interval
-    await events.wait_for("SESSION_RECOVERED", str(session.tid))
+    # Events come in order: an expiry would have come before the logout's SESSION_CLOSED.
+    await events.wait_for("SESSION_CLOSED", str(session.tid))
+    assert events.of("SESSION_RECOVERED", str(session.tid))
     assert not events.of("TOKEN_EXPIRED", str(session.tid))
 
 
@@ -383,41 +386,14 @@ async def test_blocked_past_expiry_ends_with_session_expired(
 # Against servers that misbehave
 
 
-@contextlib.asynccontextmanager
-async def fake_server(
-    handler: Callable[[ServerConnection], Awaitable[None]],
-) -> AsyncIterator[str]:
-    async with serve(
-        handler,
-        LOOPBACK,
-        0,
-        select_subprotocol=lambda _conn, _offered: p.SUBPROTOCOL,
-        compression=None,
-        ping_interval=None,
-    ) as server:
-        yield url_of(server.sockets[0].getsockname()[1])
-
-
-def _welcome_for(
-    hello: bytes, heartbeat_ms: int, warn_ms: int, key: bytes | None = None, resumed: bool = False
-) -> bytes:
-    frame = p.decode(hello)
-    assert isinstance(frame, p.Hello)
-    claims = jwt.decode(frame.token, options={"verify_signature": False})
-    exp_ms = claims["exp"] * 1000
-    key = key or os.urandom(p.SESSION_KEY_LENGTH)
-    tid = uuid.UUID(claims["jti"]).bytes
-    return p.encode(p.Welcome(tid, exp_ms, heartbeat_ms, warn_ms, 2 * warn_ms, key, resumed))
-
-
 async def test_a_server_breaking_the_protocol_is_terminal():
     async def handler(ws: ServerConnection) -> None:
-        await ws.send(_welcome_for(await ws.recv(), 50, 300))
+        await ws.send(welcome_for(await ws.recv(), 50, 300))
         await ws.send(b"\x09")  # unknown frame type
         await ws.wait_closed()
 
     async with fake_server(handler) as url:
-        session = ClientSession(url, _unsigned_token(), backoff=FAST)
+        session = ClientSession(url, unsigned_token(), backoff=FAST)
         recorder = Recorder(session)
         await session.start()
         ended = await recorder.until(Change.ENDED)
@@ -432,14 +408,14 @@ async def test_a_silent_server_is_left_and_the_client_reconnects():
     async def handler(ws: ServerConnection) -> None:
         nonlocal connections
         connections += 1
-        await ws.send(_welcome_for(await ws.recv(), 50, 300))
+        await ws.send(welcome_for(await ws.recv(), 50, 300))
         async for message in ws:  # take heartbeats, never ACK them
             if message == p.encode(p.Bye()):
                 return
 
     async with (
         fake_server(handler) as url,
-        connect(url, _unsigned_token(), backoff=FAST) as session,
+        connect(url, unsigned_token(), backoff=FAST) as session,
     ):
         recorder = Recorder(session)
         dropped = await recorder.until(Change.RECONNECTING)
@@ -463,19 +439,19 @@ async def test_every_resume_proves_with_the_key_of_the_last_welcome():
         assert isinstance(hello, p.Hello)
         hellos.append(hello)
         if len(hellos) == 1:  # a new session; closed after its first heartbeat
-            await ws.send(_welcome_for(data, 50, 300, keys[0]))
+            await ws.send(welcome_for(data, 50, 300, keys[0]))
             await ws.recv()
             await ws.close(CloseCode.INTERNAL_ERROR)
         elif len(hellos) == 2:  # as a server does when another connection holds it live
             await ws.close(CloseCode.SESSION_IN_USE, "session_in_use")
         else:
-            await ws.send(_welcome_for(data, 50, 300, keys[1], resumed=True))
+            await ws.send(welcome_for(data, 50, 300, keys[1], resumed=True))
             async for message in ws:  # until BYE
                 if message == p.encode(p.Bye()):
                     return
 
     async with fake_server(handler) as url:
-        session = ClientSession(url, _unsigned_token(), backoff=FAST)
+        session = ClientSession(url, unsigned_token(), backoff=FAST)
         recorder = Recorder(session)
         async with session:
             await recorder.until(Change.RESUMED)
@@ -497,10 +473,10 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
     async def handler(ws: ServerConnection) -> None:
         data = await ws.recv()
         hellos.append(p.decode(data))  # type: ignore[arg-type]
-        await ws.send(_welcome_for(data, 50, 300, resumed=True))
+        await ws.send(welcome_for(data, 50, 300, resumed=True))
         await ws.recv()  # BYE
 
-    token = _unsigned_token()
+    token = unsigned_token()
     async with fake_server(handler) as url, connect(url, token, session_key=kept) as session:
         assert session.session_key != kept  # the new WELCOME's
     assert [hello.proof for hello in hellos] == [p.resume_proof(kept, session.tid.bytes)]
@@ -509,77 +485,6 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
 
 
 # The resume proof end to end: a real tokend that checks it (branch park-proof)
-
-# A held session stays "live" for heartbeat_interval + 15 s after its last heartbeat
-# (spec "Resume proof"); WARN and expiry are further off, so only the proof decides.
-PROOF_CLOCKS = {"heartbeat_interval": 0.5, "warn_after": 20, "expire_after": 40}
-HELD_LIVE_FOR = PROOF_CLOCKS["heartbeat_interval"] + 15
-
-
-@dataclass
-class _Relayed:
-    client: asyncio.StreamWriter
-    server: asyncio.StreamWriter
-    broken: bool = False  # bytes are dropped, and neither side is closed by the relay
-
-
-class Link:
-    """A TCP relay to a tokend port whose open connections a test can break as a network
-    does. :meth:`cut` resets the client's side and leaves the server's open and silent
-    (it notices nothing, as when a phone loses its network); :meth:`blackhole` leaves
-    both open and silent. New connections pass as before."""
-
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self.port = 0
-        self._relayed: list[_Relayed] = []
-        self._server: asyncio.Server | None = None
-
-    @property
-    def url(self) -> str:
-        return url_of(self.port)
-
-    async def __aenter__(self) -> Link:
-        self._server = await asyncio.start_server(self._relay, LOOPBACK, 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for relayed in self._relayed:
-            relayed.client.close()
-            relayed.server.close()
-        await self._server.wait_closed()
-
-    def cut(self) -> None:
-        for relayed in self._relayed:
-            relayed.broken = True
-            relayed.client.transport.abort()
-
-    def blackhole(self) -> None:
-        for relayed in self._relayed:
-            relayed.broken = True
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(LOOPBACK, self.upstream)
-        relayed = _Relayed(writer, up_writer)
-        self._relayed.append(relayed)
-        await asyncio.gather(
-            self._pump(reader, up_writer, relayed), self._pump(up_reader, writer, relayed)
-        )
-
-    @staticmethod
-    async def _pump(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, relayed: _Relayed
-    ) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                if not relayed.broken:
-                    writer.write(data)
-                    await writer.drain()
-        if not relayed.broken:
-            writer.close()
 
 
 async def test_a_copied_token_cannot_take_a_live_session_from_its_client(
@@ -599,6 +504,8 @@ async def test_a_copied_token_cannot_take_a_live_session_from_its_client(
         acks = session.stats.acks
         await eventually(lambda: session.stats.acks > acks + 2)  # still heartbeating
         assert session.connected and session.stats.reconnects == 0
+    # Events come in order: a resume by the thief would have come before the logout's.
+    await events.wait_for("SESSION_CLOSED", str(session.tid))
     assert not events.of("SESSION_RESUMED", str(session.tid))
 
 
@@ -627,65 +534,6 @@ async def test_a_client_that_lost_its_network_takes_its_session_back_at_once(
 
 
 # No stampede after a drain or a refusal (issue 20 point 5), against real tokend nodes
-
-SPREAD_WINDOW = 3.0  # s: the going_away_window of the drained clients
-SPREAD_SESSIONS = 16
-# drain_period 0: every 1001 at once. A spread reconnect cannot harm these clocks: the
-# session can spare (expire - heartbeat) / 2 = 9.75 s, more than the window.
-SPREAD_CLOCKS = {"heartbeat_interval": 0.5, "warn_after": 10, "expire_after": 20, "drain_period": 0}
-
-
-@dataclass
-class Balanced:
-    """Two tokend nodes on one Redis behind a TCP balancer that sends every client to the
-    first, until it is drained."""
-
-    first: App
-    second: App
-    balancer: RoundRobinProxy
-
-    @property
-    def url(self) -> str:
-        return url_of(self.balancer.port)
-
-    async def drain_first(self) -> float:
-        """New connections to the second node; drain the first (1001 to all its clients at
-        once). The wall-clock time just before its closes."""
-        self.balancer.backends = [self.second.port]
-        began = time.time()
-        await self.first.drain(asyncio.Event())
-        return began
-
-
-@contextlib.asynccontextmanager
-async def balanced(start_app: StartApp) -> AsyncIterator[Balanced]:
-    first = await start_app(**SPREAD_CLOCKS)
-    second = await start_app(**SPREAD_CLOCKS, node_name="node-b")
-    async with RoundRobinProxy([first.port]) as balancer:
-        yield Balanced(first, second, balancer)
-
-
-async def resumed_at(events: EventLog, tids: list[str], timeout: float) -> dict[str, int]:
-    """When the server resumed each session: its SESSION_RESUMED's ``at`` (epoch ms)."""
-    await events.wait_until(lambda: all(events.of("SESSION_RESUMED", t) for t in tids), timeout)
-    return {tid: events.of("SESSION_RESUMED", tid)[0]["at"] for tid in tids}
-
-
-def assert_spread(
-    began: float, delays: Mapping[str, float], resumed: Mapping[str, int], window: float
-) -> None:
-    """The sessions drew their waits over the window, and the server saw each back no sooner
-    than its wait after the closes began: over a third of the window at least, both (16
-    uniform draws fall within a third of their range with odds of 1 in 10^6; a browser,
-    which opens one WebSocket at a time per host, spreads even waits it did not draw)."""
-    for tid, delay in delays.items():
-        assert 0 <= delay <= window, (tid, delay)
-        # ``at`` is Redis's clock in whole milliseconds (floored).
-        assert resumed[tid] + 1 >= (began + delay) * 1000, (tid, delay, resumed[tid] / 1000 - began)
-    drawn = max(delays.values()) - min(delays.values())
-    assert drawn >= window / 3, f"all {len(delays)} drew waits within {drawn:.3f} s"
-    span = (max(resumed.values()) - min(resumed.values())) / 1000
-    assert span >= window / 3, f"all {len(resumed)} resumed within {span:.3f} s"
 
 
 async def test_after_a_drain_the_first_reconnects_spread_over_the_window(
@@ -866,12 +714,12 @@ class FirstCloser:
         tid = uuid.UUID(claims["jti"]).bytes
         if tid not in self.keys:
             self.keys[tid] = os.urandom(p.SESSION_KEY_LENGTH)
-            await ws.send(_welcome_for(data, 200, 5000, self.keys[tid]))
+            await ws.send(welcome_for(data, 200, 5000, self.keys[tid]))
             await ws.recv()  # its first heartbeat
             await ws.close(CloseCode.INTERNAL_ERROR)
             return
         self.resumes.setdefault(tid, hello)
-        await ws.send(_welcome_for(data, 200, 5000, resumed=True))
+        await ws.send(welcome_for(data, 200, 5000, resumed=True))
         async for message in ws:  # heartbeats, unanswered; BYE ends it
             if message == p.encode(p.Bye()):
                 return
@@ -905,29 +753,6 @@ async def test_the_load_generators_prove_their_resumes(
 
 
 # wss:// with the server's certificate verified (issue 21 point 2)
-
-
-@dataclass(frozen=True)
-class TlsNode:
-    """tokend serving ``wss://`` itself, with a certificate of a CA made for the test."""
-
-    app: App
-    ca_file: Path  # the CA (PEM) a client must trust
-    settings: dict[str, str]  # the certificate and key settings, for a restart
-
-    @property
-    def url(self) -> str:
-        return f"wss://{LOOPBACK}:{self.app.port}{p.WS_PATH}"
-
-
-async def tls_node(start_app: StartApp, directory: Path, **settings: Any) -> TlsNode:
-    """A tokend with ``tls_cert_file`` and ``tls_key_file`` of a new CA's (testkit/certificates.py)
-    certificate for 127.0.0.1, written in ``directory``."""
-    authority = Authority.create()
-    cert, key = authority.issue(directory / "cert.pem", directory / "key.pem")
-    tls = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
-    app = await start_app(**tls, **settings)
-    return TlsNode(app, authority.write(directory / "ca.pem"), tls)
 
 
 async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(
@@ -969,17 +794,6 @@ async def test_over_wss_a_restart_is_reconnected_verified_and_resumed(
 
 
 # The command a newcomer runs
-
-
-@contextlib.asynccontextmanager
-async def killed_on_exit(process: asyncio.subprocess.Process) -> AsyncIterator[None]:
-    """Kill ``process`` (and reap it) on leaving, if it is still running."""
-    try:
-        yield
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 class ConnectCommand:

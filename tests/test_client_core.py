@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import pytest
 from websockets.frames import Close
 
-from testkit.tokens import WallClockTokens, minter_in
+from testkit.pure import FakeClock, clock, tokens
+from testkit.tokens import WallClockTokens
 from tokend import protocol as p
 from tokend.client.backoff import Backoff, going_away_limit, retry_after
 from tokend.client.core import ON_A_CONNECTION, Change, ClientCore, Disconnect, Lifecycle, Phase
@@ -37,6 +37,8 @@ from tokend.protocol import CloseCode, SessionState
 # WELCOME's clocks: a heartbeat a second, WARN after 3 s, expiry after 4 s. A session
 # can then spare (4 - 1) / 2 = 1.5 s for a spread reconnect after 1001.
 HEARTBEAT_MS, WARN_MS, EXPIRE_MS = 1_000, 3_000, 4_000
+__all__ = ["clock", "tokens"]  # fixtures of testkit
+
 SPARE_S = 1.5
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
@@ -48,24 +50,6 @@ def longest(low: float, high: float) -> float:
 
 
 BACKOFF = Backoff(base=0.5, cap=8.0, going_away_window=5.0, draw=longest)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def tokens(tmp_path: Path) -> WallClockTokens:
-    return minter_in(tmp_path / "keys")
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

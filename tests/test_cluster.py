@@ -1,8 +1,8 @@
 """tokend on a Redis Cluster (three masters) and through Sentinel (docs/scaling.md).
 
-The module's ``redis_server`` is a local Redis Cluster, so the conformance and
-event-reader tests imported below run unchanged against it, with
-``TOKEND_REDIS_URL=redis+cluster://...``.
+The module's ``redis_server`` is a local Redis Cluster. The conformance, CLI and
+event-reader tests listed in tests/conftest.py (``ON_A_CLUSTER_TOO``) run a second
+time, unchanged, on one too (their ids end in ``[cluster]``).
 """
 
 from __future__ import annotations
@@ -23,35 +23,27 @@ from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from testkit.clients import RawClient, tid_of
-from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
-from testkit.net import LOOPBACK, free_port, http_get, is_ready
-from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
-from testkit.waiting import eventually, eventually_sync
-from tests import test_cli, test_events
-from tests.test_cli import (  # noqa: F401 - collected here, against the cluster
-    CLEAN_ENV,
-    test_unused_tid_revoked_is_barred,
-    tokend,
-)
-from tests.test_events import (  # noqa: F401 - collected here, against the cluster
+from testkit.events import (
+    EventLog,
+    after_a_full_sweep,
+    left_to_judge,
     next_event,
     one_session,
-    test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left,
-    test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end,
-    test_from_start_replays_what_the_streams_hold,
+    read_events,
 )
-from tests.test_server import (  # noqa: F401 - collected here, against the cluster
-    test_bye_closes_1000_and_leaves_tombstone,
-    test_hello_welcome_and_heartbeat_ack,
-    test_renewal_inside_window,
-    test_revoke_closes_connection_and_bars_token,
-    test_silence_expires_once,
-    test_takeover_closes_older_connection,
-    test_warn_notice_then_recovery,
-)
+from testkit.net import LOOPBACK, free_port, http_get, is_ready
+from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.tokend_process import CLEAN_ENV, tokend
+from testkit.waiting import eventually, eventually_sync
 from tokend import events
 from tokend import protocol as p
-from tokend.answers import ReleaseOutcome
+from tokend.answers import (
+    HeartbeatAnswer,
+    HeartbeatOutcome,
+    HeartbeatReply,
+    ReleaseOutcome,
+    heartbeat_outcome,
+)
 from tokend.config import ConfigError, Settings
 from tokend.control import SENTINEL_POLL, ControlListener
 from tokend.server import App
@@ -60,9 +52,10 @@ from tokend.store.redis_client import Client, _multi_host, open_client, slot_gro
 from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
-# Fixtures of those modules, for the tests taken from them.
-home = test_cli.home
-keys = test_events.keys
+
+def as_answer(reply: HeartbeatReply) -> HeartbeatAnswer:
+    """A heartbeat's reply as an answer (a plain OK is the session's exp alone)."""
+    return HeartbeatAnswer(HeartbeatOutcome.OK, exp_ms=reply) if isinstance(reply, int) else reply
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +187,7 @@ async def drive_hello(store: Store) -> None:
 async def drive_heartbeat(store: Store) -> None:
     tids = await start_sessions(store)
     results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
-    assert [r.outcome for r in results] == ["ok"] * SHARDS
+    assert [heartbeat_outcome(r) for r in results] == ["ok"] * SHARDS
 
 
 async def drive_sweep(store: Store) -> None:
@@ -258,7 +251,7 @@ async def test_scripts_reload_on_every_master_after_a_flush(store: Store, redis:
     tids = await start_sessions(store)
     await redis.script_flush()  # on every primary
     results = await store.record_heartbeats([store.heartbeat_request(t, f"c-{t}") for t in tids])
-    assert [r.outcome for r in results] == ["ok"] * SHARDS
+    assert [heartbeat_outcome(r) for r in results] == ["ok"] * SHARDS
     assert await store.ready() is None
 
 
@@ -446,7 +439,8 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
         async with asyncio.timeout(10):
             while wins < 2:
                 replies = await asyncio.gather(*(s.record_heartbeats([request]) for s in stores))
-                results = [reply[0] for reply in replies]
+                # A plain OK (not renewed) is the exp alone: as an answer here.
+                results = [as_answer(reply[0]) for reply in replies]
                 assert [r.outcome for r in results] == ["ok", "ok"]
                 # Both win only when they straddle a second: then each moved exp to its own
                 # boundary (a loaded machine can put the two calls a second apart).

@@ -3,48 +3,79 @@
 ``Connection.data_received`` unmasks a read that is exactly one whole heartbeat frame
 itself when websockets' parser waits for the start of a frame. These tests feed the
 same bytes, cut at every kind of place, to a connection with the fast path and to one
-without it, and require the same messages handed on, in the same order, the same
-bytes written back (pongs, close frames) and the same protocol state: split frames
-(inside the header, the masking key, the payload), several frames coalesced in one
-read, fragmented messages, control frames between fragments, text, unmasked frames,
-and masking keys chosen to look like a heartbeat frame's first bytes.
+without it (websockets' debug mode turns it off, as in production), each a real
+:class:`Connection` with its real session, opened by a real handshake and HELLO before a
+fake :class:`tokend.peer.Hub`. They require the same round trips asked of the hub, in
+the same order, the same bytes written back (pongs, close frames: the closes the session
+makes on either path among them), the same session outcome and the same protocol state:
+split frames (inside the header, the masking key, the payload), several frames coalesced
+in one read, fragmented messages, control frames between fragments, text, unmasked
+frames, heartbeats the session refuses, and masking keys chosen to look like a heartbeat
+frame's first bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import os
 import random
-import time
-from typing import Any
+import ssl
+import uuid
+from collections.abc import Awaitable, Coroutine, Sequence
+from typing import Any, NamedTuple
 
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from websockets.frames import Close, Frame, Opcode
+from websockets.frames import Close, Frame, Opcode, apply_mask
+from websockets.http11 import Request
 from websockets.protocol import State
 
 from tokend import config
 from tokend import protocol as p
-from tokend.connection import HEARTBEAT_FRAME_LENGTH, Connection, TokendProtocol, binary_frame
+from tokend.answers import HelloAnswer, HelloOutcome
+from tokend.connection import HEARTBEAT_FRAME_LENGTH, Connection, SessionLink, binary_frame
+from tokend.http_answer import HttpAnswer
 from tokend.metrics import Metrics
-from tokend.session import Cadence, Session
+from tokend.peer import Peer
+from tokend.session import Cadence
+from tokend.shedding import Shedder
+from tokend.tokens import Claims
 
 SETTINGS = config.load({"max_frame_rate": 0}, environ={})
+CADENCE = Cadence(1000, 3000, 4000, 0)
+TID = uuid.UUID(bytes=os.urandom(16))
+EXP_MS = 2_000_000_000_000
 
 
-class Transport:
+class Transport(asyncio.Transport):
+    """A socket that keeps what is written to it."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.written: list[bytes] = []
         self.closed = False
+        self.reading = True
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written.append(bytes(data))
 
     def is_closing(self) -> bool:
         return self.closed
 
     def is_reading(self) -> bool:
-        return True
+        return self.reading
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
 
     def can_write_eof(self) -> bool:
         return True
@@ -58,159 +89,333 @@ class Transport:
     def close(self) -> None:
         self.closed = True
 
-    abort = close
+    def abort(self) -> None:
+        self.closed = True
 
 
-class Node:
-    name = "test"
-    metrics = Metrics()
+class Hub:
+    """The node as a connection sees it (tokend.peer.Hub): records the round trips asked."""
+
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.shedder = Shedder(0, lambda: (), lambda: False)
+        self.asked: list[tuple[str, int]] = []
+
+    def verify(self, token: str) -> Claims:
+        return Claims(TID, "alice", 0, EXP_MS // 1000)
+
+    def sign(self, claims: Claims) -> str:
+        raise AssertionError("no renewal here")
+
+    def sub_is_full(self, claims: Claims) -> bool:
+        return False
+
+    def new_conn_id(self) -> str:
+        return "test/1"
+
+    def submit_hello(self, peer: Peer) -> None:
+        self.asked.append(("hello", 0))
+
+    def forget_hello(self, peer: Peer) -> None:
+        self.asked.append(("forget_hello", 0))
+
+    def submit_heartbeat(self, peer: Peer) -> None:
+        self.asked.append(("heartbeat", peer.session.last_seq))
+
+    def end(self, peer: Peer) -> None:
+        self.asked.append(("bye", 0))
+
+    def attach(self, peer: Peer) -> None:
+        self.asked.append(("attach", 0))
+
+    def detach(self, peer: Peer) -> None:
+        self.asked.append(("detach", 0))
+
+    def release(self, peer: Peer) -> None:
+        self.asked.append(("release", 0))
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        raise AssertionError("nothing is answered later here")
 
 
 class Gate:
+    """The server as a connection sees it (tokend.connection.Gate): every handshake goes on."""
+
     settings = SETTINGS
-    origins = None
-    cadence = Cadence(1000, 3000, 4000, 0)
-    node = Node
+    cadence = CADENCE
+    origins: Sequence[str | None] | None = None
+
+    def __init__(self) -> None:
+        self.node = Hub()
+
+    def opened(self, connection: Connection) -> None:
+        pass
+
+    def addressed(self, connection: Connection) -> None:
+        pass
+
+    def closed(self, connection: Connection) -> None:
+        pass
+
+    def expects_proxy_header(self, peer_ip: str) -> bool:
+        return False
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        return None
+
+    def answer(self, ip: str, path: str) -> HttpAnswer | Awaitable[HttpAnswer] | None:
+        return None
+
+    def shed(self, connection: Connection) -> None:
+        pass
+
+    def refuses_hello(self, token: str) -> bool:
+        return False
 
 
-class Recording(Connection):
-    """An OPEN connection that records each message instead of handing it to a session."""
+class Beat(NamedTuple):
+    """A heartbeat frame for the session the connection was WELCOMEd to: its seq, the
+    masking key (None: a random one) and whether its mac is right."""
 
-    __slots__ = ("fast", "messages")
-
-    def __init__(self, fast: bool) -> None:
-        super().__init__(Gate)  # type: ignore[arg-type]
-        self.fast = fast
-        self.messages: list[tuple[str, bytes]] = []
-        self.ws = TokendProtocol(state=State.OPEN, max_size=SETTINGS.max_message_size)
-        self.transport = Transport()  # type: ignore[assignment]
-        self.session = Session(None, Gate.cadence, "test/1", time.monotonic)  # type: ignore[arg-type]
-        self.aligned = fast
-
-    @property
-    def fast_path(self) -> bool:
-        return self.fast
-
-    def _message(self, data: Any) -> None:
-        self.messages.append(("binary", bytes(data)))
-
-    def _frame(self, frame: Frame) -> None:
-        if frame.opcode is not Opcode.BINARY and frame.opcode is not Opcode.CONT:
-            self.messages.append((frame.opcode.name, bytes(frame.data)))
-        super()._frame(frame)
-
-    def _arm(self, delay: float, callback: Any) -> None:
-        pass  # no timers: nothing here waits
-
-    def _close(self, close: Any) -> None:
-        if close is not None:
-            self.messages.append(("close", str(close)))
-            if self.ws.state is State.OPEN:
-                self.ws.send_close(close.code, close.reason)
+    seq: int
+    mask: bytes | None = None
+    valid: bool = True
 
 
-def heartbeat_frame(mask: bytes | None = None) -> bytes:
-    hb = p.encode(p.make_heartbeat(os.urandom(32), os.urandom(16), 1, 2))
-    return _masked(Frame(Opcode.BINARY, hb), mask)
+Part = bytes | Beat
 
 
-def _masked(frame: Frame, mask: bytes | None = None) -> bytes:
+def masked(frame: Frame, mask: bytes | None = None) -> bytes:
+    """A client's frame; with ``mask``, masked with that key."""
     data = frame.serialize(mask=True, extensions=[])
     if mask is None:
         return data
     # Re-mask with the chosen key: the key is the 4 bytes before the payload.
     head = len(data) - len(frame.data) - 4
-    from websockets.frames import apply_mask
-
     return data[:head] + mask + apply_mask(frame.data, mask)
+
+
+def handshake() -> bytes:
+    key = base64.b64encode(os.urandom(16)).decode()
+    return (
+        f"GET {p.WS_PATH} HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+        f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: {p.SUBPROTOCOL}\r\n\r\n"
+    ).encode()
+
+
+class Opened(NamedTuple):
+    connection: Connection
+    link: SessionLink
+    hub: Hub
+    transport: Transport
+    key: bytes  # the session key its WELCOME carried
+
+
+def opened(fast: bool) -> Opened:
+    """A connection through its handshake and HELLO, WELCOMEd; with the fast path or not."""
+    gate = Gate()
+    connection = Connection(gate)
+    transport = Transport()
+    connection.connection_made(transport)
+    connection.data_received(handshake())
+    assert connection.ws.state is State.OPEN
+    if not fast:
+        connection.ws.debug = True  # as with websockets' debug logs on: no fast path
+    connection.data_received(masked(Frame(Opcode.BINARY, p.encode(p.Hello("token")))))
+    link = connection.link
+    assert link is not None and gate.node.asked == [("hello", 0)]
+    link.hello_answered(HelloAnswer(HelloOutcome.STARTED, EXP_MS, 0, 1))
+    welcome = p.decode(transport.written[-1][2:])
+    assert isinstance(welcome, p.Welcome)
+    gate.node.asked.clear()
+    transport.written.clear()
+    return Opened(connection, link, gate.node, transport, welcome.session_key)
+
+
+def wire(part: Part, key: bytes) -> bytes:
+    """The bytes of ``part`` for the session of ``key``."""
+    if isinstance(part, bytes):
+        return part
+    hb = p.make_heartbeat(key if part.valid else os.urandom(32), TID.bytes, part.seq, EXP_MS)
+    return masked(Frame(Opcode.BINARY, p.encode(hb)), part.mask)
+
+
+def feed(parts: Sequence[Part], cuts: Sequence[int], fast: bool) -> Opened:
+    """Open a connection, then feed it ``parts`` in reads cut at ``cuts``."""
+
+    async def run() -> Opened:
+        o = opened(fast)
+        stream = b"".join(wire(part, o.key) for part in parts)
+        start = 0
+        for cut in [*sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]:
+            if cut > start:
+                o.connection.data_received(stream[start:cut])
+                start = cut
+        return o
+
+    return asyncio.run(run())
+
+
+def same(parts: Sequence[Part], cuts: Sequence[int]) -> Opened:
+    """Feed both connections alike; they must have done the same."""
+    fast, slow = feed(parts, cuts, True), feed(parts, cuts, False)
+    assert fast.hub.asked == slow.hub.asked
+    assert b"".join(fast.transport.written) == b"".join(slow.transport.written)
+    assert fast.link.session.ended_by == slow.link.session.ended_by
+    assert fast.link.session.last_seq == slow.link.session.last_seq
+    assert (fast.connection.ws.state, fast.connection.ws.close_sent) == (
+        slow.connection.ws.state,
+        slow.connection.ws.close_sent,
+    )
+    return fast
+
+
+def counting_parser(connection: Connection) -> list[bytes]:
+    """What of its input reaches websockets' parser, from now on."""
+    parsed: list[bytes] = []
+    receive = connection.ws.receive_data
+
+    def counted(data: bytes | bytearray) -> None:
+        parsed.append(bytes(data))
+        receive(data)
+
+    connection.ws.receive_data = counted  # type: ignore[method-assign]
+    return parsed
 
 
 # A heartbeat frame whose masking key starts like a heartbeat frame: if it were read
 # from mid-frame, it would look like the start of one.
 LOOKALIKE_MASK = bytes([0x82, 0x80 | p.HEARTBEAT_LENGTH, 0x00, 0x00])
 
-frames = st.one_of(
-    st.builds(heartbeat_frame),
-    st.just(heartbeat_frame(LOOKALIKE_MASK)),
-    st.binary(min_size=0, max_size=200).map(lambda b: _masked(Frame(Opcode.BINARY, b))),
-    st.binary(min_size=1, max_size=125).map(lambda b: _masked(Frame(Opcode.PING, b))),
-    st.binary(min_size=0, max_size=125).map(lambda b: _masked(Frame(Opcode.PONG, b))),
-    # A heartbeat in two fragments, with a ping between them.
+SEQS = st.integers(min_value=1, max_value=40)
+parts = st.one_of(
+    # Heartbeats the session takes, or refuses (an old seq: 4504 old_seq; a bad mac).
+    SEQS.map(Beat),
+    SEQS.map(lambda seq: Beat(seq, LOOKALIKE_MASK)),
+    SEQS.map(lambda seq: Beat(seq, valid=False)),
+    # Messages the codec refuses (4503 malformed_frame), control frames.
+    st.binary(min_size=0, max_size=200).map(lambda b: masked(Frame(Opcode.BINARY, b))),
+    st.binary(min_size=1, max_size=125).map(lambda b: masked(Frame(Opcode.PING, b))),
+    st.binary(min_size=0, max_size=125).map(lambda b: masked(Frame(Opcode.PONG, b))),
+    # A heartbeat-sized message in two fragments, with a ping between them.
     st.just(
-        _masked(Frame(Opcode.BINARY, b"\x03" * 20, fin=False))
-        + _masked(Frame(Opcode.PING, b"between"))
-        + _masked(Frame(Opcode.CONT, b"\x03" * 30, fin=True))
+        masked(Frame(Opcode.BINARY, b"\x03" * 20, fin=False))
+        + masked(Frame(Opcode.PING, b"between"))
+        + masked(Frame(Opcode.CONT, b"\x03" * 30, fin=True))
     ),
-    st.just(_masked(Frame(Opcode.TEXT, b"hello"))),
+    st.just(masked(Frame(Opcode.TEXT, b"hello"))),
     st.just(Frame(Opcode.BINARY, b"\x03" * 50).serialize(mask=False, extensions=[])),
 )
 
 
-def feed(stream: bytes, cuts: list[int], fast: bool) -> Recording:
-    connection = Recording(fast)
-    start = 0
-    for cut in [*sorted(set(cuts)), len(stream)]:
-        if cut > start:
-            connection.data_received(stream[start:cut])
-            start = cut
-    return connection
-
-
-def same(stream: bytes, cuts: list[int]) -> Recording:
-    fast, slow = feed(stream, cuts, True), feed(stream, cuts, False)
-    assert fast.messages == slow.messages
-    assert b"".join(fast.transport.written) == b"".join(slow.transport.written)  # type: ignore[attr-defined]
-    assert (fast.ws.state, fast.ws.close_sent, fast.ws.close_rcvd) == (
-        slow.ws.state,
-        slow.ws.close_sent,
-        slow.ws.close_rcvd,
-    )
-    return fast
-
-
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(frames, min_size=1, max_size=12),
+    st.lists(parts, min_size=1, max_size=12),
     st.lists(st.integers(min_value=0, max_value=3000), max_size=12),
     st.booleans(),
 )
 def test_the_fast_path_is_the_parser_on_any_cut(
-    parts: list[bytes], cuts: list[int], closing: bool
+    stream: list[Part], cuts: list[int], closing: bool
 ) -> None:
-    stream = b"".join(parts)
     if closing:
-        stream += _masked(Frame(Opcode.CLOSE, Close(1000, "bye").serialize()))
-    same(stream, [c % (len(stream) + 1) for c in cuts])
+        stream = [*stream, masked(Frame(Opcode.CLOSE, Close(1000, "bye").serialize()))]
+    same(stream, cuts)
 
 
 def test_whole_heartbeat_reads_take_the_fast_path() -> None:
     """The case the path is for: one read, one heartbeat frame (else it saves nothing)."""
-    beats = [heartbeat_frame() for _ in range(5)]
-    cuts = [HEARTBEAT_FRAME_LENGTH * i for i in range(1, 5)]
-    connection = same(b"".join(beats), cuts)
-    assert len(connection.messages) == 5 and connection.aligned
-    assert not connection.ws.events  # nothing went through websockets' parser
+    beats = [Beat(seq) for seq in range(1, 6)]
+    fast = same(beats, [HEARTBEAT_FRAME_LENGTH * i for i in range(1, 5)])
+    assert fast.hub.asked == [("heartbeat", seq) for seq in range(1, 6)]
+    assert fast.connection.aligned
+
+    async def parsed() -> list[bytes]:
+        o = opened(fast=True)
+        seen = counting_parser(o.connection)
+        for beat in beats:
+            o.connection.data_received(wire(beat, o.key))
+        assert len(o.hub.asked) == 5
+        return seen
+
+    assert asyncio.run(parsed()) == []  # nothing went through websockets' parser
+
+
+def test_a_close_the_session_makes_on_the_fast_path_is_sent_at_once() -> None:
+    """A heartbeat refused on the fast path (its seq is old): 4504 goes out with that read."""
+    fast = same([Beat(5), Beat(5)], [HEARTBEAT_FRAME_LENGTH])
+    assert fast.link.session.ended_by == (p.CloseCode.BAD_HEARTBEAT, "old_seq")
+    assert fast.connection.ws.close_sent == Close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
+    assert b"".join(fast.transport.written).startswith(b"\x88")  # the close frame
+    assert fast.hub.asked == [("heartbeat", 5)]
 
 
 def test_a_read_starting_mid_frame_is_never_taken_for_a_heartbeat() -> None:
     """[2 header bytes] then [56 bytes: a lookalike masking key, payload, next header]."""
-    first, second = heartbeat_frame(LOOKALIKE_MASK), heartbeat_frame()
-    stream = first + second
-    connection = same(stream, [2, 2 + HEARTBEAT_FRAME_LENGTH])
-    assert [kind for kind, _ in connection.messages] == ["binary", "binary"]
+    fast = same([Beat(1, LOOKALIKE_MASK), Beat(2)], [2, 2 + HEARTBEAT_FRAME_LENGTH])
+    assert fast.hub.asked == [("heartbeat", 1), ("heartbeat", 2)]
 
 
 def test_fragments_with_a_ping_between_are_one_message() -> None:
-    stream = (
-        _masked(Frame(Opcode.BINARY, b"a" * 20, fin=False))
-        + _masked(Frame(Opcode.PING, b"x"))
-        + _masked(Frame(Opcode.CONT, b"b" * 30, fin=True))
-        + heartbeat_frame()
-    )
+    """A valid heartbeat in two fragments, a ping between them, then one whole."""
     rng = random.Random(7)
+
+    async def run(cuts: list[int]) -> tuple[Opened, bytes]:
+        o = opened(fast=True)
+        payload = p.encode(p.make_heartbeat(o.key, TID.bytes, 1, EXP_MS))
+        stream = (
+            masked(Frame(Opcode.BINARY, payload[:20], fin=False))
+            + masked(Frame(Opcode.PING, b"x"))
+            + masked(Frame(Opcode.CONT, payload[20:], fin=True))
+            + wire(Beat(2), o.key)
+        )
+        start = 0
+        for cut in [*sorted({c % len(stream) for c in cuts}), len(stream)]:
+            if cut > start:
+                o.connection.data_received(stream[start:cut])
+                start = cut
+        return o, stream
+
     for _ in range(200):
-        connection = same(stream, [rng.randrange(len(stream)) for _ in range(rng.randrange(6))])
-        assert [kind for kind, _ in connection.messages] == ["PING", "binary", "binary"]
+        o, _ = asyncio.run(run([rng.randrange(200) for _ in range(rng.randrange(6))]))
+        assert o.hub.asked == [("heartbeat", 1), ("heartbeat", 2)]
+        assert b"".join(o.transport.written) == binary_frame(b"")[:0] + Frame(
+            Opcode.PONG, b"x"
+        ).serialize(mask=False, extensions=[])
+
+
+def test_an_idle_session_holds_neither_the_handshake_request_nor_its_hello() -> None:
+    """After WELCOME the parser starts again between frames (connection.restart_parser):
+    none of its suspended generators holds the request (its headers) or the HELLO frame,
+    which an idle session would otherwise keep for its life (the heartbeats after it take
+    the fast path). That the restarted parser parses as the first did, the differential
+    tests above hold: their fast connection has it, their slow one not."""
+
+    async def held() -> list[object]:
+        o = opened(fast=True)
+        values: list[object] = []
+        generator: Any = o.connection.ws.parser
+        while generator is not None:
+            values += generator.gi_frame.f_locals.values()
+            generator = generator.gi_yieldfrom
+        return values
+
+    values = asyncio.run(held())
+    assert values  # the generators were found, and their locals read
+    assert not [v for v in values if isinstance(v, Request | Frame)]
+
+
+def test_a_session_logs_with_the_logger_bound_at_its_welcome() -> None:
+    """One logger per session, bound once with its fields (not built per line)."""
+    o = asyncio.run(_opened_fast())
+    log = o.connection.log
+    assert log is o.link.log and o.connection.log is log
+    context = structlog.get_context(log)
+    assert context == {"peer": "127.0.0.1:40000", "conn": "test/1", "tid": str(TID), "sub": "alice"}
+
+
+async def _opened_fast() -> Opened:
+    return opened(fast=True)
 
 
 @pytest.mark.parametrize("size", [0, 1, 20, 125, 126, 127, 370, 65535, 65536, 70000])

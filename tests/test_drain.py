@@ -19,14 +19,12 @@ from testkit import tokend_process
 from testkit.clients import RawClient, WireClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import http_request
-from testkit.tokend_process import TokendProcess
+from testkit.tokend_process import SHORT_CLOCKS, TokendProcess
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.config import Settings
 from tokend.server import App
 from tokend.tokens import TokenService
-
-from .conftest import SHORT_CLOCKS
 
 SESSIONS = 50
 DRAIN_PERIOD = 2.0
@@ -86,15 +84,13 @@ async def test_sigterm_spreads_closes_and_sessions_resume_elsewhere(
             for _ in range(SESSIONS):
                 await connected.acquire()
         assert a.process is not None
-        signalled = time.monotonic()
         a.process.send_signal(signal.SIGTERM)
-        assert await exit_status(a, DRAIN_PERIOD + EXIT_MARGIN + 5) == 0
-        exited = time.monotonic() - signalled
+        # How soon it exits is the drain bench's (python -m bench drain): here, that it does.
+        assert await exit_status(a, DRAIN_PERIOD + EXIT_MARGIN + 20) == 0
         async with asyncio.timeout(10):
             await asyncio.gather(*clients)
         await events.wait_for("SESSION_RESUMED", count=SESSIONS, timeout=5)
 
-        assert exited <= DRAIN_PERIOD + EXIT_MARGIN, exited
         assert max(closed_at) - min(closed_at) >= DRAIN_PERIOD / 2, "closes not spread"
         assert sorted(e["tid"] for e in events.of("SESSION_RESUMED")) == sorted(resumed)
         for kind in ("TOKEN_EXPIRED", "SESSION_CLOSED", "TOKEN_REVOKED"):
@@ -104,30 +100,55 @@ async def test_sigterm_spreads_closes_and_sessions_resume_elsewhere(
             node.stop(signal.SIGKILL)
 
 
+# A drain so long that its second close would come long after any wait of the test.
+LONG_DRAIN_PERIOD = 3600
+
+
 async def test_second_signal_closes_everything_at_once(
     node_env: dict[str, str], tokens: TokenService
 ) -> None:
-    a = start_node(node_env, "node-a", TOKEND_DRAIN_PERIOD="60")
+    a = start_node(node_env, "node-a", TOKEND_DRAIN_PERIOD=str(LONG_DRAIN_PERIOD))
     try:
         async with RawClient.connect(a.port) as first, RawClient.connect(a.port) as second:
             await first.hello(tokens.mint("first"))
             await second.hello(tokens.mint("second"))
             assert a.process is not None
             a.process.send_signal(signal.SIGTERM)
-            # One of two closes at once, the other 30 s later: draining, and not ready.
-            closes = [asyncio.create_task(c.expect_close(timeout=10)) for c in (first, second)]
+            # One of two closes at once, the other half an hour later: draining, not ready.
+            timeout = EXIT_MARGIN + 20
+            closes = [asyncio.create_task(c.expect_close(timeout)) for c in (first, second)]
             _, pending = await asyncio.wait(closes, return_when=asyncio.FIRST_COMPLETED)
             assert len(pending) == 1
             ready = await http_request(a.admin_port, "GET", "/readyz")
             assert ready.status == 503 and "drain" in ready.json(), ready
-            signalled = time.monotonic()
             a.process.send_signal(signal.SIGINT)
-            assert await exit_status(a, 10) == 0
-            assert time.monotonic() - signalled < EXIT_MARGIN
+            # The second close comes now, not in half an hour; and the process exits.
+            assert await exit_status(a, timeout) == 0
             codes = [(await task).code for task in closes]
             assert codes == [p.CloseCode.GOING_AWAY] * 2
     finally:
         a.stop(signal.SIGKILL)
+
+
+async def test_the_connections_not_yet_closed_are_served_during_the_drain(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService
+) -> None:
+    """Between two batches the loop serves the rest: a heartbeat is ACKed while the
+    drain waits for its next batch; a hurry closes it at once."""
+    app = await start_app(drain_period=LONG_DRAIN_PERIOD)
+    async with RawClient.connect(app.port) as one, RawClient.connect(app.port) as two:
+        for n, client in enumerate((one, two)):
+            await client.hello(tokens.mint(f"drained-{n}"))
+        hurry = asyncio.Event()
+        drain = asyncio.create_task(app.drain(hurry))
+        await eventually(lambda: len(app.connections) == 1, what="the first batch closed")
+        (left,) = app.connections
+        remaining = next(c for c in (one, two) if left.peer == "{}:{}".format(*c.ws.local_address))
+        assert isinstance(await remaining.heartbeat(), p.HeartbeatAck)
+        assert not drain.done()
+        hurry.set()
+        assert (await remaining.expect_close()).code == p.CloseCode.GOING_AWAY
+        await drain
 
 
 # A planned close costs no session (issue 20.2; docs/protocol.md §5, "Planned close") --------

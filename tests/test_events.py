@@ -9,23 +9,20 @@ import re
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
 from testkit.clients import Closed, RawClient, tid_of
-from testkit.events import EventLog
-from testkit.net import LOOPBACK
+from testkit.events import EventLog, next_event, one_session
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import node_env
 from testkit.waiting import eventually
 from tokend import events
 from tokend import protocol as p
-from tokend.client import Backoff, connect
 from tokend.config import Settings
 from tokend.server import App
 from tokend.store.keyspace import Keyspace
@@ -33,18 +30,6 @@ from tokend.tokens import TokenService
 
 Event = dict[str, Any]
 StartApp = Callable[..., Awaitable[App]]
-
-
-async def one_session(app: App, tokens: TokenService, sub: str) -> str:
-    """Start a session and log it out: SESSION_STARTED then SESSION_CLOSED. Returns its tid."""
-    url = f"ws://{LOOPBACK}:{app.port}{p.WS_PATH}"
-    async with connect(url, tokens.mint(sub), backoff=Backoff(0.05, 0.5)) as session:
-        pass
-    return str(session.tid)
-
-
-async def next_event(stream: AsyncIterator[Event], timeout: float = 5.0) -> Event:
-    return await asyncio.wait_for(anext(stream), timeout)
 
 
 async def pending(redis: aioredis.Redis, keys: Keyspace, group: str) -> list[str]:
@@ -65,11 +50,6 @@ async def group_created(redis: aioredis.Redis, keys: Keyspace, group: str) -> No
         return True
 
     await eventually(created)
-
-
-@pytest.fixture
-def keys(settings: Settings) -> Keyspace:
-    return Keyspace(settings.key_prefix)
 
 
 async def test_live_yields_events_published_while_subscribed(
@@ -149,8 +129,26 @@ async def test_durable_waits_out_a_redis_outage(
     own_redis: RedisProcess,
     keys: Keyspace,
 ):
+    """The reader's reads fail while Redis is down (seen: its connection attempts are
+    refused, more than once), yet it goes on, and reads again once Redis is back."""
     app = await start_app(redis_url=own_redis.url)
-    client = aioredis.from_url(own_redis.url, decode_responses=True)
+    refused = 0
+
+    class Counted(aioredis.Connection):
+        """A real connection that counts the attempts Redis refused."""
+
+        async def connect(self) -> None:
+            nonlocal refused
+            try:
+                await super().connect()
+            except aioredis.ConnectionError:
+                refused += 1
+                raise
+
+    pool = aioredis.ConnectionPool.from_url(
+        own_redis.url, connection_class=Counted, decode_responses=True
+    )
+    client = aioredis.Redis(connection_pool=pool)
     seen: list[Event] = []
     arrived = asyncio.Event()
 
@@ -164,7 +162,7 @@ async def test_durable_waits_out_a_redis_outage(
         await one_session(app, tokens, "before-outage")
         await asyncio.wait_for(arrived.wait(), 5)
         own_redis.kill()
-        await asyncio.sleep(0.3)  # several of its 100 ms blocking reads fail meanwhile
+        await eventually(lambda: refused >= 2, what="reads refused while Redis is down")
         assert not consumer.done()
         await asyncio.to_thread(own_redis.start)
         tid = await one_session(app, tokens, "after-outage")

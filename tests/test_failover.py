@@ -28,8 +28,8 @@ from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, http_request
 from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.tokend_process import tokend
 from testkit.waiting import eventually, eventually_sync
-from tests.test_cli import tokend
 from tokend import config
 from tokend import protocol as p
 from tokend.config import ConfigError, Settings
@@ -218,6 +218,25 @@ async def test_without_the_replicas_asked_for_nothing_is_reported_done(
     for tid in tids:  # the master has each of them
         assert await redis.get(session_keys(app, tid)[1]) == "revoked"
 
+    # The command's flags set both for one call, over the environment's.
+    tid = str(uuid.uuid4())
+    unwaited = await asyncio.to_thread(
+        tokend, "revoke", tid, "--durable-replicas", "0", env=cli_env(app.settings)
+    )
+    assert (unwaited.returncode, unwaited.stdout) == (0, "revoked (no live session)\n")
+    env = {**cli_env(app.settings), config.env_name("durable_replicas"): "0"}
+    waited = await asyncio.to_thread(
+        tokend,
+        "revoke",
+        str(uuid.uuid4()),
+        "--durable-replicas",
+        "1",
+        "--durable-timeout",
+        "0.05",
+        env=env,
+    )
+    assert waited.returncode == 3 and "0 of 1 replicas" in waited.stderr, waited.stderr
+
     async with RawClient.connect(app.port) as client:
         tid = tid_of(await client.hello(tokens.mint("leaving")))
         await client.send(p.encode(p.Bye()))
@@ -249,20 +268,28 @@ def replicated(tmp_path: Path) -> Iterator[tuple[RedisProcess, RedisProcess]]:
 async def test_auto_waits_for_the_connected_replica_of_a_plain_master(
     make_settings: Callable[..., Settings], replicated: tuple[RedisProcess, RedisProcess]
 ):
+    """durable_replicas auto on a plain master: WAIT for the one replica it has, for
+    durable_timeout, as the master itself sees the command."""
     master, replica = replicated
-    settings = make_settings(redis_url=master.url, durable_timeout=0.2)
+    # A durable_timeout the replica of a busy machine surely meets when it is running.
+    settings = make_settings(redis_url=master.url, durable_timeout=1.0, redis_timeout=3.0)
     client = open_client(settings.redis_url, settings)
+    watcher = aioredis.from_url(master.url, decode_responses=True)
     store = Store(client, settings, "test")
     try:
         assert await store.revoke(uuid.uuid4(), by="test") == 2  # the replica acknowledged it
         assert replica.process is not None
         replica.process.send_signal(signal.SIGSTOP)  # still connected, acknowledging nothing
-        started = time.monotonic()
-        with pytest.raises(NotConfirmed, match="0 of 1 replicas"):
-            await store.revoke(uuid.uuid4(), by="test")
-        assert 0.2 <= time.monotonic() - started < 1.0
+        async with watcher.monitor() as monitor:  # every command the master runs from now
+            with pytest.raises(NotConfirmed, match="0 of 1 replicas"):
+                await store.revoke(uuid.uuid4(), by="test")
+            async with asyncio.timeout(5):
+                while not (command := (await monitor.next_command())["command"]).startswith("WAIT"):
+                    pass
+        assert command == "WAIT 1 1000"  # one replica, durable_timeout in ms
     finally:
         await client.aclose()
+        await watcher.aclose()
 
 
 # Nodes keep the revocations they hear, and write them again after a failover ----------------

@@ -120,7 +120,7 @@ async def test_scripts_flushed_mid_session(app, tokens: TokenService, redis, eve
 
 async def test_readyz_reports_a_dead_background_task(app):
     assert app.node is not None
-    # The app runs in this loop: its node's sweeper is found by name (tests/test_node.py
+    # The app runs in this loop: its node's sweeper is found by name (tests/test_node_core.py
     # holds Node.failed_task to naming it).
     [sweeper] = [t for t in asyncio.all_tasks() if t.get_name() == "sweeper"]
     sweeper.cancel()  # stands in for a task that crashed
@@ -195,33 +195,32 @@ async def test_slow_redis_fails_fast(start_app, tokens: TokenService, redis_serv
             redis_url=proxy.url, redis_timeout=SLOW_TIMEOUT, warn_after=20, expire_after=30
         )
         assert app.node is not None
-        loop = asyncio.get_running_loop()
         async with RawClient.connect(app.port) as held:
             welcome = await held.hello(tokens.mint("steady"))
             baseline_tasks = server_tasks()
             proxy.delay = SLOW_REDIS_S
 
-            async def refused_in() -> float:
+            async def refused() -> None:
                 async with RawClient.connect(app.port) as newcomer:
-                    began = loop.time()
                     await newcomer.send(p.encode(p.Hello(tokens.mint("hasty"))))
                     assert (await newcomer.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
-                    return loop.time() - began
 
-            waits: list[float] = []
             most_waiting = 0
             for _ in range(SLOW_ATTEMPTS // SLOW_WAVE):
-                wave = asyncio.gather(*(refused_in() for _ in range(SLOW_WAVE)))
+                sent_before = proxy.received
+                wave = asyncio.gather(*(refused() for _ in range(SLOW_WAVE)))
                 ack = await held.heartbeat()  # answered from what the node knows
                 assert ack.exp_ms == welcome.exp_ms
-                waits += await wave
+                await wave
+                # Each HELLO waited one redis_timeout, not behind the others: all were
+                # refused before the slow link had passed on any request of the wave
+                # (it holds each SLOW_REDIS_S, three redis_timeouts).
+                assert proxy.forwarded <= sent_before, (proxy.forwarded, sent_before)
                 most_waiting = max(
                     most_waiting,
                     len(app.node.heartbeat_batcher.waiting)
                     + len(app.node.heartbeat_batcher.unstored),
                 )
-            # Each HELLO waited one redis_timeout, not behind the others.
-            assert max(waits) < SLOW_TIMEOUT + 1.0, max(waits)
             # Nothing accumulates: one heartbeat entry per connection, tasks back to before.
             assert most_waiting <= 1
             # The last closes finish.

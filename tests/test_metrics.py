@@ -52,7 +52,7 @@ async def test_counters_gauges_and_histograms(
             assert value(samples, "tokend_heartbeat_stage_seconds_count", stage=stage) == 1
         assert value(samples, "tokend_redis_call_seconds_count", script="hello") == 1
         assert value(samples, "tokend_redis_call_seconds_count", script="heartbeat") >= 1
-        assert value(samples, "tokend_redis_call_seconds_count", script="claim") >= 1
+        assert value(samples, "tokend_redis_call_seconds_count", script="sweep") >= 1
         assert value(samples, "process_cpu_seconds_total") > 0
         assert any(name == "python_info" for name, _ in samples)
 

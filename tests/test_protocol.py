@@ -28,6 +28,9 @@ from tokend.protocol import (
     Welcome,
     decode,
     encode,
+    heartbeat_fields,
+    heartbeat_proof_holds,
+    is_heartbeat,
     make_heartbeat,
 )
 from tokend.tokens import REFUSALS
@@ -411,11 +414,38 @@ def test_heartbeat_mac_matches_an_independent_hmac() -> None:
     assert data[34:] == expected
 
 
-def test_mac_is_valid_with_the_right_key_only() -> None:
+def proof_holds(hb: Heartbeat, key: bytes) -> bool:
+    """The server's check of a heartbeat's mac, on its bytes as they come."""
+    data = encode(hb)
+    return is_heartbeat(data) and heartbeat_proof_holds(data, key)
+
+
+def test_a_heartbeat_is_read_in_place_as_decode_reads_it() -> None:
+    data = encode(make_heartbeat(KEY, TID, 42, 7))
+    assert is_heartbeat(data) and heartbeat_fields(data) == (TID, 42, 7)
+    assert not is_heartbeat(data[:-1]) and not is_heartbeat(data + b"\x00")
+    assert not is_heartbeat(b"\x03\x01" + data[2:])  # flags
+    assert not is_heartbeat(b"\x04" + data[1:])  # another type
+
+
+@PROPS
+@given(st.binary(min_size=0, max_size=60))
+def test_is_heartbeat_is_decode_giving_a_heartbeat(tail: bytes) -> None:
+    for data in (tail, b"\x03" + tail, b"\x03\x00" + tail):
+        try:
+            decoded: object = decode(data)
+        except ProtocolError:
+            decoded = None
+        assert is_heartbeat(data) == isinstance(decoded, Heartbeat)
+
+
+def test_the_proof_holds_with_the_right_key_only() -> None:
     hb = make_heartbeat(KEY, TID, 1, 2)
-    assert hb.mac_is_valid(KEY)
-    assert not hb.mac_is_valid(bytes(32))
-    assert not hb.mac_is_valid(KEY[:-1] + bytes([KEY[-1] ^ 1]))
+    assert proof_holds(hb, KEY)
+    assert not proof_holds(hb, bytes(32))
+    assert not proof_holds(hb, KEY[:-1] + bytes([KEY[-1] ^ 1]))
+    # The frame's own check (a client's, tests/test_client_core.py) agrees.
+    assert hb.mac_is_valid(KEY) and not hb.mac_is_valid(bytes(32))
 
 
 @pytest.mark.parametrize("index", range(16))
@@ -423,7 +453,7 @@ def test_mac_with_a_flipped_byte_is_invalid(index: int) -> None:
     hb = make_heartbeat(KEY, TID, 1, 2)
     mac = bytearray(hb.mac)
     mac[index] ^= 0x01
-    assert not Heartbeat(hb.tid, hb.seq, hb.exp_ms, bytes(mac)).mac_is_valid(KEY)
+    assert not proof_holds(Heartbeat(hb.tid, hb.seq, hb.exp_ms, bytes(mac)), KEY)
 
 
 @pytest.mark.parametrize("index", range(50))
@@ -436,20 +466,20 @@ def test_any_flipped_byte_of_a_heartbeat_fails_decode_or_mac(index: int) -> None
         assert index in (0, 1)  # type or flags
         return
     assert isinstance(frame, Heartbeat)
-    assert not frame.mac_is_valid(KEY)
+    assert not proof_holds(frame, KEY)
 
 
 def test_changed_fields_invalidate_the_mac() -> None:
     hb = make_heartbeat(KEY, TID, 5, 6)
-    assert not Heartbeat(hb.tid, 6, 6, hb.mac).mac_is_valid(KEY)
-    assert not Heartbeat(hb.tid, 5, 7, hb.mac).mac_is_valid(KEY)
-    assert not Heartbeat(bytes(16), 5, 6, hb.mac).mac_is_valid(KEY)
+    assert not proof_holds(Heartbeat(hb.tid, 6, 6, hb.mac), KEY)
+    assert not proof_holds(Heartbeat(hb.tid, 5, 7, hb.mac), KEY)
+    assert not proof_holds(Heartbeat(bytes(16), 5, 6, hb.mac), KEY)
 
 
 def test_decoded_heartbeat_mac_verifies() -> None:
     hb = decode(encode(make_heartbeat(KEY, TID, 3, 4)))
     assert isinstance(hb, Heartbeat)
-    assert hb.mac_is_valid(KEY)
+    assert proof_holds(hb, KEY)
 
 
 @PROPS
@@ -458,8 +488,8 @@ def test_mac_property(key: bytes, tid: bytes, seq: int, exp_ms: int) -> None:
     hb = make_heartbeat(key, tid, seq, exp_ms)
     signed = struct.pack(">BB16sQQ", 3, 0, tid, seq, exp_ms)
     assert hb.mac == hmac.new(key, signed, hashlib.sha256).digest()[:16]
-    assert hb.mac_is_valid(key)
-    assert not hb.mac_is_valid(bytes(b ^ 0xFF for b in key))
+    assert proof_holds(hb, key)
+    assert not proof_holds(hb, bytes(b ^ 0xFF for b in key))
 
 
 # --- decode is total: ProtocolError or a frame that re-encodes to the input ------------------

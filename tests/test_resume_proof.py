@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
-from testkit.clients import Closed, RawClient, tid_of
+from testkit.clients import Closed, RawClient, proof_of, tid_of
 from testkit.events import EventLog
 from testkit.waiting import eventually
 from tokend import protocol as p
@@ -37,10 +37,6 @@ async def refused(port: int, token: str, proof: bytes | None = None) -> Closed:
     async with RawClient.connect(port) as client:
         await client.send(p.encode(p.Hello(token, proof=proof)))
         return await client.expect_close()
-
-
-def proof_of(welcome: p.Welcome) -> bytes:
-    return p.resume_proof(welcome.session_key, welcome.tid)
 
 
 @contextlib.asynccontextmanager
@@ -77,6 +73,10 @@ async def test_a_thief_with_the_token_alone_is_4509_and_the_rightful_client_goes
             before = len(acks)
             await eventually(lambda: len(acks) >= before + 2, what="more ACKs")
         assert rightful.ws.close_code is None  # untouched
+        await rightful.send(p.encode(p.Bye()))
+        assert (await rightful.expect_close()).code == p.CloseCode.NORMAL
+    # The session's events come in order: a resume by a thief would be before its close.
+    await events.wait_for("SESSION_CLOSED", tid)
     assert events.of("SESSION_RESUMED", tid) == []
 
 

@@ -10,94 +10,35 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from testkit.tokens import minter_in
+from testkit.pure import FakeClock, clock, tokens
+from testkit.session_core import (
+    CADENCE,
+    EXP_MS,
+    IAT_S,
+    SESSION_S,
+    SINCE_MS,
+    Host,
+    heartbeat,
+    host,
+    session,
+    welcome,
+)
 from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.clocks import serving_rank
-from tokend.session import Ask, Cadence, Close, Phase, Release, Session
-from tokend.tokens import Claims, TokenService
+from tokend.session import Ask, Close, Phase, Release, Session
+from tokend.tokens import TokenService
 
-CADENCE = Cadence(heartbeat_ms=1_000, warn_ms=3_000, expire_ms=4_000, max_frame_rate=5)
-IAT_S = int(time.time())  # at import: a whole run later, tokens minted then are still valid
-SESSION_S = 3600
-EXP_MS = (IAT_S + SESSION_S) * 1000  # the session's exp, as the store says it
-SINCE_MS = IAT_S * 1000 + 7  # when the connection took the session, as the store says it
+__all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
+
 OK = HeartbeatOutcome.OK
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Host:
-    """The node's part, with real tokens: verify and sign; a sub cap of ``full`` subs."""
-
-    def __init__(self, tokens: TokenService) -> None:
-        self.tokens = tokens
-        self.full: set[str] = set()
-        self.signed: list[Claims] = []
-
-    def verify(self, token: str) -> Claims:
-        return self.tokens.verify(token)
-
-    def sign(self, claims: Claims) -> str:
-        self.signed.append(claims)
-        return self.tokens.sign(claims)
-
-    def sub_is_full(self, claims: Claims) -> bool:
-        return claims.sub in self.full
-
-
-@pytest.fixture
-def tokens(tmp_path: Path) -> TokenService:
-    return minter_in(tmp_path / "keys")
-
-
-@pytest.fixture
-def host(tokens: TokenService) -> Host:
-    return Host(tokens)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def session(host: Host, clock: FakeClock) -> Session:
-    return Session(host, CADENCE, "node-a/1", clock)
 
 
 def closed(out: object, code: p.CloseCode, reason: str) -> None:
     assert out == Close(code, reason)
-
-
-def welcome(
-    session: Session, tokens: TokenService, *, resumed: bool = False, ttl_s: int = SESSION_S
-) -> p.Welcome:
-    """HELLO with a fresh token for "alice" (its exp the session's unless ``ttl_s`` says
-    otherwise), the store's answer; the WELCOME sent."""
-    assert session.receive(p.Hello(tokens.mint("alice", ttl_s=ttl_s, iat=IAT_S))) is Ask.START
-    outcome = HelloOutcome.RESUMED if resumed else HelloOutcome.STARTED
-    out = session.started(HelloAnswer(outcome, EXP_MS, IAT_S, SINCE_MS))
-    assert isinstance(out, bytes)
-    frame = p.decode(out)
-    assert isinstance(frame, p.Welcome)
-    return frame
-
-
-def heartbeat(
-    w: p.Welcome, seq: int, exp_ms: int = EXP_MS, tid: bytes | None = None
-) -> p.Heartbeat:
-    return p.make_heartbeat(w.session_key, tid or w.tid, seq, exp_ms)
 
 
 def acks(out: object) -> list[p.HeartbeatAck]:
@@ -113,7 +54,7 @@ def stored(exp_ms: int = EXP_MS, **flags: bool) -> HeartbeatAnswer:
     )
 
 
-def store_one(session: Session, answer: HeartbeatAnswer) -> list[p.HeartbeatAck]:
+def store_one(session: Session, answer: HeartbeatAnswer | int) -> list[p.HeartbeatAck]:
     session.take_heartbeats()
     return acks(session.stored(answer))
 
@@ -287,7 +228,7 @@ def test_store_unavailable_at_hello_is_1013(session: Session, tokens: TokenServi
 def test_a_valid_heartbeat_asks_the_store(session: Session, tokens: TokenService) -> None:
     w = welcome(session, tokens)
     assert session.receive(heartbeat(w, 1)) is Ask.HEARTBEAT
-    assert session.unanswered == ((1, EXP_MS),)
+    assert [a.seq for a in store_one(session, stored())] == [1]
 
 
 def test_the_mac_is_checked_before_the_tid(session: Session, tokens: TokenService) -> None:
@@ -341,7 +282,25 @@ def test_a_stored_heartbeat_is_acknowledged(session: Session, tokens: TokenServi
     session.receive(heartbeat(w, 1))
     [ack] = store_one(session, stored())
     assert (ack.seq, ack.exp_ms, ack.token, ack.flags) == (1, EXP_MS, None, 0)
-    assert session.unanswered == ()
+    assert store_one(session, stored()) == []  # answered once
+
+
+def test_a_plain_ok_the_store_answers_with_the_exp_alone_is_acknowledged(
+    session: Session, tokens: TokenService
+) -> None:
+    """heartbeat.lua's common reply is the session's exp_ms alone (answers.HeartbeatReply):
+    stored, not renewed, not leaving WARN."""
+    w = welcome(session, tokens)
+    session.warn()  # an integer says the session is ACTIVE now
+    session.receive(heartbeat(w, 1))
+    [ack] = store_one(session, EXP_MS)
+    assert (ack.seq, ack.exp_ms, ack.token, ack.flags) == (1, EXP_MS, None, 0)
+    assert not session.warned
+    # A newer exp (renewed by another node): the client lacks that token, re-sent.
+    session.receive(heartbeat(w, 2))
+    [ack] = store_one(session, EXP_MS + 60_000)
+    assert (ack.seq, ack.exp_ms, ack.resent, ack.renewed) == (2, EXP_MS + 60_000, True, False)
+    assert ack.token is not None
 
 
 def test_a_renewal_hands_over_a_new_token(
@@ -412,7 +371,7 @@ def test_a_heartbeat_arriving_during_the_store_call_waits_for_the_next(
     session.take_heartbeats()
     session.receive(heartbeat(w, 2))
     [ack] = acks(session.stored(stored()))
-    assert ack.seq == 1 and session.unanswered == ((2, EXP_MS),)
+    assert ack.seq == 1
     assert [a.seq for a in store_one(session, stored())] == [2]
 
 
@@ -465,7 +424,7 @@ def test_heartbeats_held_through_an_outage_are_acked_then_replayed(
     [ack] = [p.decode(a) for a in session.held_back() or []]
     assert isinstance(ack, p.HeartbeatAck)
     assert (ack.seq, ack.exp_ms, ack.was_warn, ack.token) == (1, EXP_MS, True, None)
-    assert session.held and session.unanswered == ()
+    assert session.held
     new_exp = EXP_MS + 1000
     assert session.replayed(stored(new_exp)) is None
     assert not session.held and session.exp_ms == new_exp and not session.warned

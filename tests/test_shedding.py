@@ -1,38 +1,46 @@
-"""Load shedding (tokend/shedding.py): the session core's input, the steps, the loop probe.
+"""Load shedding (tokend/shedding.py): the session core's input, the steps, the loop probe,
+the penalty of a client just shed.
 
 The session core is driven as in tests/test_session.py (real tokens, no Redis); the
-Shedder's steps with given ranks; its probe on a real event loop made late on purpose.
+Shedder's steps with given ranks; its probe on a real event loop made late on purpose;
+the penalties on a real tokend (its probe off: the test steps its shedder).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
-from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.answers import HelloAnswer, HelloOutcome
-from tokend.clocks import RANKS, serving_rank
-from tokend.session import OVERLOADED, Ask, Close, Session
-from tokend.shedding import CALM_FOR, WINDOW, Shedder
-from tokend.tokens import TokenService
+import pytest
+from websockets.exceptions import InvalidStatus
 
-from .test_session import (
+from testkit.clients import RawClient
+from testkit.pure import FakeClock, clock, tokens
+from testkit.session_core import (
     CADENCE,
     EXP_MS,
     IAT_S,
     SESSION_S,
-    FakeClock,
     Host,
-    clock,
     heartbeat,
     host,
     session,
-    tokens,
     welcome,
 )
+from testkit.tokens import minter
+from testkit.waiting import eventually
+from tokend import protocol as p
+from tokend.answers import HelloAnswer, HelloOutcome
+from tokend.clocks import RANKS, serving_rank
+from tokend.config import Settings
+from tokend.server import App
+from tokend.session import OVERLOADED, Ask, Close, Session
+from tokend.shedding import CALM_FOR, WINDOW, Shedder, unverified_sub
+from tokend.tokens import TokenService
 
-__all__ = ["clock", "host", "session", "tokens"]  # fixtures, shared with test_session
+__all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
 
 SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
 
@@ -196,3 +204,111 @@ async def test_a_heartbeat_backlog_makes_the_node_shed() -> None:
     finally:
         running = False
         await task
+
+
+# The penalty of a client just shed (issue 20.6) ------------------------------------------
+
+# Far longer than a test: a penalty seen ending was ended by its class being served.
+PENALTY_S = 60.0
+SHED_PRIO, BEST_PRIO = 0, 9
+# Loopback addresses of the clients (tokend caps nothing per address here).
+SHED_FROM, OTHER = "127.0.0.2", "127.0.0.3"
+
+
+@pytest.fixture
+async def shedding(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService
+) -> AsyncIterator[App]:
+    """A tokend holding a session of the best prio and one of the lowest, shedding the
+    lowest (stepped by the test: shed_lag 0 runs no probe that would step back up)."""
+    app = await start_app(shed_lag=0, shed_penalty=PENALTY_S, max_connections_per_ip=0)
+    async with RawClient.connect(app.port) as best, RawClient.connect(app.port) as low:
+        await best.hello(tokens.mint("best-held", prio=BEST_PRIO))
+        await low.hello(tokens.mint("low-held", prio=SHED_PRIO))
+        await eventually(lambda: len(app.node.sessions) == 2, what="both sessions held")
+        app.node.shedder.step_down(lag=1.0)
+        assert app.node.shedder.shed_from == serving_rank(SHED_PRIO, warned=False)
+        yield app
+
+
+async def hello_closed(port: int, token: str, source: str) -> tuple[int | None, str]:
+    """HELLO with ``token`` from ``source``: the close the server answers it with."""
+    async with RawClient.connect(port, source=source) as client:
+        await client.send(p.encode(p.Hello(token)))
+        closed = await client.expect_close()
+    return closed.code, closed.reason
+
+
+async def refused_status(port: int, source: str) -> tuple[int, str | None]:
+    """A handshake from ``source`` the server refuses: its status and Retry-After."""
+    with pytest.raises(InvalidStatus) as refused:
+        async with RawClient.connect(port, source=source):
+            pass
+    response = refused.value.response
+    return response.status_code, response.headers.get("Retry-After")
+
+
+def stranger_tokens(make_settings: Callable[..., Settings], tmp_path: Path) -> TokenService:
+    """Tokens signed with keys tokend does not know: any claims, forged."""
+    return minter(make_settings(), tmp_path / "stranger-keys")
+
+
+async def test_a_shed_client_is_refused_before_its_handshake_and_its_token_check(
+    shedding: App,
+    tokens: TokenService,
+    make_settings: Callable[..., Settings],
+    tmp_path: Path,
+) -> None:
+    """Shed at HELLO (a verified token of a shed prio): from its address the next
+    handshake gets 503 with Retry-After; from anywhere its sub's next HELLO gets 1013
+    before the signature is checked (a forged token of that sub: 1013, not 4501)."""
+    port = shedding.port
+    shed = (p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+    assert await hello_closed(port, tokens.mint("shed-me", prio=SHED_PRIO), SHED_FROM) == shed
+    status, retry_after = await refused_status(port, SHED_FROM)
+    assert status == 503 and retry_after is not None and 1 <= int(retry_after) <= PENALTY_S
+    forged = stranger_tokens(make_settings, tmp_path).mint("shed-me", prio=BEST_PRIO)
+    assert await hello_closed(port, forged, OTHER) == shed
+    # Another sub's forgery is refused by its token check, another sub's token served.
+    nobody = stranger_tokens(make_settings, tmp_path).mint("nobody", prio=BEST_PRIO)
+    assert (await hello_closed(port, nobody, OTHER))[0] == p.CloseCode.INVALID_TOKEN
+    async with RawClient.connect(port, source=OTHER) as client:
+        assert (await client.hello(tokens.mint("served", prio=BEST_PRIO))).tid
+    assert shedding.node.metrics.shed_handshakes == 2
+
+
+async def test_a_penalty_ends_once_the_shed_class_is_served_again(
+    shedding: App, tokens: TokenService
+) -> None:
+    port = shedding.port
+    token = tokens.mint("shed-me", prio=SHED_PRIO)
+    assert (await hello_closed(port, token, SHED_FROM))[0] == p.CloseCode.TRY_AGAIN_LATER
+    assert (await refused_status(port, SHED_FROM))[0] == 503
+    shedding.node.shedder.step_up()  # the lowest prio is served again
+    async with RawClient.connect(port, source=SHED_FROM) as client:
+        assert (await client.hello(token)).tid
+
+
+async def test_a_forged_sub_does_not_penalise_its_victim(
+    shedding: App,
+    tokens: TokenService,
+    make_settings: Callable[..., Settings],
+    tmp_path: Path,
+) -> None:
+    """A forgery naming the victim's sub at a shed prio is refused by its token check
+    (4501), not shed: only a verified session's shed adds a penalty."""
+    port = shedding.port
+    forged = stranger_tokens(make_settings, tmp_path).mint("victim", prio=SHED_PRIO)
+    assert (await hello_closed(port, forged, SHED_FROM))[0] == p.CloseCode.INVALID_TOKEN
+    async with RawClient.connect(port, source=OTHER) as victim:
+        assert (await victim.hello(tokens.mint("victim", prio=BEST_PRIO))).tid
+    async with RawClient.connect(port, source=SHED_FROM) as again:  # nor its sender's address
+        assert (await again.hello(tokens.mint("someone", prio=BEST_PRIO))).tid
+
+
+def test_the_unverified_sub_is_read_from_the_payload_or_not_at_all(
+    tokens: TokenService,
+) -> None:
+    assert unverified_sub(tokens.mint("alice")) == "alice"
+    for junk in ("", "a.b", "a.!!!.c", "a.bm90IGpzb24.c", "a.WzFd.c", "a.eyJzdWIiOjF9.c"):
+        assert unverified_sub(junk) is None

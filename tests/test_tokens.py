@@ -32,7 +32,6 @@ from tokend.tokens import (
     KeySchedule,
     TokenError,
     TokenService,
-    _write_private_key,
 )
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -70,10 +69,28 @@ def claims(**changes: Any) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
+def private_key(ring: KeyRing, kid: str) -> Ed25519PrivateKey:
+    """The private key of ``kid``, read from its file as any holder of the directory can."""
+    key = serialization.load_pem_private_key((ring.directory / f"{kid}.pem").read_bytes(), None)
+    assert isinstance(key, Ed25519PrivateKey)
+    return key
+
+
+def write_key_file(path: Path, key: Ed25519PrivateKey) -> None:
+    """A key file as an operator puts one in the keys directory: PKCS8 PEM, mode 0600."""
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    path.write_bytes(pem)
+    path.chmod(0o600)
+
+
 def sign(ring: KeyRing, body: dict[str, Any], **headers: Any) -> str:
     """Sign arbitrary claims/headers with the ring's newest private key."""
     kid = ring.kids[-1]
-    key = ring._private[kid]
+    key = private_key(ring, kid)
     return jwt.encode(body, key, algorithm="EdDSA", headers={"kid": kid, **headers})
 
 
@@ -84,7 +101,7 @@ def raw_token(header: dict[str, Any], body: dict[str, Any], signature: bytes = b
 def sign_raw(ring: KeyRing, header: dict[str, Any], body: dict[str, Any]) -> str:
     """A token with a genuine signature by the newest key over any header (PyJWT-free)."""
     signing_input = f"{b64url_json(header)}.{b64url_json(body)}"
-    signature = ring._private[ring.kids[-1]].sign(signing_input.encode())
+    signature = private_key(ring, ring.kids[-1]).sign(signing_input.encode())
     return f"{signing_input}.{b64url(signature)}"
 
 
@@ -146,14 +163,19 @@ def test_mint_defaults(service: TokenService, ring: KeyRing) -> None:
     assert payload["jti"] == str(got.tid)
 
 
-@pytest.mark.parametrize("prio", [5, 0, 9])
-def test_tokens_are_the_bytes_pyjwt_makes(service: TokenService, ring: KeyRing, prio: int) -> None:
-    """KeyRing.sign builds the JWS itself (for speed): the same bytes as jwt.encode."""
-    token = service.mint("alice", prio=prio)
+@pytest.mark.parametrize(
+    ("prio", "sub"), [(5, "alice"), (0, "alice"), (9, "alice"), (5, 'a"b\\c/\u00e9\u2028\x01')]
+)
+def test_tokens_are_the_bytes_pyjwt_makes(
+    service: TokenService, ring: KeyRing, prio: int, sub: str
+) -> None:
+    """TokenService.sign writes the claims' JSON and KeyRing the JWS itself (for speed):
+    the same bytes as jwt.encode, a sub that JSON escapes included."""
+    token = service.mint(sub, prio=prio)
     body = jwt.decode(token, options={"verify_signature": False})
     assert token == sign(ring, body)
     public = ring.public_key(ring.kids[-1])
-    assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == "alice"
+    assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == sub
 
 
 def test_minted_tokens_have_fresh_ids(service: TokenService) -> None:
@@ -275,8 +297,8 @@ def test_a_retired_key_neither_verifies_nor_is_published(settings: Settings) -> 
     directory = settings.resolved_keys_dir
     directory.mkdir(parents=True)
     retired, successor = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-    _write_private_key(directory / f"{T0}.pem", retired)
-    _write_private_key(directory / f"{T1}.pem", successor)
+    write_key_file(directory / f"{T0}.pem", retired)
+    write_key_file(directory / f"{T1}.pem", successor)
     service = TokenService(settings, KeyRing.open(directory))
     assert service.published_kids(time.time()) == [T1] == [k["kid"] for k in service.jwks()["keys"]]
     old = jwt.encode(claims(), retired, algorithm="EdDSA", headers={"kid": T0})
@@ -473,7 +495,7 @@ def test_malformed_kid_is_refused(service: TokenService, ring: KeyRing, kid: Any
 
 
 def test_missing_kid_is_refused(service: TokenService, ring: KeyRing) -> None:
-    key = ring._private[ring.kids[-1]]
+    key = private_key(ring, ring.kids[-1])
     token = jwt.encode(claims(), key, algorithm="EdDSA")
     assert "kid" not in jwt.get_unverified_header(token)
     refused(service, token, "unknown_kid")
@@ -560,7 +582,7 @@ def test_signed_malformed_payload_is_refused(service: TokenService, ring: KeyRin
     head = b64url_json({"alg": "EdDSA", "typ": "JWT", "kid": kid})
     for payload in (b"{not json", b"[1, 2]", b'"string"', b"\xff\xfe"):
         signing_input = f"{head}.{b64url(payload)}".encode()
-        signature = ring._private[kid].sign(signing_input)
+        signature = private_key(ring, kid).sign(signing_input)
         refused(service, f"{signing_input.decode()}.{b64url(signature)}", "malformed")
 
 

@@ -1,9 +1,10 @@
-"""The store's answers to a session, as the session core sees them: enums and tuples.
+"""What a session asks of the store and the store's answers, as the session side sees them:
+enums and tuples.
 
-This is the narrow interface between :mod:`tokend.session` (pure protocol logic) and
-:mod:`tokend.store` (Redis): no key, script name or raw reply crosses it. The store
-turns each script's reply into one of these; the session decides what it means for
-the connection.
+This is the narrow interface between :mod:`tokend.session` and :mod:`tokend.connection`
+(pure protocol logic and its connection) and :mod:`tokend.store` (Redis): no key, script
+name or raw reply crosses it. The store turns each script's reply into one of these; the
+session decides what it means for the connection.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class HeartbeatOutcome(StrEnum):
 
 
 class HeartbeatAnswer(NamedTuple):
-    """One heartbeat's outcome; a tuple: made per heartbeat, at a tenth of a dataclass' cost."""
+    """One heartbeat's outcome, unless it is a plain OK (see :data:`HeartbeatReply`)."""
 
     outcome: HeartbeatOutcome
     was_warn: bool = False
@@ -56,6 +57,40 @@ class HeartbeatAnswer(NamedTuple):
     exp_ms: int = 0
     iat_s: int = 0  # 0: unchanged (only a renewal changes it)
     ended: Ended | None = None
+
+
+# The store's answer to a heartbeat: the common one, stored with nothing else changed (not
+# renewed, not leaving WARN), is the session's exp_ms alone, as heartbeat.lua replies it (no
+# object made per heartbeat); any other is a HeartbeatAnswer.
+HeartbeatReply = HeartbeatAnswer | int
+
+
+def heartbeat_outcome(reply: HeartbeatReply) -> HeartbeatOutcome:
+    """The outcome of a heartbeat's reply."""
+    return HeartbeatOutcome.OK if isinstance(reply, int) else reply.outcome
+
+
+class HeartbeatRequest(NamedTuple):
+    """A connection's heartbeat for the batch; built once per session (at WELCOME), reused.
+
+    Small on purpose: every idle session keeps one. Its keys are made at each flush.
+    """
+
+    tid: str
+    conn: str
+    shard: int
+
+
+class Known(NamedTuple):
+    """What a live connection knows of its session: enough for heartbeat.lua to restore
+    it should a failover have lost it (or lost this connection's resume of it)."""
+
+    sub: str
+    prio: int
+    iat_s: int
+    exp_ms: int
+    since_ms: int  # Redis time at which this connection took the session (HELLO's answer)
+    proof: bytes  # the resume proof this connection's session key makes
 
 
 class EndOutcome(IntEnum):

@@ -35,7 +35,15 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "issue": (*_MINT, *_LOGS),
     "events": (*_REDIS, "node_name", *_LOGS),
     "connect": ("host", "port", *_MINT, *_LOGS),
-    "revoke": (*_REDIS, "token_ttl", "stream_maxlen", "leeway", *_LOGS),
+    "revoke": (
+        *_REDIS,
+        "token_ttl",
+        "stream_maxlen",
+        "leeway",
+        "durable_replicas",
+        "durable_timeout",
+        *_LOGS,
+    ),
     "sessions": (*_REDIS, *_LOGS),
     "keys": (*_KEYS, *_LOGS),
     "reload": ("data_dir", *_LOGS),
@@ -487,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
         "wherever it is) and bar the token from starting a new one. Exit status 0 once "
         'durable_replicas replicas hold it, 3 ("not confirmed") when they did not '
         "acknowledge it within durable_timeout (a Redis failover may undo it: run it "
-        "again), 1 when Redis is unreachable.",
+        "again), 1 when Redis is unreachable. --durable-replicas and --durable-timeout "
+        "set both for this call.",
     )
     revoke.add_argument("tid", help="token id (the jti claim, a UUID)")
     revoke.set_defaults(func=cmd_revoke)

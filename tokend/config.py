@@ -109,6 +109,12 @@ class Settings:
         "worst-ranked sessions first (lowest prio, WARN first, never its best class), then "
         "503 to new handshakes; 0: never shed",
     )
+    shed_penalty: float = _setting(
+        2.0,
+        "seconds a client shed with 1013 is refused before it costs a handshake or a token "
+        "check (503 with Retry-After by source address, 1013 at HELLO by sub), ending early "
+        "once its class is served again; 0: no penalty",
+    )
     sweep_interval: float = _setting(
         0.1, "how often each node sweeps for due WARN/EXPIRED transitions"
     )
@@ -150,7 +156,9 @@ class Settings:
     )
     max_frame_rate: float = _setting(
         5.0,
-        "frames per second per connection after WELCOME, bursts up to 10x; beyond it close "
+        "binary messages per second per connection after WELCOME (a fragmented message "
+        "counts once; pongs, continuation and close frames are not counted), bursts up to "
+        "10x; pings count in a bucket of their own at the same rate; beyond either close "
         "4029; 0: no limit",
     )
     max_pending_hellos: int = _setting(
@@ -383,6 +391,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("backlog: must be 1..65535")
     if settings.shed_lag < 0:
         raise ConfigError("shed_lag: must not be negative (0 turns shedding off)")
+    if settings.shed_penalty < 0:
+        raise ConfigError("shed_penalty: must not be negative (0: no penalty)")
     if settings.heartbeat_batch < 1:
         raise ConfigError("heartbeat_batch: must be at least 1")
     if settings.flush_lanes < 1:

@@ -2,15 +2,16 @@
 
 The only module of the server that knows about websockets. A :class:`Connection`
 feeds the bytes of its socket to a ``websockets.server.ServerProtocol`` (RFC 6455:
-opening handshake, framing, control frames, the closing handshake, message size),
-hands the binary messages that come out, decoded, to its :class:`tokend.session.Session`,
-and carries out what the session answers: frames to send, a request for the node's
-batchers, a close.
+opening handshake, framing, control frames, the closing handshake, message size) and
+hands the binary messages that come out to its :class:`SessionLink`, which decodes
+them for its :class:`tokend.session.Session` and carries out what the session answers:
+frames to send, a round trip of the node (:class:`tokend.peer.Hub`), a close.
 
 No task and no coroutine waits for an idle connection: it is this object, its
-websockets protocol, its session and its socket. Heartbeats are answered from the
-node's batch flush, which calls :meth:`Connection.heartbeats_stored` (one write per
-connection per flush).
+websockets protocol, its link, its session and its socket. Heartbeats are answered from
+the node's batch flush, which calls :meth:`SessionLink.heartbeats_stored` (one write
+per connection per flush). The node sees the link as a :class:`tokend.peer.Peer`;
+this module imports neither the node nor the store.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import NegotiationError
 from websockets.frames import Frame, Opcode, apply_mask
 from websockets.http11 import Request, Response
+from websockets.protocol import Protocol as WebSocketProtocol
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.streams import StreamReader
@@ -36,17 +38,14 @@ from websockets.typing import Subprotocol
 
 from tokend import protocol as p
 from tokend import proxy_protocol, tls
-from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
+from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.http_answer import HttpAnswer
+from tokend.peer import Hub
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
-from tokend.store.sessions import Known
-from tokend.store.unavailable import NotConfirmed, StoreUnavailable
 
 if TYPE_CHECKING:
     from tokend.config import Settings
-    from tokend.node import Node
     from tokend.session import Cadence
-    from tokend.store.sessions import HeartbeatRequest
 
 _log = structlog.get_logger("tokend.connection")
 # websockets logs each connection opened and closed at info through the standard library.
@@ -66,16 +65,25 @@ HEARTBEAT_FRAME_LENGTH = 2 + 4 + p.HEARTBEAT_LENGTH
 # pauses until the store answers: a client keeps one out at a time, and one that sends
 # faster than the store answers is held back as TCP holds back a slow reader.
 READ_PAUSE_AT = 16
+# Bytes of one read handed to websockets' parser at a time (see data_received).
+READ_SLICE = 4096
 
 
 class Gate(Protocol):
     """What a connection asks of the server that accepted it."""
 
     settings: Settings
-    node: Node
     cadence: Cadence
-    # Acceptable Origin headers (None among them: no header), or None for any.
-    origins: Sequence[str | None] | None
+
+    @property
+    def node(self) -> Hub:
+        """The node the connection's session is served by."""
+        ...
+
+    @property
+    def origins(self) -> Sequence[str | None] | None:
+        """Acceptable Origin headers (None among them: no header), or None for any."""
+        ...
 
     def opened(self, connection: Connection) -> None:
         """A TCP connection was accepted (its client address may not be known yet)."""
@@ -99,6 +107,14 @@ class Gate(Protocol):
         """None to go on with the WebSocket handshake, else the HTTP answer to give."""
         ...
 
+    def shed(self, connection: Connection) -> None:
+        """The node shed the connection's verified session (close 1013, overloaded)."""
+        ...
+
+    def refuses_hello(self, token: str) -> bool:
+        """Whether a HELLO is refused (1013) before its token is checked."""
+        ...
+
 
 class TokendProtocol(ServerProtocol):
     """websockets' server protocol, offering subprotocol ``tokend.v1`` only."""
@@ -113,11 +129,13 @@ class TokendProtocol(ServerProtocol):
 
 
 class Connection(asyncio.Protocol):
-    """A client's TCP connection, from accept to close.
+    """A client's TCP connection, from accept to close: its socket and its WebSocket.
 
-    Invariants: ``session`` is set once the handshake succeeded; the session's phase
+    Invariants: ``link`` is set once the handshake succeeded; its session's phase
     CLOSED means a close frame was sent (or the protocol failed the connection),
-    after which nothing but the closing handshake is written.
+    after which nothing but the closing handshake is written. Outside
+    :meth:`data_received`, websockets has nothing left to send: whatever it is given
+    to send (a close) is written at once.
     """
 
     __slots__ = (
@@ -127,13 +145,11 @@ class Connection(asyncio.Protocol):
         "deadline",
         "fragments",
         "gate",
-        "heartbeat_request",
         "ip",
-        "marks",
+        "link",
         "paused",
         "pings",
         "preface",
-        "session",
         "stall",
         "transport",
         "ws",
@@ -148,8 +164,7 @@ class Connection(asyncio.Protocol):
             logger=_ws_logger,
         )
         self.transport: asyncio.Transport | None = None
-        self.session: Session | None = None
-        self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
+        self.link: SessionLink | None = None  # once the WebSocket handshake succeeded
         # The client's address (the per-IP counts key), once known: at accept, or from
         # the PROXY header of a trusted balancer's connection (None until then).
         self.ip: str | None = None
@@ -169,25 +184,25 @@ class Connection(asyncio.Protocol):
         self.paused = False  # reading paused by us (see pause_writing and READ_PAUSE_AT)
         # websockets' parser waits for the first byte of a frame: see data_received.
         self.aligned = False
-        # perf_counter() readings of a heartbeat sampled for the stage histogram.
-        self.marks: tuple[float, float, float] | None = None
+
+    @property
+    def session(self) -> Session | None:
+        """The connection's session core, once the WebSocket handshake succeeded."""
+        return self.link.session if self.link is not None else None
 
     @property
     def log(self) -> structlog.typing.FilteringBoundLogger:
-        """This connection's logger, built per line rather than kept: an idle session
-        should cost little more than its socket (docs/performance.md, idle memory)."""
-        session = self.session
-        fields = {"peer": self.peer}
-        if session is not None:
-            fields["conn"] = session.conn
-            if session.claims is not None:
-                fields |= {"tid": str(session.claims.tid), "sub": session.claims.sub}
-        return _log.bind(**fields)
+        """This connection's logger: its session's, bound once at WELCOME; before that
+        (the opening, HELLO: few lines) bound per line with what is known."""
+        link = self.link
+        if link is not None and link.log is not None:
+            return link.log
+        return _bound(self.peer, link.session if link is not None else None)
 
     @property
     def peer(self) -> str:
         """The client's address and port, for logs: a PROXY header's, else the TCP
-        peer's (not kept: see ``log``)."""
+        peer's."""
         peer = self.address or self._tcp_peer()
         return f"{peer[0]}:{peer[1]}" if peer else "?"
 
@@ -227,21 +242,23 @@ class Connection(asyncio.Protocol):
         Fast path: a read that is exactly one whole, unfragmented, masked binary frame of
         a heartbeat's size, while the parser waits for the start of a frame, is unmasked
         here and handed on as the parser would hand it (its only effect on the parser
-        would be to return to the same waiting state). tests/test_connection.py holds
-        this path equal, byte for byte and event for event, to the parser's on split,
-        coalesced, fragmented and interleaved-control input.
+        would be to return to the same waiting state; a close it leads to is written
+        by :meth:`close_with`). tests/test_connection.py holds this path equal, byte for
+        byte and event for event, to the parser's on split, coalesced, fragmented and
+        interleaved-control input.
         """
+        link = self.link
         if (
             self.aligned
+            and link is not None
             and len(data) == HEARTBEAT_FRAME_LENGTH
             and data[0] == HEARTBEAT_FRAME_HEAD[0]
             and data[1] == HEARTBEAT_FRAME_HEAD[1]
         ):
             try:
-                self._message(apply_mask(data[6:], data[2:6]))
+                link.message(apply_mask(data[6:], data[2:6]))
             except Exception:
                 self._internal_error()
-            self._write()
             return
         if self.preface is not None:
             data = self._preface(data)
@@ -249,15 +266,22 @@ class Connection(asyncio.Protocol):
                 return
         ws = self.ws
         try:
-            ws.receive_data(data)
-            for event in ws.events_received():
-                if isinstance(event, Frame):
-                    self._frame(event)
-                else:
-                    self._request(event)  # type: ignore[arg-type]
-            session = self.session
-            if ws.close_sent is not None and session is not None:
-                self._failed(session)
+            # A slice at a time: once closed (max_frame_rate, a bad frame), what is left of a
+            # read bigger than a client's close reply is not parsed (nor answered: a ping
+            # gets a pong even after the close), and the closing handshake's deadline ends
+            # the connection. One read may hold 40,000 pings.
+            for offset in range(0, len(data), READ_SLICE):
+                if ws.close_sent is not None and len(data) > READ_SLICE:
+                    break
+                ws.receive_data(data[offset : offset + READ_SLICE])
+                for event in ws.events_received():
+                    if isinstance(event, Frame):
+                        self._frame(event)
+                    else:
+                        self._request(event)  # type: ignore[arg-type]
+                link = self.link
+                if ws.close_sent is not None and link is not None:
+                    self._failed(link.session)
         except Exception:
             self._internal_error()
         self.aligned = self.fast_path and at_frame_start(ws)
@@ -331,8 +355,8 @@ class Connection(asyncio.Protocol):
     def _internal_error(self) -> None:
         """A bug met while serving this connection: log it, close 1011, serve the rest."""
         self.log.exception("connection failed")
-        if self.session is not None:
-            self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
+        if self.link is not None:
+            self.close_with(self.link.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
 
     @property
     def fast_path(self) -> bool:
@@ -359,17 +383,17 @@ class Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
         self.deadline = self.stall = None
-        session = self.session
-        if session is not None:
-            if session.abandon():
+        link = self.link
+        if link is not None:
+            if link.session.abandon():
                 self.log.info("connection dropped")
-            self.gate.node.detach(self)
+            self.gate.node.detach(link)
         self.gate.closed(self)
 
     def pause_writing(self) -> None:
         """The client reads slower than we write: read nothing more from it (no more
         ACKs or pongs to write) and drop it if this lasts ``send_timeout``."""
-        self._pause_reading()
+        self.pause_reading()
         self.stall = asyncio.get_running_loop().call_later(
             self.gate.settings.send_timeout, self._stalled
         )
@@ -379,7 +403,7 @@ class Connection(asyncio.Protocol):
             self.stall.cancel()
             self.stall = None
         if self.paused:
-            self._resume_reading()
+            self.resume_reading()
 
     # Incoming
 
@@ -397,7 +421,7 @@ class Connection(asyncio.Protocol):
         elif isinstance(answer, HttpAnswer):
             self.ws.send_response(_response(answer))
         else:
-            self.gate.node.background.spawn(self._answer_later(answer))
+            self.gate.node.spawn(self._answer_later(answer))
 
     async def _answer_later(self, answer: Awaitable[HttpAnswer]) -> None:
         response = _response(await answer)
@@ -406,17 +430,20 @@ class Connection(asyncio.Protocol):
             self._write()
 
     def _opened(self) -> None:
-        node = self.gate.node
-        self.session = Session(node, self.gate.cadence, node.new_conn_id(), time.monotonic)
+        hub = self.gate.node
+        session = Session(hub, self.gate.cadence, hub.new_conn_id(), time.monotonic)
+        self.link = SessionLink(self, hub, session)
         self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
 
     def _frame(self, frame: Frame) -> None:
+        link = self.link
+        assert link is not None  # frames come after the handshake
         opcode = frame.opcode
-        if opcode in _DATA and self.session is not None and self.session.phase is Phase.CLOSED:
+        if opcode in _DATA and link.session.phase is Phase.CLOSED:
             return  # data after our close frame (RFC 6455 5.5.1: the closing handshake)
         if opcode is Opcode.BINARY:
             if frame.fin:
-                self._message(frame.data)
+                link.message(bytes(frame.data))  # as it is when it is bytes already
             else:
                 self.fragments = bytearray(frame.data)
         elif opcode is Opcode.CONT:
@@ -425,19 +452,16 @@ class Connection(asyncio.Protocol):
             self.fragments += frame.data
             if frame.fin:
                 message, self.fragments = bytes(self.fragments), None
-                self._message(message)
+                link.message(message)
         elif opcode is Opcode.TEXT:
-            assert self.session is not None
-            self._outcome(self.session.text_message())
+            link.outcome(link.session.text_message())
         elif opcode is Opcode.PING:
-            self._ping()
-        elif opcode is Opcode.CLOSE:
-            session = self.session
-            if session is not None and session.abandon():
-                rcvd = self.ws.close_rcvd
-                self.log.info("connection closed by client", code=rcvd.code if rcvd else None)
+            self._ping(link)
+        elif opcode is Opcode.CLOSE and link.session.abandon():
+            rcvd = self.ws.close_rcvd
+            self.log.info("connection closed by client", code=rcvd.code if rcvd else None)
 
-    def _ping(self) -> None:
+    def _ping(self, link: SessionLink) -> None:
         """websockets answers each ping; they count against ``max_frame_rate``.
 
         The pong is written without flow control, so an unlimited ping flood from a
@@ -446,201 +470,37 @@ class Connection(asyncio.Protocol):
         rate = self.gate.settings.max_frame_rate
         if not rate:
             return
+        now = time.monotonic()
         if self.pings is None:
-            self.pings = TokenBucket(rate, time.monotonic)
-        if not self.pings.take() and self.session is not None:
-            self._outcome(self.session.close(p.CloseCode.RATE_LIMITED, "too_many_pings"))
+            self.pings = TokenBucket(rate, now)
+        if not self.pings.take(now):
+            link.outcome(link.session.close(p.CloseCode.RATE_LIMITED, "too_many_pings"))
 
-    def _message(self, data: bytes | bytearray | memoryview) -> None:
-        session = self.session
-        assert session is not None
-        metrics = self.gate.node.metrics
-        received = time.perf_counter() if metrics.sampling() else 0.0
-        try:
-            frame = p.decode(data)  # type: ignore[arg-type]
-        except p.ProtocolError as exc:
-            self.log.info("malformed message", error=str(exc))
-            self._outcome(session.malformed())
-            return
-        shed_from = self.gate.node.shedder.shed_from
-        if received:
-            decoded = time.perf_counter()
-            outcome = session.receive(frame, shed_from)
-            if outcome is Ask.HEARTBEAT:
-                self.marks = (received, decoded, time.perf_counter())
-        else:
-            outcome = session.receive(frame, shed_from)
-        self._outcome(outcome)
-
-    def _outcome(self, outcome: Ask | Close | None) -> None:
-        if outcome is Ask.HEARTBEAT:
-            self.gate.node.heartbeat_batcher.submit(self)
-            if len(self.session.unanswered) >= READ_PAUSE_AT:  # type: ignore[union-attr]
-                self._pause_reading()
-        elif outcome is Ask.START:
-            self.gate.node.hello_batcher.submit(self)
-            # The store must answer within hello_timeout, or 1013 (Session.hello_timed_out).
-            self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
-        elif outcome is Ask.BYE:
-            self.gate.node.background.spawn(self._bye())
-        elif outcome is not None:
-            self._close(outcome)
-
-    # The store's answers (called by the node's batchers)
-
-    def hello_answered(self, answer: HelloAnswer) -> None:
-        session = self.session
-        assert session is not None
-        welcome = session.started(answer)
-        if not isinstance(welcome, bytes):
-            self._close(welcome)
-            # Closed before the answer came, which gave it the session: released at once.
-            self.gate.node.release(self)
-        elif self.transport is not None and not self.transport.is_closing():
-            self._disarm()
-            node = self.gate.node
-            assert session.claims is not None
-            self.heartbeat_request = node.store.heartbeat_request(session.claims.tid, session.conn)
-            node.attach(self)
-            self.send([welcome])
-            # debug: in a connect storm an info line per session costs a tenth of the
-            # work; SESSION_STARTED / SESSION_RESUMED on the event stream are the record.
-            self.log.debug(
-                "session resumed" if session.resumed else "session started", exp=session.exp_ms
-            )
-        self._write()
-
-    def hello_failed(self, error: Exception) -> None:
-        assert self.session is not None
-        if isinstance(error, StoreUnavailable):
-            self._close(self.session.store_unavailable())
-        else:
-            self._close(self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error"))
-        self._write()
-
-    def heartbeats_stored(self, answer: HeartbeatAnswer) -> None:
-        """The batch flush stored this connection's heartbeats: send their ACKs."""
-        session = self.session
-        assert session is not None
-        stored = time.perf_counter() if self.marks is not None else 0.0
-        out = session.stored(answer)
-        if self.paused:
-            self._resume_reading()
-        if isinstance(out, list):
-            if answer.was_warn:
-                self.log.info("session recovered")
-            self.send(out)
-            metrics = self.gate.node.metrics
-            metrics.acked(len(out), answer.renewed)
-            if stored:
-                assert self.marks is not None
-                metrics.stages((*self.marks, stored, time.perf_counter()))
-                self.marks = None
-        elif out is not None:
-            self._close(out)
-            self._write()
-
-    def heartbeats_held(self) -> None:
-        """The store is unavailable: ACK from what the session knows (replayed later)."""
-        assert self.session is not None
-        acks = self.session.held_back()
-        if self.paused:
-            self._resume_reading()
-        if acks:
-            self.send(acks)
-
-    def _pause_reading(self) -> None:
+    def pause_reading(self) -> None:
         if self.transport is not None and not self.paused:
             self.paused = True
             self.transport.pause_reading()
 
-    def _resume_reading(self) -> None:
+    def resume_reading(self) -> None:
         """Read again, unless writes are paused or too many heartbeats wait for the store."""
-        transport, session = self.transport, self.session
+        transport, link = self.transport, self.link
         if (
             transport is None
             or transport.is_closing()
             or self.stall is not None
-            or (session is not None and len(session.unanswered) >= READ_PAUSE_AT)
+            or (link is not None and len(link.session.unanswered) >= READ_PAUSE_AT)
         ):
             return
         self.paused = False
         transport.resume_reading()
 
-    def known(self) -> Known | None:
-        """What this connection knows of its session, to restore it with should Redis have
-        lost it (tokend.store.sessions.Known); None before WELCOME."""
-        session = self.session
-        if session is None or session.claims is None or not session.since_ms:
-            return None
-        claims = session.claims
-        return Known(
-            claims.sub,
-            claims.prio,
-            session.iat_s,
-            session.exp_ms,
-            session.since_ms,
-            session.next_proof,
-        )
-
-    def replayed(self, answer: HeartbeatAnswer) -> None:
-        """A heartbeat held through an outage was stored at last."""
-        assert self.session is not None
-        close = self.session.replayed(answer)
-        if close is not None:
-            self._close(close)
-            self._write()
-
-    async def _bye(self) -> None:
-        session = self.session
-        assert session is not None and session.claims is not None
-        node = self.gate.node
-        try:
-            await node.store.end(
-                session.claims.tid,
-                conn=session.conn,
-                event="SESSION_CLOSED",
-                tomb=Ended.CLOSED,
-                code=None,
-            )
-        except NotConfirmed:
-            close = session.bye_unconfirmed()
-        except StoreUnavailable:
-            close = session.store_unavailable()
-        else:
-            close = session.ended()
-        self._close(close)
-        self._write()
-
-    # Other nodes, the sweeper, the drain
-
-    def warn(self) -> None:
-        """The session entered WARN: NOTICE."""
-        assert self.session is not None
-        notice = self.session.warn()
-        if notice is not None:
-            self.log.info("notice sent: session in WARN")
-            self.send([notice])
-
-    def told_to_close(self, code: int | None) -> None:
-        """The store (another node's script, a sweep) ends this session."""
-        assert self.session is not None
-        self._close(self.session.told_to_close(code))
-        self._write()
-
     def close(self, code: p.CloseCode, reason: str) -> None:
         """Close from outside the client's messages: a drain, a failed flush."""
-        if self.session is None:  # still in the opening handshake
+        if self.link is None:  # still in the opening handshake
             if self.transport is not None:
                 self.transport.close()
             return
-        self.send_close(self.session.close(code, reason))
-
-    def send_close(self, close: Close | None) -> None:
-        """Carry out a close the session decided (the node's planned close sends it once
-        the session's release is recorded: Node.going_away)."""
-        self._close(close)
-        self._write()
+        self.link.close(code, reason)
 
     # Outgoing
 
@@ -650,32 +510,43 @@ class Connection(asyncio.Protocol):
         Framed by :func:`binary_frame` rather than through ``ServerProtocol.send_binary``
         (a frame object per message): an ACK is a few bytes, and this is half of what
         sending it costs in Python. The protocol's rule for sending, OPEN and no
-        fragmented message of ours under way (tokend sends none), is kept here.
+        fragmented message of ours under way (tokend sends none), is kept by the
+        session: it answers nothing once closed, and the connection is not OPEN only
+        after a close (sent, received, or failed: the session is CLOSED then) or the
+        client's EOF (the transport is closing then). websockets has nothing of its own
+        waiting to be sent here (see the class).
         """
         transport = self.transport
-        if self.ws.state is not State.OPEN or transport is None or transport.is_closing():
+        if transport is None or transport.is_closing():
             return
-        pending = self.ws.data_to_send()  # none outside data_received; kept in order
-        if len(messages) == 1 and not pending:
+        if len(messages) == 1:
             transport.write(binary_frame(messages[0]))
         else:
-            transport.write(b"".join([*pending, *map(binary_frame, messages)]))
+            transport.write(b"".join(map(binary_frame, messages)))
 
-    def _close(self, close: Close | None) -> None:
-        """Start the closing handshake (RFC 6455 7.1.2) with the session's close."""
+    def close_with(self, close: Close | None) -> None:
+        """Start the closing handshake (RFC 6455 7.1.2) with the session's close, and
+        write the close frame."""
         if close is None:
             return
+        metrics = self.gate.node.metrics
         if close.reason == OVERLOADED:
             # Counted, not logged one by one: the node logs its shedding steps.
-            assert self.session is not None and self.session.claims is not None
-            self.gate.node.metrics.shed[self.session.claims.prio] += 1
+            session = self.session
+            assert session is not None
+            claims = session.claims
+            if claims is not None:  # None: refused by a shed penalty, token not checked
+                metrics.shed[claims.prio] += 1
+                self.gate.shed(self)
         elif close.routine:
-            self.log.info("closing", code=int(close.code), reason=close.reason)
+            if close.code is not p.CloseCode.GOING_AWAY:  # the drain logs one line a batch
+                self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)
-        self.gate.node.metrics.closed(close.code)
+        metrics.closed(close.code)
         if self.ws.state is State.OPEN:
             self.ws.send_close(close.code, close.reason)
+        self._write()
 
     def _write(self) -> None:
         """Write what the protocol has to send; half-close after its EOF (RFC 6455 7.1.1)."""
@@ -697,17 +568,24 @@ class Connection(asyncio.Protocol):
     # Timers
 
     def _arm(self, delay: float, callback: Any) -> None:
-        self._disarm()
+        self.disarm()
         self.deadline = asyncio.get_running_loop().call_later(delay, callback)
 
-    def _disarm(self) -> None:
+    def disarm(self) -> None:
+        """Cancel the hello timer (WELCOME came) or the closing handshake's deadline."""
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
 
+    def arm_hello_timer(self) -> None:
+        """The store must answer the HELLO within hello_timeout, or 1013
+        (Session.hello_timed_out)."""
+        self._arm(self.gate.settings.hello_timeout, self._hello_timed_out)
+
     def _hello_timed_out(self) -> None:
         self.deadline = None
-        if self.session is None:  # the opening did not finish in time
+        link = self.link
+        if link is None:  # the opening did not finish in time
             if self.ip is None:
                 self.log.warning(
                     "closed: no PROXY protocol header within hello_timeout",
@@ -715,11 +593,10 @@ class Connection(asyncio.Protocol):
                 )
             self._abort()
             return
-        close = self.session.hello_timed_out()
+        close = link.session.hello_timed_out()
         if close is not None:
-            self.gate.node.hello_batcher.forget(self)  # not stored if not yet sent
-        self._close(close)
-        self._write()
+            self.gate.node.forget_hello(link)  # not stored if not yet sent
+        self.close_with(close)
 
     def _abort(self) -> None:
         self.deadline = None
@@ -728,17 +605,213 @@ class Connection(asyncio.Protocol):
 
     def _stalled(self) -> None:
         self.stall = None
-        node = self.gate.node
-        node.metrics.dropped["not_reading"] += 1
+        self.gate.node.metrics.dropped["not_reading"] += 1
         assert self.transport is not None
         self.log.warning(
             "dropping connection: client not reading",
             send_timeout=self.gate.settings.send_timeout,
             unsent=self.transport.get_write_buffer_size(),
         )
-        if self.session is not None:
-            self.session.abandon()
+        if self.link is not None:
+            self.link.session.abandon()
         self.transport.abort()
+
+
+class SessionLink:
+    """The session of one WebSocket connection, linked to the node: the node's
+    :class:`tokend.peer.Peer`.
+
+    Hands the client's binary messages, decoded, to its :class:`Session`, and the node's
+    answers (the store's) too; carries out what the session decides through its
+    connection (frames to send, a close) and through the node (:class:`tokend.peer.Hub`:
+    a HELLO, heartbeats or a BYE to store).
+    """
+
+    __slots__ = ("connection", "heartbeat_request", "hub", "log", "marks", "session")
+
+    def __init__(self, connection: Connection, hub: Hub, session: Session) -> None:
+        self.connection = connection
+        self.hub = hub
+        self.session = session
+        self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
+        # The session's logger (peer, conn, tid, sub), bound once at WELCOME.
+        self.log: structlog.typing.FilteringBoundLogger | None = None
+        # perf_counter() readings of a heartbeat sampled for the stage histogram.
+        self.marks: tuple[float, float, float] | None = None
+
+    # The client's messages
+
+    def message(self, data: bytes) -> None:
+        """A binary message from the client (docs/protocol.md §3). A heartbeat is handed
+        to the session as it came (Session.receive_heartbeat); any other, decoded."""
+        session = self.session
+        hub = self.hub
+        received = time.perf_counter() if hub.metrics.sampling() else 0.0
+        if p.is_heartbeat(data):
+            decoded = time.perf_counter() if received else 0.0
+            outcome = session.receive_heartbeat(data, hub.shedder.shed_from)
+            if received and outcome is Ask.HEARTBEAT:
+                self.marks = (received, decoded, time.perf_counter())
+        else:
+            try:
+                frame = p.decode(data)
+            except p.ProtocolError as exc:
+                self.connection.log.info("malformed message", error=str(exc))
+                self.connection.close_with(session.malformed())
+                return
+            if (
+                type(frame) is p.Hello
+                and session.claims is None
+                and self.connection.gate.refuses_hello(frame.token)
+            ):
+                self.connection.close_with(session.close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED))
+                return
+            outcome = session.receive(frame, hub.shedder.shed_from)
+        if outcome is Ask.HEARTBEAT:
+            hub.submit_heartbeat(self)
+            if len(session.unanswered) >= READ_PAUSE_AT:
+                self.connection.pause_reading()
+        else:
+            self.outcome(outcome)
+
+    def outcome(self, outcome: Ask | Close | None) -> None:
+        """Carry out what the session answered a message."""
+        if outcome is Ask.HEARTBEAT:
+            self.hub.submit_heartbeat(self)
+            if len(self.session.unanswered) >= READ_PAUSE_AT:
+                self.connection.pause_reading()
+        elif outcome is Ask.START:
+            self.hub.submit_hello(self)
+            self.connection.arm_hello_timer()
+        elif outcome is Ask.BYE:
+            self.hub.end(self)
+        elif outcome is not None:
+            self.connection.close_with(outcome)
+
+    # The store's answers (tokend.peer.Peer, called by the node)
+
+    def hello_answered(self, answer: HelloAnswer) -> None:
+        session = self.session
+        connection = self.connection
+        welcome = session.started(answer)
+        if not isinstance(welcome, bytes):
+            connection.close_with(welcome)
+            # Closed before the answer came, which gave it the session: released at once.
+            self.hub.release(self)
+            return
+        transport = connection.transport
+        if transport is not None and not transport.is_closing():
+            connection.disarm()
+            self.log = _bound(connection.peer, session)
+            self.hub.attach(self)
+            connection.send([welcome])
+            if connection.aligned:  # the session goes idle: drop what the handshake left
+                restart_parser(connection.ws)
+            # debug: in a connect storm an info line per session costs a tenth of the
+            # work; SESSION_STARTED / SESSION_RESUMED on the event stream are the record.
+            connection.log.debug(
+                "session resumed" if session.resumed else "session started", exp=session.exp_ms
+            )
+
+    def hello_failed(self, unavailable: bool) -> None:
+        if unavailable:
+            self.connection.close_with(self.session.store_unavailable())
+        else:
+            self.connection.close_with(
+                self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error")
+            )
+
+    def heartbeats_stored(self, answer: HeartbeatReply) -> None:
+        """The batch flush stored this connection's heartbeats: send their ACKs."""
+        connection = self.connection
+        marks = self.marks
+        stored = time.perf_counter() if marks is not None else 0.0
+        out = self.session.stored(answer)
+        if connection.paused:
+            connection.resume_reading()
+        if isinstance(out, list):
+            connection.send(out)
+            renewed = False
+            if not isinstance(answer, int):  # not a plain OK
+                if answer.was_warn:
+                    connection.log.info("session recovered")
+                renewed = answer.renewed
+            metrics = self.hub.metrics
+            metrics.acked(len(out), renewed)
+            if marks is not None:
+                metrics.stages((*marks, stored, time.perf_counter()))
+                self.marks = None
+        elif out is not None:
+            connection.close_with(out)
+
+    def heartbeats_held(self) -> None:
+        """The store is unavailable: ACK from what the session knows (replayed later)."""
+        acks = self.session.held_back()
+        connection = self.connection
+        if connection.paused:
+            connection.resume_reading()
+        if acks:
+            connection.send(acks)
+
+    def replayed(self, answer: HeartbeatReply) -> None:
+        """A heartbeat held through an outage was stored at last."""
+        self.connection.close_with(self.session.replayed(answer))
+
+    def known(self) -> Known | None:
+        """What this connection knows of its session, to restore it with should Redis have
+        lost it (tokend.answers.Known); None before WELCOME."""
+        session = self.session
+        claims = session.claims
+        if claims is None or not session.since_ms:
+            return None
+        return Known(
+            claims.sub,
+            claims.prio,
+            session.iat_s,
+            session.exp_ms,
+            session.since_ms,
+            session.next_proof,
+        )
+
+    def bye_answered(self, confirmed: bool) -> None:
+        session = self.session
+        self.connection.close_with(session.ended() if confirmed else session.bye_unconfirmed())
+
+    def bye_failed(self) -> None:
+        self.connection.close_with(self.session.store_unavailable())
+
+    # Other nodes, the sweeper, the drain
+
+    def warn(self) -> None:
+        """The session entered WARN: NOTICE."""
+        notice = self.session.warn()
+        if notice is not None:
+            self.connection.log.info("notice sent: session in WARN")
+            self.connection.send([notice])
+
+    def told_to_close(self, code: int | None) -> None:
+        """The store (another node's script, a sweep) ends this session."""
+        self.connection.close_with(self.session.told_to_close(code))
+
+    def close(self, code: p.CloseCode, reason: str) -> None:
+        """Close from outside the client's messages: a drain, a failed flush."""
+        self.connection.close_with(self.session.close(code, reason))
+
+    def send_close(self, close: Close | None) -> None:
+        """Carry out a close the session decided (the node's planned close sends it once
+        the session's release is recorded: Node.going_away)."""
+        self.connection.close_with(close)
+
+
+def _bound(peer: str, session: Session | None) -> structlog.typing.FilteringBoundLogger:
+    """A logger with a connection's fields: its peer, and its session's conn, tid and sub
+    as far as they are known."""
+    fields = {"peer": peer}
+    if session is not None:
+        fields["conn"] = session.conn
+        if session.claims is not None:
+            fields |= {"tid": str(session.claims.tid), "sub": session.claims.sub}
+    return _log.bind(**fields)
 
 
 def binary_frame(payload: bytes) -> bytes:
@@ -746,13 +819,15 @@ def binary_frame(payload: bytes) -> bytes:
     shortest payload length encoding), as ``Frame(BINARY, payload).serialize(mask=False)``
     makes it; tests/test_connection.py holds the two equal."""
     n = len(payload)
-    if n < 126:
-        return bytes((0x82, n)) + payload
+    if n < 126:  # every ACK without a token: one allocation
+        return _SHORT_HEADS[n] + payload
     if n < 0x10000:
         return _HEAD_16.pack(0x82, 126, n) + payload
     return _HEAD_64.pack(0x82, 127, n) + payload
 
 
+# The two-byte heads of the frames of 0..125 bytes, made once.
+_SHORT_HEADS = [bytes((0x82, n)) for n in range(126)]
 _HEAD_16 = struct.Struct("!BBH")
 _HEAD_64 = struct.Struct("!BBQ")
 
@@ -774,6 +849,19 @@ def at_frame_start(ws: ServerProtocol) -> bool:
 
 
 _AT_EOF = StreamReader.at_eof.__code__
+
+
+def restart_parser(ws: ServerProtocol) -> None:
+    """Restart websockets' frame parser where :func:`at_frame_start` says it waits between
+    two frames: the same state (``Protocol.parse`` at its first wait), without what its
+    suspended generators held, the opening handshake's request (its headers: ~3 KB) and
+    the last frame parsed (the HELLO). The heartbeats that follow take the fast path, so
+    an idle session would keep those for its whole life (docs/performance.md, idle memory).
+    """
+    ws.parser = WebSocketProtocol.parse(ws)
+    next(ws.parser)
+
+
 _DATA = frozenset({Opcode.BINARY, Opcode.CONT, Opcode.TEXT})
 
 

@@ -25,7 +25,7 @@ from tokend.store.redis_client import (
 from tokend.store.unavailable import UNAVAILABLE, Retry
 
 if TYPE_CHECKING:
-    from tokend.connection import Connection
+    from tokend.peer import Peer
 
 log = structlog.get_logger("tokend.control")
 
@@ -36,23 +36,23 @@ SENTINEL_POLL = 0.1
 class ControlListener:
     """Listens on the node's control channel and acts on the connections it holds.
 
-    ``connection_of`` finds a connection held here by its id. ``clock`` and ``sleep``
-    (the event loop's by default) pace the wait before subscribing again; a test gives
-    its own to count the waits instead of timing them.
+    ``peer_of`` finds a connection held here (its :class:`tokend.peer.Peer`) by its id.
+    ``clock`` and ``sleep`` (the event loop's by default) pace the wait before
+    subscribing again; a test gives its own to count the waits instead of timing them.
     """
 
     def __init__(
         self,
         redis: Client,
         channel: str,
-        connection_of: Callable[[str], Connection | None],
+        peer_of: Callable[[str], Peer | None],
         *,
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.redis = redis
         self.channel = channel
-        self.connection_of = connection_of
+        self.peer_of = peer_of
         self.clock = clock
         self.sleep = sleep
         self.subscribed = asyncio.Event()
@@ -112,14 +112,12 @@ class ControlListener:
 
     def act(self, op: str, tid: str, conn: str, code: int | None) -> None:
         """Close (``op`` "close", with ``code``) or warn ("notice") a connection held here."""
-        connection = self.connection_of(conn)
-        session = connection.session if connection is not None else None
+        peer = self.peer_of(conn)
         # A node restarted under the same name numbers its connections afresh: a
         # message about a connection of its previous life must not reach a new one.
-        if session is None or session.claims is None or str(session.claims.tid) != tid:
+        if peer is None or peer.session.claims is None or str(peer.session.claims.tid) != tid:
             return
-        assert connection is not None
         if op == "close":
-            connection.told_to_close(code)
+            peer.told_to_close(code)
         elif op == "notice":
-            connection.warn()
+            peer.warn()

@@ -221,7 +221,7 @@ class _LiveCollector(Collector):
         )
         yield CounterMetricFamily(
             "tokend_shed_handshakes",
-            "Handshakes refused with 503 while the node shed load.",
+            "Handshakes (503) and HELLOs (1013) refused while shedding or a shed penalty held.",
             value=m.shed_handshakes,
         )
         yield _labelled(

@@ -20,32 +20,29 @@ import contextlib
 import heapq
 import itertools
 import time
-import uuid
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from collections.abc import Coroutine, Sequence
+from typing import Any, Generic, TypeVar, cast
 
 import structlog
 
 from tokend import logs
-from tokend.answers import ReleaseOutcome
+from tokend.answers import Ended, HeartbeatRequest, ReleaseOutcome
 from tokend.background import Background
-from tokend.clocks import State
 from tokend.config import KEYS_REFRESH_INTERVAL, Settings
 from tokend.control import ControlListener
 from tokend.metrics import Metrics
+from tokend.peer import Endpoint, Peer
 from tokend.protocol import CloseCode
+from tokend.registry import Registry
 from tokend.revocations import Revocations
 from tokend.session import GOING_AWAY, Close, Session
 from tokend.shedding import Shedder
 from tokend.store.redis_client import Client
 from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
-from tokend.store.unavailable import StoreUnavailable
+from tokend.store.unavailable import NotConfirmed, StoreUnavailable
 from tokend.sweeper import Sweeper
 from tokend.tokens import Claims, TokenService
-
-if TYPE_CHECKING:
-    from tokend.connection import Connection
 
 log = structlog.get_logger("tokend.node")
 
@@ -53,7 +50,7 @@ Item = TypeVar("Item")
 
 
 class Batcher(Generic[Item]):
-    """Connections (or requests) waiting for one store round trip; the next starts when one
+    """Peers (or requests) waiting for one store round trip; the next starts when one
     ends.
 
     A lone request waits for no timer, while a busy node sends large batches. An item
@@ -72,6 +69,14 @@ class Batcher(Generic[Item]):
     def forget(self, item: Item) -> None:
         self.waiting.pop(item, None)
 
+    @property
+    def pending(self) -> int:
+        """How many wait for the next flush."""
+        return len(self.waiting)
+
+    def is_waiting(self, item: Item) -> bool:
+        return item in self.waiting
+
     async def run(self, node: Node, lanes: int = 1) -> None:
         """Flush until the node stops, with up to ``lanes`` round trips in flight at once:
         while Redis runs one batch's scripts, the node reads and answers the next."""
@@ -87,15 +92,15 @@ class Batcher(Generic[Item]):
         raise NotImplementedError
 
 
-class HelloBatcher(Batcher["Connection"]):
+class HelloBatcher(Batcher[Peer]):
     """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush."""
 
     async def flush(self) -> None:
         batch, self.waiting = list(self.waiting), {}
         requests = []
-        for connection in batch:
-            session = connection.session
-            assert session is not None and session.claims is not None
+        for peer in batch:
+            session = peer.session
+            assert session.claims is not None
             c = session.claims
             requests.append(
                 HelloRequest(
@@ -114,15 +119,16 @@ class HelloBatcher(Batcher["Connection"]):
         except Exception as exc:  # StoreUnavailable (1013) or a script error (1011)
             if not isinstance(exc, StoreUnavailable):
                 log.exception("hello flush failed")
-            for connection in batch:
-                connection.hello_failed(exc)
+            unavailable = isinstance(exc, StoreUnavailable)
+            for peer in batch:
+                peer.hello_failed(unavailable)
             return
-        for connection, answer in zip(batch, answers, strict=True):
-            connection.hello_answered(answer)
+        for peer, answer in zip(batch, answers, strict=True):
+            peer.hello_answered(answer)
 
 
-class HeartbeatBatcher(Batcher["Connection"]):
-    """Heartbeats of many connections in one store call per flush; ACKs written from it.
+class HeartbeatBatcher(Batcher[Peer]):
+    """Heartbeats of many peers in one store call per flush; ACKs written from it.
 
     A flush takes at most ``batch_size`` connections; when more wait (Redis or the
     node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
@@ -138,39 +144,45 @@ class HeartbeatBatcher(Batcher["Connection"]):
     def __init__(self, store: Store, batch_size: int) -> None:
         super().__init__(store)
         self.batch_size = batch_size
-        # Connections with heartbeats acknowledged during an outage, not yet stored.
-        self.unstored: dict[Connection, None] = {}
+        # Peers with heartbeats acknowledged during an outage, not yet stored.
+        self.unstored: dict[Peer, None] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
 
-    def submit(self, connection: Connection) -> None:
-        # A connection whose heartbeats are in a flight already is submitted again
-        # when that flush answers (see flush): one flight per connection at a time.
-        if not connection.session.storing:  # type: ignore[union-attr]
-            super().submit(connection)
+    def submit(self, peer: Peer) -> None:
+        # A peer whose heartbeats are in a flight already is submitted again when that
+        # flush answers (see flush): one flight per peer at a time.
+        if not peer.session.storing:
+            self.waiting[peer] = None
+            self._wake.set()
 
-    def forget(self, connection: Connection) -> None:
-        super().forget(connection)
-        self.unstored.pop(connection, None)
+    def forget(self, peer: Peer) -> None:
+        super().forget(peer)
+        self.unstored.pop(peer, None)
 
     def kick(self) -> None:
         if self.unstored:
             self._wake.set()
 
-    def _take(self) -> list[Connection]:
-        """Remove and return the next flush's connections, best-ranked first."""
+    @property
+    def unstored_peers(self) -> int:
+        """How many peers have heartbeats acknowledged during an outage and not stored yet."""
+        return len(self.unstored)
+
+    def _take(self) -> list[Peer]:
+        """Remove and return the next flush's peers, best-ranked first."""
         if len(self.waiting) <= self.batch_size:  # all of them: no copy
             taken, self.waiting = list(self.waiting), {}
         else:
             taken = heapq.nsmallest(
                 self.batch_size,
                 self.waiting,
-                key=lambda c: c.session.batch_rank,  # type: ignore[union-attr]
+                key=lambda peer: peer.session.batch_rank,
             )
             self._wake.set()  # the rest go in the next flush
-            for connection in taken:
-                del self.waiting[connection]
-        for connection in taken:
-            connection.session.take_heartbeats()  # type: ignore[union-attr]
+            for peer in taken:
+                del self.waiting[peer]
+        for peer in taken:
+            peer.session.take_heartbeats()
         return taken
 
     async def flush(self) -> None:
@@ -180,43 +192,41 @@ class HeartbeatBatcher(Batcher["Connection"]):
         if unstored:
             taken = set(batch)
             replays = [c for c in unstored if c not in taken]
-        # A connection whose earlier heartbeat is still unstored was not silent, whatever
+        # A peer whose earlier heartbeat is still unstored was not silent, whatever
         # Redis last recorded: its new heartbeat is not judged late either.
-        connections = batch + replays
-        requests = [c.heartbeat_request for c in connections]
-        replayed = [c in unstored for c in batch] + [True] * len(replays) if unstored else ()
+        peers = batch + replays
+        # Every peer here was attached (given its request) at WELCOME, before its heartbeats.
+        requests = cast(list[HeartbeatRequest], [peer.heartbeat_request for peer in peers])
+        replayed = [p in unstored for p in batch] + [True] * len(replays) if unstored else ()
         try:
             answers = await self.store.record_heartbeats(
-                requests,  # type: ignore[arg-type]
-                replayed,
-                lambda i: connections[i].known(),
+                requests, replayed, lambda i: peers[i].known()
             )
         except StoreUnavailable as exc:
             if not self.held:
                 log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))
-            for connection in batch:
-                self.held += len(connection.session.unanswered)  # type: ignore[union-attr]
-                unstored[connection] = None
-                connection.heartbeats_held()
+            for peer in batch:
+                self.held += len(peer.session.unanswered)
+                unstored[peer] = None
+                peer.heartbeats_held()
             return
-        except Exception:  # a script error: close these connections, keep serving the rest
+        except Exception:  # a script error: close these peers, keep serving the rest
             log.exception("heartbeat flush failed")
-            for connection in batch:
-                connection.close(CloseCode.INTERNAL_ERROR, "internal_error")
+            for peer in batch:
+                peer.close(CloseCode.INTERNAL_ERROR, "internal_error")
             return
         if self.held:
             log.warning("store back: heartbeats held stored", held=self.held, replayed=len(replays))
             self.held = 0
-        for connection, answer in zip(batch, answers, strict=False):
+        for peer, answer in zip(batch, answers, strict=False):
             if unstored:
-                unstored.pop(connection, None)
-            connection.heartbeats_stored(answer)
-            session = connection.session
-            if session is not None and session.unanswered:  # more came in meanwhile
-                self.submit(connection)
-        for connection, answer in zip(replays, answers[len(batch) :], strict=True):
-            unstored.pop(connection, None)
-            connection.replayed(answer)
+                unstored.pop(peer, None)
+            peer.heartbeats_stored(answer)
+            if peer.session.unanswered:  # more came in meanwhile
+                self.submit(peer)
+        for peer, answer in zip(replays, answers[len(batch) :], strict=True):
+            unstored.pop(peer, None)
+            peer.replayed(answer)
 
 
 class ReleaseBatcher(Batcher[ReleaseRequest]):
@@ -294,8 +304,9 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
 class Node:
     """Shared state of a tokend process; :mod:`tokend.server` drives it.
 
-    It is also the :class:`tokend.session.Host` of its sessions: it verifies and signs
-    their tokens and keeps the per-sub session counts.
+    It is the :class:`tokend.peer.Hub` of its connections (their store round trips, its
+    :class:`tokend.registry.Registry` of live sessions) and so the
+    :class:`tokend.session.Host` of their sessions: it verifies and signs their tokens.
     """
 
     def __init__(
@@ -309,18 +320,21 @@ class Node:
         self.heartbeat_batcher = HeartbeatBatcher(self.store, settings.heartbeat_batch)
         self.hello_batcher = HelloBatcher(self.store)
         self.release_batcher = ReleaseBatcher(self.store)
+        # The Hub's round trips, straight to the batchers (no call in between).
+        self.submit_hello = self.hello_batcher.submit
+        self.forget_hello = self.hello_batcher.forget
+        self.submit_heartbeat = self.heartbeat_batcher.submit
+        self.registry = Registry(settings.max_sessions_per_sub)
+        self.sessions = self.registry.peers  # WELCOMEd peers by conn id
         self.metrics = Metrics()
-        self.metrics.sessions_by_state = self.sessions_by_state
+        self.metrics.sessions_by_state = self.registry.sessions_by_state
         self.store.observe = self.metrics.redis_call
         self.revocations = Revocations(self.store, redis, settings.failover_check_interval)
-        self.sessions: dict[str, Connection] = {}  # WELCOMEd connections by conn id
         self.shedder = Shedder(
             settings.shed_lag,
-            lambda: (c.session.rank for c in self.sessions.values()),  # type: ignore[union-attr]
-            lambda: len(self.heartbeat_batcher.waiting) > settings.heartbeat_batch,
+            self.registry.ranks,
+            lambda: self.heartbeat_batcher.pending > settings.heartbeat_batch,
         )
-        # Connections per tid, per sub: for the max_sessions_per_sub cap.
-        self.sub_sessions: dict[str, Counter[uuid.UUID]] = {}
         self.control = ControlListener(
             redis, self.store.keys.control_channel(self.name), self.sessions.get
         )
@@ -389,60 +403,70 @@ class Node:
         return self.tokens.sign(claims)
 
     def sub_is_full(self, claims: Claims) -> bool:
-        cap = self.settings.max_sessions_per_sub
-        return bool(cap) and self.other_sessions_of(claims.sub, claims.tid) >= cap
+        return self.registry.sub_is_full(claims)
 
-    # Connections
+    # The connections' hub (tokend.peer.Hub)
 
     def new_conn_id(self) -> str:
         """A connection id, unique across the cluster: ``<node>/<counter>``."""
         return f"{self.name}/{next(self._conn_ids)}"
 
-    def attach(self, connection: Connection) -> None:
-        """A connection was WELCOMEd: it holds a session now."""
-        session = connection.session
-        assert session is not None and session.claims is not None
-        self.sessions[session.conn] = connection
-        if self.settings.max_sessions_per_sub:
-            self.sub_sessions.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.background.spawn(coro)
 
-    def detach(self, connection: Connection) -> None:
-        """A connection ended (whether or not it was WELCOMEd)."""
-        self.hello_batcher.forget(connection)
-        self.heartbeat_batcher.forget(connection)
-        session = connection.session
-        if session is None:
-            return
-        self.release(connection)
-        if self.sessions.get(session.conn) is not connection:
-            return
-        del self.sessions[session.conn]
-        if not self.settings.max_sessions_per_sub or session.claims is None:
-            return
-        tids = self.sub_sessions[session.claims.sub]
-        tids[session.claims.tid] -= 1
-        if not tids[session.claims.tid]:
-            del tids[session.claims.tid]
-            if not tids:
-                del self.sub_sessions[session.claims.sub]
+    def attach(self, peer: Peer) -> None:
+        """A peer was WELCOMEd: it holds a session now, and its heartbeats a request."""
+        session = peer.session
+        assert session.claims is not None
+        peer.heartbeat_request = self.store.heartbeat_request(session.claims.tid, session.conn)
+        self.registry.attach(peer)
 
-    def release(self, connection: Connection) -> None:
+    def detach(self, peer: Peer) -> None:
+        """A peer's connection ended (whether or not it was WELCOMEd)."""
+        self.hello_batcher.forget(peer)
+        self.heartbeat_batcher.forget(peer)
+        self.release(peer)
+        self.registry.detach(peer)
+
+    def release(self, peer: Peer) -> None:
         """A closed connection no longer serves its session: the store records it, batched
         (:meth:`tokend.session.Session.take_release` says whether, and how)."""
-        request = self._release_request(connection.session)
+        request = self._release_request(peer.session)
         if request is not None:
             self.release_batcher.submit(request)
 
-    def _release_request(self, session: Session | None) -> ReleaseRequest | None:
-        release = session.take_release() if session is not None else None
+    def _release_request(self, session: Session) -> ReleaseRequest | None:
+        release = session.take_release()
         if release is None:
             return None
-        assert session is not None and session.claims is not None
+        assert session.claims is not None
         return self.store.release_request(
             session.claims.tid, session.conn, session.since_ms, release.reason
         )
 
-    async def going_away(self, connections: Sequence[Connection], *, wait: bool = True) -> bool:
+    def end(self, peer: Peer) -> None:
+        """BYE: the session ends (end.lua), then the peer is told (docs/protocol.md 0x05)."""
+        self.background.spawn(self._bye(peer))
+
+    async def _bye(self, peer: Peer) -> None:
+        session = peer.session
+        assert session.claims is not None
+        try:
+            await self.store.end(
+                session.claims.tid,
+                conn=session.conn,
+                event="SESSION_CLOSED",
+                tomb=Ended.CLOSED,
+                code=None,
+            )
+        except NotConfirmed:
+            peer.bye_answered(confirmed=False)
+        except StoreUnavailable:
+            peer.bye_failed()
+        else:
+            peer.bye_answered(confirmed=True)
+
+    async def going_away(self, connections: Sequence[Endpoint], *, wait: bool = True) -> bool:
         """Close ``connections`` with 1001, a planned close (drain, reload, shutdown).
 
         Their sessions are released, and parked, in the store first, in one round trip
@@ -452,14 +476,15 @@ class Node:
         Redis cannot take them, the releases go to the batcher and the closes out at once.
         Returns False when it waited for Redis and Redis did not take them.
         """
-        closes: list[tuple[Connection, Close | None]] = []
+        closes: list[tuple[Peer, Close | None]] = []
         requests = []
         for connection in connections:
-            session = connection.session
-            if session is None:  # still in the opening handshake
+            peer = connection.link
+            if peer is None:  # still in the opening handshake
                 connection.close(CloseCode.GOING_AWAY, GOING_AWAY)
                 continue
-            closes.append((connection, session.close(CloseCode.GOING_AWAY, GOING_AWAY)))
+            session = peer.session
+            closes.append((peer, session.close(CloseCode.GOING_AWAY, GOING_AWAY)))
             request = self._release_request(session)
             if request is not None:
                 requests.append(request)
@@ -468,18 +493,9 @@ class Node:
         if not recorded:
             for request in requests:
                 self.release_batcher.submit(request)
-        for connection, close in closes:
-            connection.send_close(close)
+        for peer, close in closes:
+            peer.send_close(close)
         return recorded or not asked
-
-    def sessions_by_state(self) -> dict[str, int]:
-        warned = sum(1 for c in self.sessions.values() if c.session and c.session.warned)
-        return {State.ACTIVE.value: len(self.sessions) - warned, State.WARN.value: warned}
-
-    def other_sessions_of(self, sub: str, tid: uuid.UUID) -> int:
-        """Sessions of ``sub`` held here, not counting ``tid`` itself (a resume)."""
-        tids = self.sub_sessions.get(sub)
-        return len(tids) - (tid in tids) if tids else 0
 
     # Background work
 

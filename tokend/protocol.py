@@ -1,8 +1,7 @@
 """Protocol v1 frame codec: bytes in, frames out, and back. No I/O.
 
-Implements the frame layouts of ``shared/spec/protocol-v1.md`` ("Frames"); the
-project's own account of it is ``docs/protocol.md``. Every integer is unsigned
-big-endian, every time is Unix epoch milliseconds.
+Implements the frame layouts of ``docs/protocol.md`` (section 2, "Frames"). Every
+integer is unsigned big-endian, every time is Unix epoch milliseconds.
 
 :func:`decode` raises nothing but :class:`ProtocolError`, whatever the input.
 """
@@ -122,6 +121,7 @@ WELCOME_RESUMED = 0x01
 _HELLO_HEAD = struct.Struct(">BBH")  # type, version, L
 _WELCOME = struct.Struct(">BBBB16sQIII32s")
 _HEARTBEAT_SIGNED = struct.Struct(">BB16sQQ")  # the 34 bytes covered by the mac
+_HEARTBEAT_FIELDS = struct.Struct(">16sQQ")  # tid, seq, exp_ms: after type and flags
 _ACK_HEAD = struct.Struct(">BBQQH")
 _NOTICE = struct.Struct(">BB")
 
@@ -164,7 +164,8 @@ class Heartbeat:
         return _HEARTBEAT_SIGNED.pack(FrameType.HEARTBEAT, 0, self.tid, self.seq, self.exp_ms)
 
     def mac_is_valid(self, session_key: bytes) -> bool:
-        """Constant-time check of the heartbeat proof (spec 0x03)."""
+        """Constant-time check of the heartbeat proof (spec 0x03) of a frame object (the
+        server checks the bytes as they came: :func:`heartbeat_proof_holds`)."""
         return hmac.compare_digest(self.mac, heartbeat_mac(session_key, self.signed_part()))
 
 
@@ -206,6 +207,30 @@ _BYE = bytes([FrameType.BYE])
 def heartbeat_mac(session_key: bytes, signed_part: bytes) -> bytes:
     """First 16 bytes of HMAC-SHA256(session key, the heartbeat's first 34 bytes)."""
     return hmac.digest(session_key, signed_part, "sha256")[:MAC_LENGTH]
+
+
+# A HEARTBEAT message read as it came, without a Heartbeat object: the server's one
+# message per interval per session (spec 0x03; decode() gives the same fields).
+
+
+def is_heartbeat(data: bytes) -> bool:
+    """Whether ``data`` is a well-formed HEARTBEAT (50 bytes, type 0x03, flags 0): what
+    :func:`decode` would return as a :class:`Heartbeat`."""
+    return len(data) == HEARTBEAT_LENGTH and data[0] == FrameType.HEARTBEAT and not data[1]
+
+
+def heartbeat_proof_holds(data: bytes, session_key: bytes) -> bool:
+    """Constant-time check of a well-formed HEARTBEAT's mac (spec 0x03), computed over
+    its first 34 bytes as they came."""
+    signed = _HEARTBEAT_SIGNED.size
+    return hmac.compare_digest(
+        data[signed:], hmac.digest(session_key, data[:signed], "sha256")[:MAC_LENGTH]
+    )
+
+
+def heartbeat_fields(data: bytes) -> tuple[bytes, int, int]:
+    """A well-formed HEARTBEAT's tid, seq and exp_ms."""
+    return _HEARTBEAT_FIELDS.unpack_from(data, 2)
 
 
 def resume_proof(session_key: bytes, tid: bytes) -> bytes:

@@ -5,7 +5,7 @@ ask the store, and the close (code and reason) come out. Nothing here waits, rea
 a socket or talks to Redis: :mod:`tokend.connection` drives a :class:`Session` from
 a WebSocket, ``tests/test_session.py`` from lists of frames and a fake clock.
 
-Every check of the spec (``shared/spec/protocol-v1.md``) that concerns one
+Every check of the protocol (``docs/protocol.md``) that concerns one
 connection lives here: frame order, token verification, the sub's session cap, the
 frame rate, the heartbeat proof (mac, then tid, then seq), the renew / re-send
 decision, WARN notice and recovery, heartbeats held through a store outage, the resume
@@ -28,6 +28,7 @@ from tokend.answers import (
     Ended,
     HeartbeatAnswer,
     HeartbeatOutcome,
+    HeartbeatReply,
     HelloAnswer,
     HelloOutcome,
 )
@@ -121,20 +122,19 @@ class Cadence:
 
 
 class TokenBucket:
-    """A rate limit: refills at ``rate`` per second and holds at most ten times that."""
+    """A rate limit: refills at ``rate`` per second and holds at most ten times that.
+    Times are the caller's clock readings (seconds), ``now`` the first."""
 
-    __slots__ = ("allowance", "burst", "checked", "clock", "rate")
+    __slots__ = ("allowance", "burst", "checked", "rate")
 
-    def __init__(self, rate: float, clock: Callable[[], float]) -> None:
+    def __init__(self, rate: float, now: float) -> None:
         self.rate = rate
         self.burst = 10 * rate
         self.allowance = self.burst
-        self.clock = clock
-        self.checked = clock()
+        self.checked = now
 
-    def take(self) -> bool:
-        """Spend one; False when the bucket is empty (the caller is over the rate)."""
-        now = self.clock()
+    def take(self, now: float) -> bool:
+        """Spend one at ``now``; False when the bucket is empty (the caller is over the rate)."""
         self.allowance = min(self.burst, self.allowance + (now - self.checked) * self.rate) - 1
         self.checked = now
         return self.allowance >= 0
@@ -188,7 +188,7 @@ class Session:
         self.shown_proof: bytes | None = None  # the HELLO's resume proof, until the answer
         self.last_seq = 0
         self.last_beat = -math.inf  # clock() at the last heartbeat verified
-        self.cadenced = False  # that heartbeat came on cadence (see _on_cadence)
+        self.cadenced = False  # that heartbeat came on cadence (see _cadenced)
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
@@ -230,13 +230,11 @@ class Session:
         cadence costs one heartbeat per interval, and shedding it would save next to
         nothing and cost it its session.
         """
+        if isinstance(frame, p.Heartbeat):
+            return self.receive_heartbeat(p.encode(frame), shed_from)
         if self.phase is Phase.OPEN:
-            if self.frames is not None and not self.frames.take():
+            if self.frames is not None and not self.frames.take(self.clock()):
                 return self._close(p.CloseCode.RATE_LIMITED, "too_many_frames")
-            if isinstance(frame, p.Heartbeat):
-                if shed_from < RANKS and self.rank >= shed_from and not self._on_cadence():
-                    return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
-                return self._heartbeat(frame)
             if isinstance(frame, p.Bye):
                 self.phase = Phase.ENDING
                 return Ask.BYE
@@ -254,12 +252,37 @@ class Session:
             return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
         return None  # ENDING (BYE is being stored) or CLOSED: the close follows
 
-    def _on_cadence(self) -> bool:
-        """An ACTIVE session's first heartbeat on this connection, or one that comes half
-        an interval or more after the one before."""
-        return self._cadenced(self.clock())
+    def receive_heartbeat(self, data: bytes, shed_from: int = RANKS) -> Ask | Close | None:
+        """A well-formed HEARTBEAT message (:func:`tokend.protocol.is_heartbeat`), read as
+        it came: :meth:`receive` of its frame, without making one (one per interval per
+        session: the server's most frequent message)."""
+        if self.phase is not Phase.OPEN:
+            if self.phase is Phase.HELLO or self.phase is Phase.STARTING:
+                return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
+            return None  # ENDING (BYE is being stored) or CLOSED: the close follows
+        now = self.clock()
+        if self.frames is not None and not self.frames.take(now):
+            return self._close(p.CloseCode.RATE_LIMITED, "too_many_frames")
+        cadenced = self._cadenced(now)
+        if shed_from < RANKS and not cadenced and self.rank >= shed_from:
+            return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+        # Spec 0x03: the mac first (constant time), then the tid, then the seq.
+        if not p.heartbeat_proof_holds(data, self.key):
+            return self._close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
+        tid, seq, exp_ms = p.heartbeat_fields(data)
+        if tid != self.tid_bytes:
+            return self._close(p.CloseCode.BAD_HEARTBEAT, "wrong_tid")
+        if seq <= self.last_seq:
+            return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
+        self.last_seq = seq
+        self.cadenced = cadenced
+        self.last_beat = now
+        self.unanswered += ((seq, exp_ms),)
+        return Ask.HEARTBEAT
 
     def _cadenced(self, now: float) -> bool:
+        """An ACTIVE session's first heartbeat on this connection, or one that comes half
+        an interval or more after the one before (at ``now``)."""
         return not self.warned and now - self.last_beat >= self.cadence.heartbeat_ms / 2000
 
     def malformed(self) -> Close | None:
@@ -297,21 +320,6 @@ class Session:
         assert self.claims is not None
         return p.resume_proof(self.key, self.claims.tid.bytes)
 
-    def _heartbeat(self, hb: p.Heartbeat) -> Ask | Close:
-        # Spec 0x03: the mac first (constant time), then the tid, then the seq.
-        if not hb.mac_is_valid(self.key):
-            return self._close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
-        if hb.tid != self.tid_bytes:
-            return self._close(p.CloseCode.BAD_HEARTBEAT, "wrong_tid")
-        if hb.seq <= self.last_seq:
-            return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
-        self.last_seq = hb.seq
-        now = self.clock()
-        self.cadenced = self._cadenced(now)
-        self.last_beat = now
-        self.unanswered += ((hb.seq, hb.exp_ms),)
-        return Ask.HEARTBEAT
-
     # The store's answers
 
     def started(self, answer: HelloAnswer) -> bytes | Close | None:
@@ -340,7 +348,7 @@ class Session:
         self.exp_ms, self.iat_s, self.since_ms = answer.exp_ms, answer.iat_s, answer.since_ms
         self.token_exp_ms = self.claims.exp * 1000
         if self.cadence.max_frame_rate:
-            self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock)
+            self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock())
         cadence = self.cadence
         return p.encode(
             p.Welcome(
@@ -358,40 +366,42 @@ class Session:
         """The unanswered heartbeats go to the store now (one request covers them all)."""
         self.storing = len(self.unanswered)
 
-    def stored(self, answer: HeartbeatAnswer) -> list[bytes] | Close | None:
+    def stored(self, answer: HeartbeatReply) -> list[bytes] | Close | None:
         """The store recorded the heartbeats taken: their ACKs, or the close it implies."""
         if self.phase is Phase.CLOSED:
             return None
-        close = self._apply(answer)
-        if close is not None:
-            return close
-        due = self._answered()
+        if isinstance(answer, int):  # stored, nothing else changed: the common answer
+            self.warned = False
+            self.exp_ms = exp_ms = answer
+            renewed = was_warn = False
+        else:
+            close = self._apply(answer)
+            if close is not None:
+                return close
+            exp_ms, renewed, was_warn = self.exp_ms, answer.renewed, answer.was_warn
         acks = []
-        for i, (seq, client_exp_ms) in enumerate(due):
-            renewed = answer.renewed and not i
+        # The first ACK carries the renewal and the WARN recovery, if any.
+        for seq, client_exp_ms in self._answered():
             # The client lacks the current token if it says so (its exp), or if it was
             # never given it on this connection (resumed with an older token).
-            current = client_exp_ms == self.exp_ms == self.token_exp_ms
-            resent = not renewed and not current
-            token = None
-            if renewed or resent:
-                assert self.claims is not None
-                claims = self.claims
-                token = self.host.sign(
-                    Claims(claims.tid, claims.sub, self.iat_s, self.exp_ms // 1000, claims.prio)
-                )
-                self.token_exp_ms = self.exp_ms
-            acks.append(
-                p.encode_ack(
-                    seq,
-                    self.exp_ms,
-                    token,
-                    renewed=renewed,
-                    resent=resent,
-                    was_warn=answer.was_warn and not i,
-                )
-            )
+            if renewed or client_exp_ms != exp_ms or exp_ms != self.token_exp_ms:
+                acks.append(self._token_ack(seq, renewed, was_warn))
+            else:
+                acks.append(p.encode_ack(seq, exp_ms, None, was_warn=was_warn))
+            renewed = was_warn = False
         return acks
+
+    def _token_ack(self, seq: int, renewed: bool, was_warn: bool) -> bytes:
+        """An ACK that carries the session's current token: renewed, or re-sent."""
+        claims = self.claims
+        assert claims is not None
+        token = self.host.sign(
+            Claims(claims.tid, claims.sub, self.iat_s, self.exp_ms // 1000, claims.prio)
+        )
+        self.token_exp_ms = self.exp_ms
+        return p.encode_ack(
+            seq, self.exp_ms, token, renewed=renewed, resent=not renewed, was_warn=was_warn
+        )
 
     def held_back(self) -> list[bytes] | None:
         """The store is unavailable: acknowledge from what is known, replay later.
@@ -404,10 +414,14 @@ class Session:
         self.held = True
         return [p.encode_ack(seq, self.exp_ms, was_warn=self.warned) for seq, _ in self._answered()]
 
-    def replayed(self, answer: HeartbeatAnswer) -> Close | None:
+    def replayed(self, answer: HeartbeatReply) -> Close | None:
         """A heartbeat held through an outage was stored at last."""
         self.held = False
         if self.phase is Phase.CLOSED:
+            return None
+        if isinstance(answer, int):
+            self.warned = False
+            self.exp_ms = answer
             return None
         return self._apply(answer)
 

@@ -23,6 +23,14 @@ class but the best is shed and the node is still overloaded, new handshakes get 
 handshake; answering 503 costs less than a handshake and a token check). After calm
 windows for :data:`CALM_FOR`, the last class shed is served again, and so on back up.
 
+A client just shed comes back at once if it does not honour the 1013's backoff, and
+each return costs a handshake and a token check before its HELLO is shed again.
+:class:`Penalties` refuses it sooner for ``shed_penalty`` seconds: by source address
+with HTTP 503 and Retry-After before the WebSocket handshake, and by ``sub`` with 1013
+at HELLO before the Ed25519 verify (the ``sub`` read from the unverified payload; only
+the shed of a verified session adds a penalty, so a forged ``sub`` refuses only its
+sender). A penalty ends early once its class is served again.
+
 The decision is an input of the session core (``Session.receive(frame, shed_from)``);
 this module only decides where ``shed_from`` stands.
 """
@@ -30,11 +38,16 @@ this module only decides where ``shed_from`` stands.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import json
+import math
+import time
 from collections.abc import Callable, Iterable
 
 import structlog
 
-from tokend.clocks import RANKS, shed_classes
+from tokend.clocks import RANKS, serving_rank, shed_classes
 
 log = structlog.get_logger("tokend.shedding")
 
@@ -127,3 +140,88 @@ class Shedder:
             log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
         else:
             log.info("shedding ended")
+
+
+# Penalised clients held at which the expired entries are swept out (then twice the
+# count left): the tables stay bounded by the clients shed within one penalty.
+PRUNE_AT = 1024
+
+
+class Penalties:
+    """Clients shed a moment ago, refused for ``seconds`` before they cost a handshake
+    (by source address) or a token check (by ``sub``).
+
+    Each penalty keeps the rank the client's HELLO would have (its ``prio``, ACTIVE): it
+    holds only while the shedder still sheds that rank, so it ends early once the class
+    is served again.
+    """
+
+    def __init__(
+        self, seconds: float, shedder: Shedder, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.seconds = seconds
+        self.shedder = shedder
+        self.clock = clock
+        # key -> (until, rank): one table per address, one per sub.
+        self.by_ip: dict[str, tuple[float, int]] = {}
+        self.by_sub: dict[str, tuple[float, int]] = {}
+        self._prune_at = PRUNE_AT
+
+    def add(self, ip: str | None, sub: str, prio: int) -> None:
+        """A verified session of ``sub`` from ``ip`` was shed (close 1013)."""
+        if not self.seconds:
+            return
+        entry = (self.clock() + self.seconds, serving_rank(prio, warned=False))
+        if ip is not None:
+            self.by_ip[ip] = entry
+        self.by_sub[sub] = entry
+        if len(self.by_ip) + len(self.by_sub) >= self._prune_at:
+            self._prune()
+
+    def retry_after(self, ip: str) -> int | None:
+        """Whole seconds (at least 1) a client from ``ip`` must wait, or None: admitted."""
+        left = self._left(self.by_ip, ip)
+        return max(1, math.ceil(left)) if left is not None else None
+
+    def refuses(self, token: str) -> bool:
+        """Whether a HELLO carrying ``token`` is refused by its ``sub``'s penalty. The
+        token is not verified here: a forged one names a penalised ``sub`` only to be
+        refused itself (the penalty was added by a verified session, and stays)."""
+        if not self.by_sub:
+            return False
+        sub = unverified_sub(token)
+        return sub is not None and self._left(self.by_sub, sub) is not None
+
+    def _left(self, table: dict[str, tuple[float, int]], key: str) -> float | None:
+        entry = table.get(key)
+        if entry is None:
+            return None
+        until, rank = entry
+        left = until - self.clock()
+        if left <= 0 or rank < self.shedder.shed_from:  # over, or the class served again
+            del table[key]
+            return None
+        return left
+
+    def _prune(self) -> None:
+        now, shed_from = self.clock(), self.shedder.shed_from
+        for table in (self.by_ip, self.by_sub):
+            over = [k for k, (until, rank) in table.items() if until <= now or rank < shed_from]
+            for key in over:
+                del table[key]
+        self._prune_at = max(PRUNE_AT, 2 * (len(self.by_ip) + len(self.by_sub)))
+
+
+def unverified_sub(token: str) -> str | None:
+    """The ``sub`` claim of a compact JWS's payload (RFC 7515 7.1), not verified; None
+    when it cannot be read (the token check then refuses the token as it would)."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return None
+    payload = parts[1]
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (binascii.Error, ValueError):
+        return None
+    sub = claims.get("sub") if isinstance(claims, dict) else None
+    return sub if isinstance(sub, str) else None

@@ -20,8 +20,8 @@
  * session with a {@link TokendError} naming the family.
  *
  * It mirrors the Python SDK (tokend/client/core.py) and the frame codec
- * (tokend/protocol.py) byte for byte; the wire format is shared/spec/protocol-v1.md
- * ("Frames"), the behaviour docs/client.md. Usage: sdk/js/README.md.
+ * (tokend/protocol.py) byte for byte; the wire format is docs/protocol.md
+ * (section 2, "Frames"), the behaviour docs/client.md. Usage: sdk/js/README.md.
  *
  * WebCrypto needs a secure context: serve the page over https, or from localhost.
  */

@@ -5,9 +5,11 @@ A pytest plugin (``pytest_plugins = ["tests.browser.harness"]`` in a test module
 - :func:`browser_tools` installs what the tests need once per machine: Debian's
   ``chromium`` (with ``apt-get``, as root) and pinned ``playwright-core``,
   ``typescript`` and ``ws`` from npm into a cache directory outside the repository.
-  What cannot be installed skips the test with a message saying what failed.
-  The installs run when collection finishes, outside any test's timeout.
-- ``node_dir``: the npm packages alone, for the SDK under Node (no Chromium).
+  What cannot be installed skips the test with a message saying what failed, and
+  fails it under ``CI=true`` (:func:`unavailable`). The installs run when collection
+  finishes, outside any test's timeout.
+- ``node_dir``: the npm packages alone, for the SDK under Node (no Chromium); missing,
+  they skip the test, and fail it under ``CI=true``.
 - ``node_tools``: Node, npm and the npm packages, for the npm package's tests: what is
   missing skips the test, and fails it under ``CI=true`` (:func:`unavailable`).
 - ``site``: the browser SDK and the test pages over loopback HTTP.
@@ -120,8 +122,8 @@ class NodeTools:
 
 
 def unavailable(reason: str) -> NoReturn:
-    """Skip the test for want of a part; under ``CI=true`` fail it (DEVELOPERS.md: the CI
-    must not pass by skipping)."""
+    """Skip the test for want of a part; under ``CI=true`` fail it (README, "Quick
+    start": the CI must not pass by skipping)."""
     if os.environ.get("CI") == "true":
         pytest.fail(reason)
     pytest.skip(reason)
@@ -147,10 +149,11 @@ def _tools() -> BrowserTools | str:
 
 
 def browser_tools() -> BrowserTools:
-    """The installed tools, or skip the test saying what could not be installed."""
+    """The installed tools, or skip the test saying what could not be installed (fail
+    it under ``CI=true``)."""
     tools = _tools()
     if isinstance(tools, str):
-        pytest.skip(f"browser tests need Chromium, playwright-core and typescript: {tools}")
+        unavailable(f"browser tests need Chromium, playwright-core and typescript: {tools}")
     return tools
 
 
@@ -361,7 +364,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def tools() -> BrowserTools:
-    """Chromium and the npm packages, installed if need be (else the test is skipped)."""
+    """Chromium and the npm packages, installed if need be (else the test is skipped, or
+    fails under ``CI=true``)."""
     return browser_tools()
 
 
@@ -370,7 +374,7 @@ def node_dir() -> Path:
     """A directory whose node_modules holds the npm packages (no Chromium needed)."""
     found = _node_packages()
     if isinstance(found, str):
-        pytest.skip(f"Node tests need node and npm packages: {found}")
+        unavailable(f"Node tests need node and npm packages: {found}")
     return found
 
 

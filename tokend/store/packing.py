@@ -29,6 +29,9 @@ from redis.asyncio.sentinel import SentinelManagedConnection, SentinelManagedSSL
 class HiredisPacking(AbstractConnection):
     """Mixin: ``pack_command``/``pack_commands`` through ``hiredis.pack_command``."""
 
+    # Whether the client's encoding is UTF-8 (hiredis' own), decided at the first command.
+    _utf8: bool | None = None
+
     def pack_command(self, *args: Any) -> list[bytes]:
         packed = self._packed(args)
         return super().pack_command(*args) if packed is None else [packed]
@@ -38,13 +41,15 @@ class HiredisPacking(AbstractConnection):
         return [b"".join(chunk for command in commands for chunk in self.pack_command(*command))]
 
     def _packed(self, args: tuple[Any, ...]) -> bytes | None:
-        if self.encoder.encoding.lower().replace("-", "") != "utf8":
+        utf8 = self._utf8
+        if utf8 is None:
+            utf8 = self._utf8 = self.encoder.encoding.lower().replace("-", "") == "utf8"
+        if not utf8:
             return None
         # As redis-py does: a command name with spaces ("SCRIPT LOAD") is several arguments.
+        # Any other is packed as it is (a batch's EVALSHA is not copied once more).
         name = args[0]
-        if isinstance(name, str):
-            args = (*name.encode().split(), *args[1:])
-        elif isinstance(name, bytes) and b" " in name:
+        if (isinstance(name, str) and " " in name) or (isinstance(name, bytes) and b" " in name):
             args = (*name.split(), *args[1:])
         try:
             return hiredis.pack_command(args)

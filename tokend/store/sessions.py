@@ -21,11 +21,15 @@ from tokend.answers import (
     EndOutcome,
     HeartbeatAnswer,
     HeartbeatOutcome,
+    HeartbeatReply,
+    HeartbeatRequest,
     HelloAnswer,
     HelloOutcome,
+    Known,
     ReleaseOutcome,
     SweepAnswer,
     Swept,
+    heartbeat_outcome,
 )
 from tokend.clocks import HELD_LIVE_SLACK_MS
 from tokend.config import Settings
@@ -84,35 +88,6 @@ class ReleaseRequest(NamedTuple):
     since_ms: int  # Redis time at which the connection took the session (HELLO's answer)
     reason: str  # the close reason of a planned close (1001 from the server), else ""
     shard: int
-
-
-class HeartbeatRequest(NamedTuple):
-    """A connection's heartbeat for the batch; built once per connection, reused.
-
-    Small on purpose: every idle session keeps one. Its keys are made at each flush.
-    """
-
-    tid: str
-    conn: str
-    shard: int
-
-
-class Known(NamedTuple):
-    """What a live connection knows of its session: enough for heartbeat.lua to restore
-    it should a failover have lost it (or lost this connection's resume of it)."""
-
-    sub: str
-    prio: int
-    iat_s: int
-    exp_ms: int
-    since_ms: int  # Redis time at which this connection took the session (HELLO's answer)
-    proof: bytes  # the resume proof this connection's session key makes
-
-    @property
-    def encoded(self) -> str:
-        """heartbeat.lua's restore argument."""
-        proof = proof_digest(self.proof)
-        return f"{self.prio}|{self.iat_s}|{self.exp_ms}|{self.since_ms}|{proof}|{self.sub}"
 
 
 class Store(ScriptRunner):
@@ -213,13 +188,14 @@ class Store(ScriptRunner):
         batch: Sequence[HeartbeatRequest],
         replayed: Sequence[bool] = (),
         known: Callable[[int], Known | None] | None = None,
-    ) -> list[HeartbeatAnswer]:
+    ) -> list[HeartbeatReply]:
         """Record many heartbeats in one round trip (two when Redis lost some sessions).
 
         ``replayed[i]`` marks a heartbeat received in time but stored late (after an
         outage): the script does not judge it for silence. One heartbeat.lua call for
         the whole batch on one Redis; on a Cluster, one per shard (a call's keys must be
-        of one slot there).
+        of one slot there). A plain OK is answered by the session's exp_ms alone
+        (:data:`tokend.answers.HeartbeatReply`).
 
         A session the store answers gone without a tombstone, or taken, is asked about
         again with what its connection knows (``known(i)``): Redis may have lost it, or
@@ -231,13 +207,16 @@ class Store(ScriptRunner):
             return answers
         again, knowledge = [], []
         for i, answer in enumerate(answers):
+            if type(answer) is int:
+                continue
+            assert isinstance(answer, HeartbeatAnswer)
             outcome = answer.outcome
             if outcome is _OK or (outcome is HeartbeatOutcome.GONE and answer.ended is not None):
                 continue
             what = known(i)
             if what is not None and what.since_ms:
                 again.append(i)
-                knowledge.append(what.encoded)
+                knowledge.append(_restore_argument(what))
         if again:
             retried = await self._beat(
                 [batch[i] for i in again],
@@ -246,71 +225,90 @@ class Store(ScriptRunner):
             )
             for i, answer in zip(again, retried, strict=True):
                 answers[i] = answer
-                if answer.outcome is _OK:
+                if heartbeat_outcome(answer) is _OK:
                     log.warning("session restored", tid=batch[i].tid, conn=batch[i].conn)
         return answers
 
     async def _beat(
         self, batch: Sequence[HeartbeatRequest], replayed: Sequence[bool], restore: Sequence[str]
-    ) -> list[HeartbeatAnswer]:
+    ) -> list[HeartbeatReply]:
+        """One heartbeat.lua round trip for ``batch``: its sessions grouped by shard as they
+        are read, each value written once into its group's keys and arguments."""
         prefixes = self._session_prefixes
-        members = []
+        shard_keys = self._shard_keys
+        groups: dict[int, _Group] = {}
         for i, (tid, conn, shard) in enumerate(batch):
+            group = groups.get(shard)
+            if group is None:
+                group = groups[shard] = _Group(shard_keys[shard])
             hash_prefix, tomb_prefix = prefixes[shard]
-            members.append(
-                (
-                    shard,
-                    (hash_prefix + tid, tomb_prefix + tid),
-                    (
-                        tid,
-                        conn,
-                        "1" if replayed and replayed[i] else "0",
-                        restore[i] if restore else "",
-                    ),
-                )
+            group.keys += (hash_prefix + tid, tomb_prefix + tid)
+            group.args += (
+                tid,
+                conn,
+                "1" if replayed and replayed[i] else "0",
+                restore[i] if restore else "",
             )
-        replies = await self._per_shard(HEARTBEAT, self._heartbeat_args, members)
-        return [_heartbeat_answer(reply) for reply in replies]
+            group.positions.append(i)
+        replies = await self._run_groups(HEARTBEAT, self._heartbeat_args, groups, len(batch))
+        # heartbeat.lua's common reply, an integer, is an answer as it is.
+        return [r if type(r) is int else _heartbeat_answer(r) for r in replies]
 
     async def _per_shard(
         self, script: Script, fixed: list[Any], members: Sequence[SessionPart]
     ) -> list[Any]:
-        """Run a batch script (hello, heartbeat or release.lua) for many sessions in one round trip.
+        """Run a batch script (hello or release.lua) for many sessions in one round trip.
 
-        ``members`` are (shard, the session's keys, its arguments). The script takes
-        them in groups, one per shard: the group's keys (the shard's deadline set and
-        stream, then its sessions' keys) and its arguments (the number of sessions, then
-        theirs), after the ``fixed`` arguments. On one Redis, one call holds every
-        group; on a Cluster, one call per group (a call's keys must be of one slot).
-        Returns the script's replies in the order of ``members``.
+        ``members`` are (shard, the session's keys, its arguments), grouped by shard for
+        :meth:`_run_groups`. Returns the script's replies in the order of ``members``.
         """
-        groups: dict[int, tuple[list[str], list[Any], list[int]]] = {}
+        groups: dict[int, _Group] = {}
         for i, (shard, keys, args) in enumerate(members):
             group = groups.get(shard)
             if group is None:
-                group = groups[shard] = (self._shard_keys[shard][:], [0], [])
-            group[0].extend(keys)
-            group[1].extend(args)
-            group[2].append(i)
-        for _, args, positions in groups.values():
-            args[0] = len(positions)
+                group = groups[shard] = _Group(self._shard_keys[shard])
+            group.keys += keys
+            group.args += args
+            group.positions.append(i)
+        return await self._run_groups(script, fixed, groups, len(members))
+
+    async def _run_groups(
+        self, script: Script, fixed: list[Any], groups: dict[int, _Group], count: int
+    ) -> list[Any]:
+        """Run a batch script for the sessions of ``groups`` (one per shard), ``count`` in all.
+
+        The script takes them in groups: the group's keys (the shard's deadline set and
+        stream, then its sessions' keys) and its arguments (the number of sessions, then
+        theirs), after the ``fixed`` arguments. On one Redis, one call holds every group;
+        on a Cluster, one call per group (a call's keys must be of one slot). Returns the
+        script's replies in the order of the sessions' positions.
+        """
         parts = list(groups.values())
-        batches = (
-            [[part] for part in parts] if self._one_slot_per_call else [parts] if parts else []
-        )
-        calls = [
-            (
-                script,
-                [key for keys, _, _ in b for key in keys],
-                fixed + [arg for _, args, _ in b for arg in args],
-            )
-            for b in batches
-        ]
-        replies = (reply for call in await self._eval_many(calls) for reply in call)
-        order = (i for _, _, positions in groups.values() for i in positions)
-        results: list[Any] = [None] * len(members)
-        for i, reply in zip(order, replies, strict=True):
-            results[i] = reply
+        if self._one_slot_per_call:
+            calls = [(script, g.keys, [*fixed, len(g.positions), *g.args]) for g in parts]
+        elif len(parts) == 1:
+            g = parts[0]
+            calls = [(script, g.keys, [*fixed, len(g.positions), *g.args])]
+        elif parts:
+            keys: list[str] = []
+            args = fixed[:]
+            for g in parts:
+                keys += g.keys
+                args.append(len(g.positions))
+                args += g.args
+            calls = [(script, keys, args)]
+        else:
+            return []
+        answered = await self._eval_many(calls)
+        replies = answered[0] if len(answered) == 1 else [r for call in answered for r in call]
+        if len(parts) == 1:
+            return replies  # type: ignore[no-any-return]  # one group: its positions are the batch's, in order
+        results: list[Any] = [None] * count
+        at = 0
+        for g in parts:
+            for i in g.positions:
+                results[i] = replies[at]
+                at += 1
         return results
 
     def release_request(
@@ -395,6 +393,24 @@ class Store(ScriptRunner):
         )
 
 
+class _Group:
+    """One shard's part of a batch script call: its keys and arguments, and the positions
+    of its sessions in the batch."""
+
+    __slots__ = ("args", "keys", "positions")
+
+    def __init__(self, shard_keys: list[str]) -> None:
+        self.keys = shard_keys[:]  # the shard's deadline set and stream, then its sessions'
+        self.args: list[Any] = []
+        self.positions: list[int] = []
+
+
+def _restore_argument(known: Known) -> str:
+    """heartbeat.lua's restore argument: what a live connection knows of its session."""
+    proof = proof_digest(known.proof)
+    return f"{known.prio}|{known.iat_s}|{known.exp_ms}|{known.since_ms}|{proof}|{known.sub}"
+
+
 def _never(tid: str) -> bool:
     return False
 
@@ -415,10 +431,8 @@ _TAKEN = HeartbeatAnswer(HeartbeatOutcome.TAKEN)
 _OK = HeartbeatOutcome.OK
 
 
-def _heartbeat_answer(reply: int | list[Any]) -> HeartbeatAnswer:
-    if type(reply) is int:  # stored; only the exp, and iat unchanged (heartbeat.lua)
-        return HeartbeatAnswer(_OK, False, False, reply)
-    assert isinstance(reply, list)
+def _heartbeat_answer(reply: list[Any]) -> HeartbeatAnswer:
+    """heartbeat.lua's reply other than a plain OK's (an integer)."""
     if reply[0] == _OK:
         return HeartbeatAnswer(_OK, bool(reply[1]), bool(reply[2]), int(reply[3]), int(reply[4]))
     if reply[0] == HeartbeatOutcome.GONE:

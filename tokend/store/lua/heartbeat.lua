@@ -14,7 +14,7 @@
 local warn_ms, renew_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2])
 local ttl_s, grace_ms, expire_ms = tonumber(ARGV[OWN + 3]), tonumber(ARGV[OWN + 4]),
                                    tonumber(ARGV[OWN + 5])
-local now = now_ms()
+local now = NOW
 
 -- Redis lost this connection's session, or its hold on it, in a failover (writes the old
 -- master acknowledged and never replicated). Re-assert what the node knows, unless the

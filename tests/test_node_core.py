@@ -1,8 +1,8 @@
 """The node's batchers (tokend/node.py) on a real Redis, without sockets.
 
-A :class:`Waiter` stands where a :class:`tokend.connection.Connection` stands: a real
-session core (:mod:`tokend.session`), started in Redis with a real HELLO, and the
-methods the batchers call, which record what they were given.
+A :class:`Waiter` stands where a connection's :class:`tokend.connection.SessionLink` stands:
+a :class:`tokend.peer.Peer` with a real session core (:mod:`tokend.session`), started in
+Redis with a real HELLO, whose methods record what the node gave them.
 """
 
 from __future__ import annotations
@@ -24,12 +24,18 @@ from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from tokend import node as node_module
 from tokend import protocol as p
-from tokend.answers import HeartbeatAnswer, HelloAnswer
+from tokend.answers import (
+    HeartbeatReply,
+    HeartbeatRequest,
+    HelloAnswer,
+    Known,
+    heartbeat_outcome,
+)
 from tokend.config import Settings
 from tokend.node import HeartbeatBatcher, HelloBatcher, Node
-from tokend.session import Ask, Cadence, Session
+from tokend.session import Ask, Cadence, Close, Session
 from tokend.store.redis_client import open_client
-from tokend.store.sessions import HeartbeatRequest, Store
+from tokend.store.sessions import Store
 from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
@@ -40,7 +46,7 @@ class Host:
         self.tokens = tokens
 
     def verify(self, token: str) -> Claims:
-        return self.tokens.verify(token)
+        return self.tokens.verify(token, time.time())
 
     def sign(self, claims: Claims) -> str:
         return self.tokens.sign(claims)
@@ -70,14 +76,15 @@ class Waiter:
         out = self.session.started(answer)
         self.calls.append(("hello_answered", answer))
         if isinstance(out, bytes):
-            self.welcome = p.decode(out)  # type: ignore[assignment]
-            assert self.session.claims is not None
+            welcome = p.decode(out)
+            assert isinstance(welcome, p.Welcome) and self.session.claims is not None
+            self.welcome = welcome
             self.heartbeat_request = self.store.heartbeat_request(
                 self.session.claims.tid, self.session.conn
             )
 
-    def hello_failed(self, error: Exception) -> None:
-        self.calls.append(("hello_failed", error))
+    def hello_failed(self, unavailable: bool) -> None:
+        self.calls.append(("hello_failed", unavailable))
 
     def beat(self) -> None:
         assert self.welcome is not None
@@ -87,21 +94,38 @@ class Waiter:
         )
         assert self.session.receive(hb) is Ask.HEARTBEAT
 
-    def heartbeats_stored(self, answer: HeartbeatAnswer) -> None:
-        self.calls.append(("stored", [p.decode(a) for a in self.session.stored(answer)]))  # type: ignore[union-attr]
+    def heartbeats_stored(self, answer: HeartbeatReply) -> None:
+        acks = self.session.stored(answer)
+        assert isinstance(acks, list)
+        self.calls.append(("stored", [p.decode(a) for a in acks]))
 
     def heartbeats_held(self) -> None:
         self.calls.append(("held", self.session.held_back()))
 
-    def replayed(self, answer: HeartbeatAnswer) -> None:
+    def replayed(self, answer: HeartbeatReply) -> None:
         self.calls.append(("replayed", answer))
         self.session.replayed(answer)
 
     def close(self, code: p.CloseCode, reason: str) -> None:
         self.calls.append(("close", code))
 
+    def send_close(self, close: Close | None) -> None:
+        self.calls.append(("send_close", close))
+
     def known(self) -> None:
         return None  # nothing to restore a session with (tests/test_failover.py does)
+
+    def bye_answered(self, confirmed: bool) -> None:
+        self.calls.append(("bye_answered", confirmed))
+
+    def bye_failed(self) -> None:
+        self.calls.append(("bye_failed", None))
+
+    def warn(self) -> None:
+        self.calls.append(("warn", self.session.warn()))
+
+    def told_to_close(self, code: int | None) -> None:
+        self.calls.append(("told_to_close", code))
 
 
 @pytest.fixture
@@ -132,7 +156,7 @@ async def started(
     ]
     for waiter in waiters:
         waiter.hello()
-        hellos.submit(waiter)  # type: ignore[arg-type]
+        hellos.submit(waiter)
     await hellos.flush()
     assert all(w.welcome is not None for w in waiters)
     return waiters
@@ -163,9 +187,9 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
         waiters = [Waiter(host, dead, f"g-{n}") for n in range(3)]
         for waiter in waiters:
             waiter.hello()
-            hellos.submit(waiter)  # type: ignore[arg-type]
+            hellos.submit(waiter)
         await hellos.flush()
-        assert [type(w.calls[0][1]).__name__ for w in waiters] == ["StoreUnavailable"] * 3
+        assert [w.calls for w in waiters] == [[("hello_failed", True)]] * 3
     finally:
         await client.aclose()
 
@@ -184,9 +208,9 @@ async def test_an_overloaded_batcher_serves_high_prio_first_and_warn_last(
         if warned:
             waiter.session.warn()
         waiter.beat()
-        batcher.submit(waiter)  # type: ignore[arg-type]
+        batcher.submit(waiter)
     flushes = []
-    while batcher.waiting:
+    while batcher.pending:
         before = {id(w): len(w.calls) for w in waiters}
         await batcher.flush()
         flushes.append(
@@ -204,21 +228,23 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     [waiter] = await started(host, store, ["late"])
     batcher = HeartbeatBatcher(store, batch_size=10)
     waiter.beat()
-    batcher.submit(waiter)  # type: ignore[arg-type]
+    batcher.submit(waiter)
     original = store.record_heartbeats
 
     async def beat_meanwhile(
-        requests: list[HeartbeatRequest], replayed: Sequence[bool] = (), known: Any = None
-    ) -> list[HeartbeatAnswer]:
+        batch: Sequence[HeartbeatRequest],
+        replayed: Sequence[bool] = (),
+        known: Callable[[int], Known | None] | None = None,
+    ) -> list[HeartbeatReply]:
         waiter.beat()  # the client's next heartbeat lands while Redis works on the first
-        batcher.submit(waiter)  # type: ignore[arg-type]
-        return await original(requests, replayed, known)
+        batcher.submit(waiter)
+        return await original(batch, replayed, known)
 
     store.record_heartbeats = beat_meanwhile  # type: ignore[method-assign]
     await batcher.flush()
     store.record_heartbeats = original  # type: ignore[method-assign]
     assert [ack.seq for ack in waiter.calls[-1][1]] == [1]
-    assert list(batcher.waiting) == [waiter]
+    assert batcher.pending == 1 and batcher.is_waiting(waiter)
     await batcher.flush()
     assert [ack.seq for ack in waiter.calls[-1][1]] == [2]
 
@@ -242,7 +268,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
             for _ in range(3):  # three heartbeats each, three failed flushes
                 for waiter in waiters:
                     waiter.beat()
-                    batcher.submit(waiter)  # type: ignore[arg-type]
+                    batcher.submit(waiter)
                 await batcher.flush()
             own_redis.start()
             await batcher.flush()  # nothing new waits: the held ones are replayed
@@ -254,9 +280,9 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
         for waiter in waiters:
             kinds = [what for what, _ in waiter.calls[1:]]
             assert kinds == ["held", "held", "held", "replayed"]
-            assert waiter.calls[-1][1].outcome == "ok"
+            assert heartbeat_outcome(waiter.calls[-1][1]) == "ok"
             assert not waiter.session.held
-        assert not batcher.unstored
+        assert batcher.unstored_peers == 0
     finally:
         await client.aclose()
 
@@ -299,23 +325,42 @@ async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Nod
         host, node.store, ["alice-1", "alice-2", "bob"], subs=["alice", "alice", "bob"]
     )
     for waiter in (alice_1, alice_2, bob):
-        node.attach(waiter)  # type: ignore[arg-type]
+        node.attach(waiter)
     alice_2.session.warn()
-    assert node.sessions_by_state() == {"ACTIVE": 2, "WARN": 1}
+    assert node.metrics.sessions_by_state() == {"ACTIVE": 2, "WARN": 1}
     claims = alice_1.session.claims
     assert claims is not None
     # Alice holds two sessions here: at the cap of 2 for a third, not for a resume of one.
-    assert node.other_sessions_of("alice", uuid.uuid4()) == 2
-    assert node.other_sessions_of("alice", claims.tid) == 1
+    registry = node.registry
+    assert registry.other_sessions_of("alice", uuid.uuid4()) == 2
+    assert registry.other_sessions_of("alice", claims.tid) == 1
     assert node.sub_is_full(replace(claims, tid=uuid.uuid4()))
     assert not node.sub_is_full(claims)
-    node.detach(alice_1)  # type: ignore[arg-type]
+    assert sorted(registry.ranks()) == sorted(w.session.rank for w in (alice_1, alice_2, bob))
+    node.detach(alice_1)
     node.detach(alice_1)  # twice: a connection ends once, whatever calls it
-    assert node.other_sessions_of("alice", uuid.uuid4()) == 1
-    assert node.sessions_by_state() == {"ACTIVE": 1, "WARN": 1}
-    node.detach(alice_2)  # type: ignore[arg-type]
-    node.detach(bob)  # type: ignore[arg-type]
-    assert node.sessions == {} and node.sub_sessions == {}
+    assert registry.other_sessions_of("alice", uuid.uuid4()) == 1
+    assert node.metrics.sessions_by_state() == {"ACTIVE": 1, "WARN": 1}
+    node.detach(alice_2)
+    node.detach(bob)
+    assert len(registry) == 0 and registry.per_sub == {}
+
+
+async def test_a_bye_goes_through_the_node_and_its_answer_to_the_peer(node: Node) -> None:
+    """BYE (docs/protocol.md 0x05): the node ends the session in the store, then tells
+    the peer. Attached first: the node gives the peer its heartbeat request at WELCOME."""
+    [waiter] = await started(Host(node.tokens), node.store, ["leaving"])
+    waiter.heartbeat_request = None
+    node.attach(waiter)
+    assert waiter.heartbeat_request is not None
+    assert waiter.heartbeat_request.conn == waiter.session.conn
+    node.end(waiter)
+    await asyncio.wait_for(asyncio.gather(*node.background.tasks), 10)
+    assert waiter.calls[-1] == ("bye_answered", True)
+    claims = waiter.session.claims
+    assert claims is not None
+    view = await node.store.queries.session(claims.tid)
+    assert view is not None and view.ended == "closed"
 
 
 # Releases: the sessions of connections that ended (docs/protocol.md §5).
@@ -343,7 +388,7 @@ async def test_a_release_waiting_when_the_node_stops_is_recorded_before_redis_is
         [waiter] = await started(Host(node.tokens), node.store, ["parked"])
         before = await node.store.redis.time()
         waiter.session.close(p.CloseCode.GOING_AWAY, "going_away")  # as the drain closes it
-        node.release(waiter)  # type: ignore[arg-type]
+        node.release(waiter)
         await node.stop()  # at once: the release still waits for its flush
     claims = waiter.session.claims
     assert claims is not None
@@ -366,7 +411,7 @@ async def test_releases_redis_cannot_take_at_the_stop_are_logged_once_and_the_st
             monkeypatch.setattr(node_module, "log", structlog.get_logger("tokend.node"))
             for waiter in waiters:
                 waiter.session.close(p.CloseCode.GOING_AWAY, "going_away")
-                node.release(waiter)  # type: ignore[arg-type]
+                node.release(waiter)
             began = time.monotonic()
             await node.stop()
             stopped_in = time.monotonic() - began

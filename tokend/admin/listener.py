@@ -1,36 +1,23 @@
-"""The admin listener: a small HTTP/1.1 server beside the WebSocket port.
+"""The admin listener's HTTP/1.1 layer: one request per connection, parsed by llhttp.
 
-websockets answers only GET requests from its handshake, so the admin API (POST,
-DELETE) has a listener of its own (``admin_host``:``admin_port``; docs/operations.md).
 One request per connection (``Connection: close``), parsed by llhttp through httptools
 (:class:`RequestParser`, RFC 9112): a malformed request gets a 4xx and one log line,
 never a 500. The request head and body must arrive within ``hello_timeout`` (else
 408), a body is read only with a Content-Length of at most ``admin_max_body`` (else
 413); the ``Host`` must be one of ``admin_allowed_hosts`` (else 421: a page that
 rebinds its own name to this address cannot read the answers); at most
-``admin_max_connections`` at once (else 503).
-
-Always served: ``/metrics`` (Prometheus text), ``/healthz``, ``/readyz``. With an
-``admin_token`` set: ``/v1/*`` (bearer token required) and the dashboard's static
-files under ``/dashboard``; without one, both answer 404 ``admin_disabled``. Errors
-are JSON ``{"error": "<snake_code>", "detail": "<text>"}``. Every request is logged
-(method, path, status); never a token.
+``admin_max_connections`` at once (else 503). :class:`HttpListener` knows nothing of
+routes: it hands each whole request to the callable it was given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import http
-import json
-import re
 import socket
-import uuid
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -38,15 +25,9 @@ import httptools
 import structlog
 from httptools.parser.url_parser import URL
 
-from tokend import events, health
-from tokend.answers import EndOutcome
-from tokend.background import Background
 from tokend.config import Settings
 from tokend.http_answer import HttpAnswer, head
-from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokend.node import Node
-from tokend.store.unavailable import UNAVAILABLE, NotConfirmed, Retry, StoreUnavailable
-from tokend.tokens import DEFAULT_PRIO, PRIO_RANGE
+from tokend.store.unavailable import StoreUnavailable
 
 log = structlog.get_logger("tokend.admin")
 
@@ -65,27 +46,7 @@ LINGER_BYTES = 1 << 20
 # Loopback names every admin listener answers to (admin_allowed_hosts left empty).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # admin_host values that listen on every address: no name of the listener's own.
-_WILDCARDS = ("", "0.0.0.0", "::")
-# Events kept for GET /v1/events.
-EVENT_RING = 500
-MAX_PAGE = 500
-DEFAULT_PAGE = 100
-DASHBOARD_DIR = Path(__file__).parent / "dashboard"
-DASHBOARD_TYPES = {
-    ".html": "text/html; charset=utf-8",
-    ".js": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".svg": "image/svg+xml",
-}
-# A dashboard path segment: no leading dot (so no "..", no hidden files), no escapes.
-_SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
-_STATES = ("ACTIVE", "WARN")
-_REVOKE_RESULTS = {
-    EndOutcome.ENDED: "revoked",
-    EndOutcome.BARRED: "barred",
-    EndOutcome.ALREADY_ENDED: "already_ended",
-}
+WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def allowed_hosts(settings: Settings, port: int) -> frozenset[str] | None:
@@ -101,7 +62,7 @@ def allowed_hosts(settings: Settings, port: int) -> frozenset[str] | None:
     if listed:
         return frozenset(listed)
     names = set(LOOPBACK_HOSTS)
-    if settings.admin_host not in _WILDCARDS:
+    if settings.admin_host not in WILDCARDS:
         host = settings.admin_host.lower()
         names.add(f"[{host}]" if ":" in host else host)
     return frozenset(names | {f"{name}:{port}" for name in names})
@@ -346,40 +307,28 @@ class Response:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body
 
 
-class EventRing:
-    """The last :data:`EVENT_RING` events seen on the events channel, numbered from 1."""
-
-    def __init__(self, size: int = EVENT_RING) -> None:
-        self.events: deque[dict[str, Any]] = deque(maxlen=size)
-        self.seq = 0
-
-    def add(self, event: dict[str, Any]) -> None:
-        self.seq += 1
-        self.events.append({"seq": self.seq, **event})
-
-    def after(self, seq: int, limit: int) -> dict[str, Any]:
-        page = [e for e in self.events if e["seq"] > seq][:limit]
-        return {"events": page, "next": page[-1]["seq"] if page else max(seq, 0)}
+def only(request: Request, *methods: str) -> None:
+    if request.method not in methods:
+        raise HTTPError(
+            http.HTTPStatus.METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            f"{request.method} not allowed here; use {', '.join(methods)}",
+            {"Allow": ", ".join(methods)},
+        )
 
 
-Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
+Route = Callable[[Request], Awaitable[Response]]
 
 
-class AdminServer:
-    """The admin listener of one node; :class:`tokend.server.App` starts and stops it."""
+class HttpListener:
+    """Accepts admin connections and answers each one's request with ``route``'s
+    :class:`Response` (or the :class:`HTTPError` it raised), one log line per request."""
 
-    def __init__(
-        self, node: Node, draining: Callable[[], bool], sock: socket.socket | None = None
-    ) -> None:
-        self.node = node
+    def __init__(self, settings: Settings, route: Route, sock: socket.socket | None) -> None:
+        self.settings = settings
+        self.route = route
         self.sock = sock  # an inherited listening socket, else admin_host:admin_port
-        self.settings = node.settings
-        self.draining = draining
-        self.token = self.settings.admin_token.encode()
-        self.ring = EventRing()
-        self.dashboard_dir = DASHBOARD_DIR
         self.server: asyncio.Server | None = None
-        self.background = Background()
         self.allowed_hosts: frozenset[str] | None = None  # set by start(): the port is known
         self.open = 0  # connections open now
 
@@ -396,42 +345,14 @@ class AdminServer:
                 self._connection, self.settings.admin_host, self.settings.admin_port
             )
         self.allowed_hosts = allowed_hosts(self.settings, self.port)
-        if self.token:
-            self.background.spawn(self._follow_events(), "admin events")
-        log.info(
-            "admin listening",
-            host=self.server.sockets[0].getsockname()[0],
-            port=self.port,
-            admin_api="enabled" if self.token else "disabled",
-        )
-        if self.settings.admin_host in _WILDCARDS and not self.settings.admin_host_list:
-            log.warning(
-                "admin listener on every address answers only loopback names: list the "
-                "names its clients use in admin_allowed_hosts",
-                allowed=sorted(self.allowed_hosts or ()),
-            )
 
-    async def stop(self) -> None:
+    def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        await self.background.stop()
-
-    async def _follow_events(self) -> None:
-        """Fill the ring from the events channel (at-most-once: gaps across outages)."""
-        retry = Retry()
-        while True:
-            try:
-                async for event in events.live(self.node.redis, self.node.store.keys):
-                    self.ring.add(event)
-                    retry.succeeded()
-            except UNAVAILABLE:
-                await retry.wait()
-
-    # One connection, one request
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Beyond the cap, refused before reading: the descriptor budget of the main port
-        # (tokend.server.connection_budget) keeps admin_max_connections free, no more.
+        # (tokend.admission.connection_budget) keeps admin_max_connections free, no more.
         full = self.open >= self.settings.admin_max_connections
         self.open += 1
         try:
@@ -454,7 +375,7 @@ class AdminServer:
             request = await self._read_in_time(reader, parser)
             if request is None:
                 return
-            response = await self._route(request)
+            response = await self.route(request)
         except HTTPError as exc:
             response = Response.error(exc)
         except StoreUnavailable as exc:
@@ -508,212 +429,3 @@ class AdminServer:
             timeout = http.HTTPStatus.REQUEST_TIMEOUT
             raise HTTPError(timeout, "timeout", "request not read in time") from None
         return parser.request
-
-    # Routing
-
-    async def _route(self, request: Request) -> Response:
-        path = request.path
-        if path == "/metrics":
-            _only(request, "GET")
-            return Response.raw(
-                http.HTTPStatus.OK, self.node.metrics.exposition(), METRICS_CONTENT_TYPE
-            )
-        if path == "/healthz":
-            _only(request, "GET")
-            return Response.of(health.liveness(self.node))
-        if path == "/readyz":
-            _only(request, "GET")
-            return Response.of(await health.readiness(self.node, self.draining()))
-        if path == "/dashboard" or path.startswith("/dashboard/"):
-            self._require_enabled()
-            _only(request, "GET")
-            return await _static(
-                self.dashboard_dir, path.removeprefix("/dashboard").strip("/") or "index.html"
-            )
-        if path.startswith("/v1/"):
-            self._require_enabled()
-            self._authenticate(request)
-            return await self._api(request)
-        raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", f"no route {path}")
-
-    def _require_enabled(self) -> None:
-        if not self.token:
-            raise HTTPError(
-                http.HTTPStatus.NOT_FOUND,
-                "admin_disabled",
-                "the admin API is disabled: set admin_token (TOKEND_ADMIN_TOKEN)",
-            )
-
-    def _authenticate(self, request: Request) -> None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given_token = given.strip().encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given_token, self.token):
-            raise HTTPError(
-                http.HTTPStatus.UNAUTHORIZED,
-                "unauthorized",
-                "missing or wrong admin token (Authorization: Bearer <admin_token>)",
-                {"WWW-Authenticate": 'Bearer realm="tokend-admin"'},
-            )
-
-    async def _api(self, request: Request) -> Response:
-        routes: dict[str, Handler]
-        params: dict[str, str] = {}
-        if request.path == "/v1/tokens":
-            routes = {"POST": self._mint}
-        elif request.path == "/v1/sessions":
-            routes = {"GET": self._list}
-        elif match := _SESSION_PATH.fullmatch(request.path):
-            routes = {"GET": self._show, "DELETE": self._revoke}
-            params["tid"] = match.group(1)
-        elif request.path == "/v1/stats":
-            routes = {"GET": self._stats}
-        elif request.path == "/v1/events":
-            routes = {"GET": self._events}
-        else:
-            raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", f"no route {request.path}")
-        _only(request, *routes)
-        return await routes[request.method](request, params)
-
-    # /v1 handlers
-
-    async def _mint(self, request: Request, params: dict[str, str]) -> Response:
-        """POST /v1/tokens {sub, ttl?, prio?} -> 201 {token, tid, exp (unix ms)}."""
-        try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError):
-            bad = http.HTTPStatus.BAD_REQUEST
-            raise HTTPError(bad, "invalid_json", "body is not JSON") from None
-        if not isinstance(body, dict):
-            raise _invalid("body must be a JSON object")
-        unknown = set(body) - {"sub", "ttl", "prio"}
-        if unknown:
-            raise _invalid(f"unknown fields: {', '.join(sorted(unknown))}")
-        sub = body.get("sub")
-        if not isinstance(sub, str) or not sub:
-            raise _invalid("sub: a non-empty string is required")
-        tokens = self.node.tokens
-        ttl = _int_field(body, "ttl", tokens.default_ttl_s, range(1, 10 * 365 * 86400))
-        prio = _int_field(body, "prio", DEFAULT_PRIO, PRIO_RANGE)
-        claims = tokens.new_claims(sub, ttl_s=ttl, prio=prio)
-        return Response.json(
-            http.HTTPStatus.CREATED,
-            {"token": tokens.sign(claims), "tid": str(claims.tid), "exp": claims.exp * 1000},
-        )
-
-    async def _show(self, request: Request, params: dict[str, str]) -> Response:
-        """GET /v1/sessions/{tid}: the live session, or its tombstone (state ENDED)."""
-        tid = _tid(params["tid"])
-        view = await self.node.store.queries.session(tid)
-        if view is None:
-            raise HTTPError(http.HTTPStatus.NOT_FOUND, "session_not_found", f"no session {tid}")
-        return Response.json(http.HTTPStatus.OK, view.as_json())
-
-    async def _revoke(self, request: Request, params: dict[str, str]) -> Response:
-        """DELETE /v1/sessions/{tid}: the revocation of ``tokend revoke`` (close 4506).
-
-        200 once ``durable_replicas`` replicas hold it; 504 ``not_confirmed`` when they did
-        not acknowledge it in time: the master has it, a failover may undo it.
-        """
-        tid = _tid(params["tid"])
-        try:
-            outcome = await self.node.store.revoke(tid, by=f"admin:{self.node.name}")
-        except NotConfirmed as exc:
-            log.warning(
-                "revocation not confirmed",
-                tid=str(tid),
-                acknowledged=exc.acknowledged,
-                wanted=exc.wanted,
-            )
-            body = {
-                "error": "not_confirmed",
-                "detail": f"the master revoked it, but {exc}: a failover may undo it; repeat "
-                "the request",
-                "tid": str(tid),
-                "acknowledged": exc.acknowledged,
-                "wanted": exc.wanted,
-            }
-            return Response.json(http.HTTPStatus.GATEWAY_TIMEOUT, body)
-        result = _REVOKE_RESULTS[outcome]
-        return Response.json(http.HTTPStatus.OK, {"tid": str(tid), "result": result})
-
-    async def _list(self, request: Request, params: dict[str, str]) -> Response:
-        """GET /v1/sessions?state=&cursor=&limit= -> {sessions, cursor (null: last page)}."""
-        state = request.query.get("state") or None
-        if state is not None and state not in _STATES:
-            raise _invalid(f"state: one of {', '.join(_STATES)}")
-        limit = _query_int(request, "limit", DEFAULT_PAGE, range(1, MAX_PAGE + 1))
-        try:
-            page, cursor = await self.node.store.queries.sessions(
-                state, request.query.get("cursor", ""), limit
-            )
-        except ValueError as exc:
-            raise _invalid(f"cursor: {exc}") from None
-        return Response.json(
-            http.HTTPStatus.OK, {"sessions": [v.as_json() for v in page], "cursor": cursor}
-        )
-
-    async def _stats(self, request: Request, params: dict[str, str]) -> Response:
-        """GET /v1/stats: the dashboard's feed (docs/operations.md)."""
-        total = await self.node.store.queries.count_sessions()
-        return Response.json(http.HTTPStatus.OK, self.node.metrics.stats(self.node.name, total))
-
-    async def _events(self, request: Request, params: dict[str, str]) -> Response:
-        """GET /v1/events?after=&limit= -> {events, next}: recent events, oldest first."""
-        after = _query_int(request, "after", 0, range(0, 1 << 62))
-        limit = _query_int(request, "limit", DEFAULT_PAGE, range(1, MAX_PAGE + 1))
-        return Response.json(http.HTTPStatus.OK, self.ring.after(after, limit))
-
-
-# Helpers
-
-
-def _only(request: Request, *methods: str) -> None:
-    if request.method not in methods:
-        raise HTTPError(
-            http.HTTPStatus.METHOD_NOT_ALLOWED,
-            "method_not_allowed",
-            f"{request.method} not allowed here; use {', '.join(methods)}",
-            {"Allow": ", ".join(methods)},
-        )
-
-
-def _invalid(detail: str) -> HTTPError:
-    return HTTPError(http.HTTPStatus.BAD_REQUEST, "invalid_request", detail)
-
-
-def _tid(text: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise _invalid(f"not a token id (UUID): {text[:64]!r}") from None
-
-
-def _int_field(body: dict[str, Any], name: str, default: int, allowed: range) -> int:
-    return _bounded(name, body.get(name, default), allowed)
-
-
-def _query_int(request: Request, name: str, default: int, allowed: range) -> int:
-    text = request.query.get(name)
-    if text is None:
-        return default
-    return _bounded(name, int(text) if text.isdigit() else text, allowed)
-
-
-def _bounded(name: str, value: object, allowed: range) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
-        raise _invalid(f"{name}: an integer in {allowed.start}..{allowed.stop - 1}")
-    return value
-
-
-async def _static(directory: Path, name: str) -> Response:
-    """A file of ``directory`` (tokend/dashboard/), by a name that cannot leave it."""
-    segments = name.split("/")
-    suffix = Path(name).suffix
-    if not all(_SEGMENT.fullmatch(s) for s in segments) or suffix not in DASHBOARD_TYPES:
-        raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", "no such dashboard file")
-    path = directory.joinpath(*segments)
-    try:
-        data = await asyncio.to_thread(path.read_bytes)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", "no such dashboard file") from None
-    return Response.raw(http.HTTPStatus.OK, data, DASHBOARD_TYPES[suffix])

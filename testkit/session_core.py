@@ -1,0 +1,75 @@
+"""The session core (tokend/session.py) driven by hand: its cadence, the node's part
+(:class:`Host`) with real tokens, a session on a fake clock, and the HELLO/WELCOME and
+HEARTBEAT a client would send. For tests/test_session.py and the tests that drive the
+core the same way (load shedding, capacity fixes).
+
+The fixtures ``host`` and ``session`` need ``tokens`` and ``clock``
+(:mod:`testkit.pure`); a test module imports all four.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from testkit.pure import FakeClock
+from tokend import protocol as p
+from tokend.answers import HelloAnswer, HelloOutcome
+from tokend.session import Ask, Cadence, Session
+from tokend.tokens import Claims, TokenService
+
+CADENCE = Cadence(heartbeat_ms=1_000, warn_ms=3_000, expire_ms=4_000, max_frame_rate=5)
+IAT_S = int(time.time())  # at import: a whole run later, tokens minted then are still valid
+SESSION_S = 3600
+EXP_MS = (IAT_S + SESSION_S) * 1000  # the session's exp, as the store says it
+SINCE_MS = IAT_S * 1000 + 7  # when the connection took the session, as the store says it
+
+
+class Host:
+    """The node's part, with real tokens: verify and sign; a sub cap of ``full`` subs."""
+
+    def __init__(self, tokens: TokenService) -> None:
+        self.tokens = tokens
+        self.full: set[str] = set()
+        self.signed: list[Claims] = []
+
+    def verify(self, token: str) -> Claims:
+        return self.tokens.verify(token, time.time())
+
+    def sign(self, claims: Claims) -> str:
+        self.signed.append(claims)
+        return self.tokens.sign(claims)
+
+    def sub_is_full(self, claims: Claims) -> bool:
+        return claims.sub in self.full
+
+
+@pytest.fixture
+def host(tokens: TokenService) -> Host:
+    return Host(tokens)
+
+
+@pytest.fixture
+def session(host: Host, clock: FakeClock) -> Session:
+    return Session(host, CADENCE, "node-a/1", clock)
+
+
+def welcome(
+    session: Session, tokens: TokenService, *, resumed: bool = False, ttl_s: int = SESSION_S
+) -> p.Welcome:
+    """HELLO with a fresh token for "alice" (its exp the session's unless ``ttl_s`` says
+    otherwise), the store's answer; the WELCOME sent."""
+    assert session.receive(p.Hello(tokens.mint("alice", ttl_s=ttl_s, iat=IAT_S))) is Ask.START
+    outcome = HelloOutcome.RESUMED if resumed else HelloOutcome.STARTED
+    out = session.started(HelloAnswer(outcome, EXP_MS, IAT_S, SINCE_MS))
+    assert isinstance(out, bytes)
+    frame = p.decode(out)
+    assert isinstance(frame, p.Welcome)
+    return frame
+
+
+def heartbeat(
+    w: p.Welcome, seq: int, exp_ms: int = EXP_MS, tid: bytes | None = None
+) -> p.Heartbeat:
+    return p.make_heartbeat(w.session_key, tid or w.tid, seq, exp_ms)
