@@ -37,6 +37,7 @@ from websockets.typing import Subprotocol
 from tokend import protocol as p
 from tokend import proxy_protocol, tls
 from tokend.answers import Ended, HeartbeatAnswer, HelloAnswer
+from tokend.handshake import Head, hand_over
 from tokend.http_answer import HttpAnswer
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
 from tokend.store.sessions import Known
@@ -127,6 +128,7 @@ class Connection(asyncio.Protocol):
         "deadline",
         "fragments",
         "gate",
+        "head",
         "heartbeat_request",
         "ip",
         "marks",
@@ -156,6 +158,9 @@ class Connection(asyncio.Protocol):
         # The connection's first bytes while it is undecided what they are (see
         # _preface): b"" from accept until they went on to TLS or websockets.
         self.preface: bytes | None = None
+        # The request's head while it is gathered for tokend.handshake (see _head): from
+        # accept until it was parsed there, or handed to websockets' parser.
+        self.head: Head | None = None
         # The client's (host, port) where the transport cannot tell it: from a PROXY
         # header, or kept when TLS begins (its transport forgets the peer once closed,
         # before the last log line). None: read the TCP peer's from the transport.
@@ -206,6 +211,7 @@ class Connection(asyncio.Protocol):
             return
         self.transport = transport
         self.preface = b""
+        self.head = Head()
         self.gate.opened(self)
         peer = self._tcp_peer()
         if not peer:
@@ -247,6 +253,11 @@ class Connection(asyncio.Protocol):
             data = self._preface(data)
             if not data:
                 return
+        if self.head is not None:
+            rest = self._head(data)
+            if rest is None:
+                return
+            data = rest
         ws = self.ws
         try:
             ws.receive_data(data)
@@ -309,6 +320,19 @@ class Connection(asyncio.Protocol):
         handshake = tls.begin(raw, self, context, received, self.gate.settings.hello_timeout)
         handshake.add_done_callback(lambda _: self._tls_ended(raw, handshake))
         return b""
+
+    def _head(self, data: bytes) -> bytes | None:
+        """The upgrade request, parsed by tokend.handshake when it can be (else by
+        websockets): what goes on to websockets' parser, None while the head is not whole."""
+        assert self.head is not None
+        parsed = self.head.feed(data)
+        if parsed is None:
+            return None
+        self.head = None
+        request, rest = parsed
+        if request is not None:
+            hand_over(self.ws, request)
+        return rest
 
     def _refuse(self, event: str, **fields: Any) -> bytes:
         """Close a connection whose first bytes are not what its source must send."""
