@@ -516,6 +516,10 @@ class Connection(asyncio.Protocol):
         session = self.session
         assert session is not None
         welcome = session.started(answer)
+        if welcome is Ask.START:  # the store asks for the token verified first
+            self._outcome(welcome)
+            self._write()
+            return
         if not isinstance(welcome, bytes):
             self._close(welcome)
             # Closed before the answer came, which gave it the session: released at once.
