@@ -19,13 +19,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog
 from tokend import protocol as p
 from tokend.server import App
-from tokend.tokens import KeyRing, TokenService, token_digest
+from tokend.tokens import KeyRing, TokenError, TokenService, token_digest
 
 StartApp = Callable[..., Awaitable[App]]
 
@@ -196,3 +198,31 @@ async def test_a_token_never_seen_is_verified_before_anything_is_written(
     assert not await redis.exists(*app.node.store.keys.session_keys(tid))
     welcome = await hello(app, token, proof)
     assert isinstance(welcome, p.Welcome) and not welcome.resumed
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(position=st.integers(min_value=0), char=st.sampled_from("AZaz09-_.=+/ \x00é"))
+def test_a_check_without_the_signature_refuses_all_a_verify_refuses_but_the_signature(
+    tokens: TokenService, position: int, char: str
+) -> None:
+    """On a token with one character changed anywhere: the same claims or refusal as a
+    verify; where only the signature would refuse it, never the known token's digest
+    (so the store asks for it verified)."""
+    token = tokens.mint("carol")
+    position %= len(token)
+    changed = token[:position] + char + token[position + 1 :]
+    now = time.time()
+
+    def outcome(signature: bool) -> tuple[object, str]:
+        try:
+            return tokens.check(changed, now, signature=signature)
+        except TokenError as exc:
+            return exc.reason, ""
+
+    verified, (unverified, digest) = outcome(True), outcome(False)
+    if verified[0] == "bad_signature":
+        assert digest != tokens.check(token, now, signature=True)[1]
+    else:
+        assert unverified == verified[0]
