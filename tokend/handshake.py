@@ -10,10 +10,11 @@ and ``send_response`` as before).
 Only a head that websockets' parser is certain to read the same way is taken: what
 llhttp parsed, written out again as ``METHOD SP path SP HTTP/1.x CRLF``, each header
 as ``name: value CRLF``, then CRLF, must be the received bytes exactly, within
-websockets' limits (line length, header count), without a body (Transfer-Encoding,
-Content-Length) and without a control character. Anything else (a malformed request,
-an unusual but valid spelling, a bare LF) goes to websockets' parser, byte for byte,
-which answers it as it always did. tests/test_handshake.py holds the two equal.
+websockets' limits (line length, header count), ASCII, without a body
+(Transfer-Encoding, Content-Length), a control character or whitespace ending a line.
+Anything else (a malformed request, an unusual but valid spelling, a bare LF) goes to
+websockets' parser, byte for byte, which answers it as it always did.
+tests/test_handshake.py holds the two equal.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ MAX_HEAD_LENGTH = MAX_LINE_LENGTH
 # What websockets' header value check refuses (http11._value_re's complement), and a
 # CR or LF anywhere but at a line's end (checked by counts, see Head.feed).
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_BODY_HEADERS = frozenset({"transfer-encoding", "content-length"})
 _VERSIONS = {"1.1": "HTTP/1.1", "1.0": "HTTP/1.0"}
-_OWS = (32, 9)  # SP, HTAB
 
 
 class Head:
@@ -99,8 +98,17 @@ class _Collected:
 def parse(head: bytes) -> Request | None:
     """The ``Request`` websockets' parser would make of ``head`` (the bytes up to and
     including the blank line), or None when it is not certain to be the same."""
-    if len(head) > MAX_HEAD_LENGTH or _CONTROL.search(head.replace(b"\r\n", b"")):
+    if (
+        len(head) > MAX_HEAD_LENGTH
+        or not head.isascii()  # obs-text in a value: rare, websockets' to decode
+        or _CONTROL.search(head.replace(b"\r\n", b""))
+        or b" \r\n" in head  # whitespace websockets strips from a value's end
+        or b"\t\r\n" in head
+    ):
         return None
+    lowered = head.lower()
+    if b"content-length" in lowered or b"transfer-encoding" in lowered:
+        return None  # a body, which websockets refuses (or a value naming one: rare)
     collected = _Collected()
     parser = httptools.HttpRequestParser(collected)
     try:
@@ -114,24 +122,15 @@ def parse(head: bytes) -> Request | None:
     if not collected.complete or protocol is None or len(headers) > MAX_NUM_HEADERS:
         return None
     method, url = parser.get_method(), collected.url
-    if not (method + url).isascii():
+    written = [method, b" ", url, b" ", protocol.encode(), b"\r\n"]
+    written += [b"%s: %s\r\n" % header for header in headers]
+    written.append(b"\r\n")
+    if b"".join(written) != head:
         return None
-    lines = [method, b" ", url, b" ", protocol.encode(), b"\r\n"]
     parsed = Headers()
     for name, value in headers:
-        if value and (value[0] in _OWS or value[-1] in _OWS):
-            return None  # websockets strips it
-        if not name.isascii():
-            return None
-        text = name.decode("ascii")
-        if text.lower() in _BODY_HEADERS:
-            return None  # websockets refuses a body
-        lines += (name, b": ", value, b"\r\n")
-        parsed.set_insecure(text, value.decode("iso-8859-1"))
-    lines.append(b"\r\n")
-    if b"".join(lines) != head:
-        return None
-    return Request(url.decode("ascii"), parsed, method.decode("ascii"), protocol)
+        parsed.set_insecure(name.decode(), value.decode())
+    return Request(url.decode(), parsed, method.decode(), protocol)
 
 
 def hand_over(ws: ServerProtocol, request: Request) -> None:
