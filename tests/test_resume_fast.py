@@ -226,3 +226,19 @@ def test_a_check_without_the_signature_refuses_all_a_verify_refuses_but_the_sign
         assert digest != tokens.check(token, now, signature=True)[1]
     else:
         assert unverified == verified[0]
+
+
+async def test_the_sub_cap_is_told_to_a_verified_token_only(
+    start_app: StartApp, tokens: TokenService
+) -> None:
+    """A forged token with a proof, naming a sub at its cap: 4501, not the 4029 that would
+    tell of that sub's sessions; the true token (another session of the sub) is 4029."""
+    app = await start_app(max_sessions_per_sub=1)
+    async with RawClient.connect(app.port) as holder:
+        await holder.hello(tokens.mint("carl"))
+        another = tokens.mint("carl")
+        head, _, signature = another.rpartition(".")
+        forged = f"{head}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
+        proof = bytes(16)
+        assert await hello(app, forged, proof) == (p.CloseCode.INVALID_TOKEN, "bad_signature")
+        assert await hello(app, another, proof) == (p.CloseCode.RATE_LIMITED, "too_many_sessions")

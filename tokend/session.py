@@ -298,7 +298,8 @@ class Session:
         if serving_rank(claims.prio, warned=False) >= shed_from:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         if self.host.sub_is_full(claims):
-            return self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
+            # Told to a token whose signature verified only: it tells of others' sessions.
+            return self._verify() or self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
         # Made before the store is asked: the store keeps (a digest of) the resume proof it
         # makes, for the next resume of the session to show, on whatever node (spec "Resume
         # proof").
@@ -311,17 +312,17 @@ class Session:
         code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
         return self._close(code, exc.reason)
 
-    def _verify(self) -> Ask | Close | None:
-        """The store does not know the token of a HELLO sent unverified: verify it now
-        (the refusal, if any, is the one a HELLO verified at once would have had), then
-        ask the store again."""
+    def _verify(self) -> Close | None:
+        """Verify now the signature of a token checked without it (the refusal, if any,
+        is the one a HELLO verified at once would have had); None when it verified."""
         token, self.unverified = self.unverified, None
-        assert token is not None
+        if token is None:
+            return None
         try:
             _, self.token_digest = self.host.check(token, True)
         except TokenError as exc:
             return self._refused(exc)
-        return Ask.START
+        return None
 
     @property
     def next_proof(self) -> bytes:
@@ -352,7 +353,8 @@ class Session:
         :attr:`Ask.START` again once the token is verified."""
         outcome = answer.outcome
         if outcome is HelloOutcome.VERIFY and self.phase is Phase.STARTING:
-            return self._verify()
+            # The store does not know the token: verified now, then asked again.
+            return self._verify() or Ask.START
         self.shown_proof = self.unverified = None
         self.token_digest = ""
         if self.phase is not Phase.STARTING:
