@@ -144,7 +144,8 @@ async def test_a_known_token_past_its_exp_is_4502(
     await asyncio.sleep(max(0.0, exp - time.time()) + 0.05)  # the clock past exp
     checked = watch_signatures(app)
     assert await resume(app, token, first) == (p.CloseCode.TOKEN_EXPIRED, "expired")
-    assert checked == [False]  # refused by the claims, as a verified token would be
+    # Refused by the claims, then verified: the reason is the one a verify gives first.
+    assert checked == [False, True]
 
 
 async def test_a_known_token_revoked_is_4506(start_app: StartApp, tokens: TokenService) -> None:
@@ -173,7 +174,7 @@ async def test_a_known_token_of_a_removed_key_is_4501(
     assert old not in app.node.tokens.keys.kids
     checked = watch_signatures(app)
     assert await resume(app, token, first) == (p.CloseCode.INVALID_TOKEN, "unknown_kid")
-    assert checked == [False]
+    assert checked == [False, True]
 
 
 def test_the_digest_binds_the_token_to_its_key() -> None:
@@ -226,6 +227,19 @@ def test_a_check_without_the_signature_refuses_all_a_verify_refuses_but_the_sign
         assert digest != tokens.check(token, now, signature=True)[1]
     else:
         assert unverified == verified[0]
+
+
+async def test_a_refused_unverified_hello_gets_the_reason_a_verified_one_gets(
+    start_app: StartApp, tokens: TokenService
+) -> None:
+    """Expired and with a forged signature, shown with a proof: 4501 bad_signature (a
+    verify looks at the signature first), as before; not the claims' 4502."""
+    app = await start_app(leeway=0)
+    token = tokens.mint("erin", iat=int(time.time()) - 100, ttl_s=50)
+    head, _, signature = token.rpartition(".")
+    forged = f"{head}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
+    assert await hello(app, forged, bytes(16)) == (p.CloseCode.INVALID_TOKEN, "bad_signature")
+    assert await hello(app, token, bytes(16)) == (p.CloseCode.TOKEN_EXPIRED, "expired")
 
 
 async def test_the_sub_cap_is_told_to_a_verified_token_only(

@@ -288,11 +288,12 @@ class Session:
         resume skips the signature of a token the store knows").
         """
         signature = hello.proof is None
+        self.unverified = None if signature else hello.token
         try:
             claims, self.token_digest = self.host.check(hello.token, signature)
         except TokenError as exc:
-            return self._refused(exc)
-        self.unverified = None if signature else hello.token
+            # Refused with the reason a HELLO verified at once gets (its signature first).
+            return self._verify() or self._refused(exc)
         self.claims = claims
         # A HELLO counts as a heartbeat: the session would be ACTIVE.
         if serving_rank(claims.prio, warned=False) >= shed_from:
