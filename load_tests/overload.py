@@ -201,13 +201,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         redis: aioredis.Redis = common.pool_redis(server)
         began_ms = int(time.time() * 1000)
         async with pools(ctx, server.url, sizes) as (groups, tids):
-            # All at once: one group after the other, on a slow machine, the first ones
-            # would be in WARN (no heartbeat yet) before the last were open.
-            opened = await asyncio.gather(
-                *(open_all(groups[name], 50, retry_for=args.heartbeat) for name in HELD)
-            )
-            for name, figures_of in zip(HELD, opened, strict=True):
-                figures[f"open-{name}"] = figures_of["opened"]
+            for name in HELD:
+                opened = await open_all(groups[name], 50, retry_for=args.heartbeat)
+                figures[f"open-{name}"] = opened["opened"]
             soaking = [n for n in HELD if n != "warn"]
             baseline = await asyncio.gather(
                 *(groups[n].ask("soak", **soak_args(args, baseline_s)) for n in soaking)
