@@ -37,6 +37,7 @@ SCENARIOS = {
     "revoke": "bench.revoke",
     "tls": "bench.tls",
     "drain": "bench.drain",
+    "resume": "bench.resume",
 }
 
 
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="a tokend setting for every tokend of the run, over the scenario's own "
         "(e.g. --set durable_replicas=1); repeatable",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="sample tokend with py-spy (resume): top functions"
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (logs)")
     args = parser.parse_args(argv)
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             replica=args.replica,
             settings=args.settings,
+            profile=args.profile,
         )
         results, ok = asyncio.run(run_all(ctx, names, args.repeat))
     finally:

@@ -62,7 +62,9 @@ def verifying(keys: KeyRing) -> Callable[[ServerConnection], Awaitable[None]]:
     async def answer_verified(ws: ServerConnection) -> None:
         async for message in ws:
             if len(message) != p.HEARTBEAT_LENGTH:
-                signing_input, _, signature = bytes(message[4:]).rpartition(b".")
+                # The token is L bytes after the 4-byte head; a resume proof may follow.
+                length = int.from_bytes(message[2:4], "big")
+                signing_input, _, signature = bytes(message[4 : 4 + length]).rpartition(b".")
                 header = json.loads(
                     base64.urlsafe_b64decode(signing_input.partition(b".")[0] + b"==")
                 )

@@ -339,6 +339,7 @@ class Context:
         workers: int = 1,
         replica: bool = False,
         settings: dict[str, str] | None = None,
+        profile: bool = False,
     ) -> None:
         self.sizes = sizes
         self.workdir = workdir
@@ -348,6 +349,8 @@ class Context:
         self.replica = replica
         # tokend settings given on the command line (--set), over each scenario's own.
         self.settings = settings or {}
+        # Sample tokend with py-spy where a scenario supports it (bench.resume).
+        self.profile = profile
         # The server under test on one CPU, Redis and the load generators on the others.
         self.server_cpus, self.other_cpus = cpu_split() if pin else (None, None)
         self.keys_dir = workdir / "keys"
@@ -672,6 +675,7 @@ async def open_all(pool: ClientPool, concurrency: int, retry_for: float = 0.0) -
     span = max(r["t_end"] for r in replies) - min(r["t_start"] for r in replies)
     return {
         "opened": opened,
+        "resumed": sum(r["resumed"] for r in replies),
         "seconds": round(span, 3),
         "rate": opened / span if span > 0 else 0.0,
         "client_cpu_s": round(sum(r["cpu_s"] for r in replies), 2),

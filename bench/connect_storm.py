@@ -13,10 +13,12 @@ generator's own ceiling.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench.common import (
     Child,
+    ClientPool,
     Context,
     Row,
     bare_server,
@@ -33,10 +35,13 @@ from testkit.procs import CpuMeter
 RATE_TARGET = 1.0  # x bare handshake + HELLO with its signature checked
 
 
-async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -> dict[str, Any]:
-    """Open ``sizes.connects`` sessions (``proto`` tokend or bare); rate, latency, CPU."""
+def session_pool(
+    ctx: Context, proto: str, server: Child
+) -> contextlib.AbstractAsyncContextManager[ClientPool]:
+    """The storm's clients: ``connects`` sessions (``proto`` tokend or bare) over
+    ``clients`` processes."""
     sizes = ctx.sizes
-    async with client_pool(
+    return client_pool(
         ctx,
         proto,
         url=server.url,
@@ -44,7 +49,13 @@ async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -
         total=sizes.connects,
         procs=sizes.clients,
         tokens=ctx.tokens(sizes.connects),
-    ) as pool:
+    )
+
+
+async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -> dict[str, Any]:
+    """Open ``sizes.connects`` sessions (``proto`` tokend or bare); rate, latency, CPU."""
+    sizes = ctx.sizes
+    async with session_pool(ctx, proto, server) as pool:
         meter = CpuMeter({proto: server.pid, **pids})
         meter.start()
         figures = await open_all(pool, sizes.concurrency)
@@ -53,33 +64,37 @@ async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -
     return {**figures, "cpu_pct": cpu}
 
 
-async def figures(ctx: Context, server: str, *, tls: bool = False) -> dict[str, Any]:
-    """The storm against ``server`` (tokend, bare: the websockets server verifying each
-    HELLO, or picows: the clients' ceiling), over TLS with ``tls``; measured once per
-    repetition."""
-    key = ("storm", server, tls)
+Storm = Callable[[Context, str, Child, dict[str, int]], Awaitable[dict[str, Any]]]
+
+
+async def figures(
+    ctx: Context, server: str, *, tls: bool = False, measure: Storm = storm
+) -> dict[str, Any]:
+    """The storm (``measure``: this module's, or bench.resume's) against ``server``
+    (tokend, bare: the websockets server verifying each HELLO, or picows: the clients'
+    ceiling), over TLS with ``tls``; measured once per repetition."""
+    key = (measure.__module__, server, tls)
     if key not in ctx.cache:
         with contextlib.ExitStack() as stack:
             if server == "tokend":
                 store = stack.enter_context(redis_server(ctx))
                 child = stack.enter_context(tokend_server(ctx, store.url, tls=tls))
-                ctx.cache[key] = await storm(ctx, "tokend", child, {"redis": redis_pid(store)})
+                ctx.cache[key] = await measure(ctx, "tokend", child, {"redis": redis_pid(store)})
             else:
                 impl = "picows" if server == "picows" else "websockets"
                 child = stack.enter_context(
                     bare_server(ctx, impl, verify=server == "bare", tls=tls)
                 )
-                ctx.cache[key] = await storm(ctx, "bare", child, {})
+                ctx.cache[key] = await measure(ctx, "bare", child, {})
     result: dict[str, Any] = ctx.cache[key]
     return result
 
 
-def describe(name: str, figures: dict[str, Any]) -> str:
-    """One line: sessions, time, latency, CPU of each process, server CPU per session."""
+def describe(name: str, figures: dict[str, Any], unit: str = "session") -> str:
+    """One line: sessions, time, latency, CPU of each process, server CPU per ``unit``."""
     return (
         f"{name}: {figures['opened']:,} in {figures['seconds']:.2f} s, connect p50 "
-        f"{figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms; "
-        + cpu_summary(figures, "session")
+        f"{figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms; " + cpu_summary(figures, unit)
     )
 
 

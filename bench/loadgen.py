@@ -36,6 +36,9 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   (HTTP 503) and when each resume happened. With
   ``connect``, the connections not open yet connect the same way (a connect storm
   whose sessions keep the cadence from their WELCOME).
+* ``drop``: drop every connection (no close handshake), keep what each learnt (token,
+  session key: the next ``connect`` resumes with the resume proof, as the SDK does);
+  the reply comes once every connection is down on this side.
 * ``exit``: drop every connection (no close handshake) and end.
 
 tokend and the bare server get byte-identical traffic: the same HELLO, the same
@@ -455,6 +458,7 @@ class Generator:
         refusals, self.refusals = dict(self.refusals), Counter()
         return {
             "opened": len(latencies),
+            "resumed": sum(c.resumed for c in self.conns if c.live),
             "failed": sum(errors.values()),
             "errors": dict(errors),
             "refusals": refusals,  # every failed attempt, retried or not
@@ -626,6 +630,15 @@ class Generator:
             "cpu_s": cpu_seconds() - cpu0,
         }
 
+    async def drop_all(self) -> dict[str, Any]:
+        """``drop``, answered once every connection is down here."""
+        self.drop()
+        for conn in self.conns:
+            conn.live = False
+            if conn.transport is not None:
+                await conn.transport.wait_disconnected()
+        return {"dropped": len(self.conns)}
+
     def drop(self) -> None:
         """Reset every connection: no close handshake, no FIN, so no TIME_WAIT.
 
@@ -649,6 +662,7 @@ async def serve(job: dict[str, Any]) -> None:
         "loop": gen.closed_loop,
         "burst": gen.burst,
         "soak": gen.soak,
+        "drop": gen.drop_all,
     }
     reader = asyncio.StreamReader()
     await gen.loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

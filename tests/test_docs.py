@@ -45,6 +45,10 @@ EXTERNAL = {
     "EdDSA",  # the JWT algorithm (RFC 8037)
     "tokend.service",  # the systemd unit docs/operations.md shows
     "hmac_digest",  # _hashlib's, as profiles name it
+    "process_request",  # websockets' handshake, as profiles name it
+    "parse_line",  # websockets' HTTP parser, as profiles name it
+    "parse_headers",  # the same
+    "read_line",  # the same
 }
 
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)

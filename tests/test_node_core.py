@@ -45,8 +45,8 @@ class Host:
     def __init__(self, tokens: TokenService) -> None:
         self.tokens = tokens
 
-    def verify(self, token: str) -> Claims:
-        return self.tokens.verify(token, time.time())
+    def check(self, token: str, signature: bool) -> tuple[Claims, str]:
+        return self.tokens.check(token, time.time(), signature=signature)
 
     def sign(self, claims: Claims) -> str:
         return self.tokens.sign(claims)

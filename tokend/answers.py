@@ -32,6 +32,10 @@ class HelloOutcome(StrEnum):
     # Another connection holds the session live and the HELLO has no valid resume proof
     # (spec "Resume proof", revision 2): nothing was written.
     IN_USE = "in_use"
+    # A HELLO sent without its token's signature checked, whose token is not the one the
+    # session was last verified with (or no such session): verify it, then ask again.
+    # Nothing was written (docs/security.md, "A resume skips the signature...").
+    VERIFY = "verify"
 
 
 class HelloAnswer(NamedTuple):

@@ -39,6 +39,7 @@ from websockets.typing import Subprotocol
 from tokend import protocol as p
 from tokend import proxy_protocol, tls
 from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
+from tokend.handshake import Head, hand_over
 from tokend.http_answer import HttpAnswer
 from tokend.peer import Hub
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
@@ -145,6 +146,7 @@ class Connection(asyncio.Protocol):
         "deadline",
         "fragments",
         "gate",
+        "head",
         "ip",
         "link",
         "paused",
@@ -171,6 +173,9 @@ class Connection(asyncio.Protocol):
         # The connection's first bytes while it is undecided what they are (see
         # _preface): b"" from accept until they went on to TLS or websockets.
         self.preface: bytes | None = None
+        # The request's head while it is gathered for tokend.handshake (see _head): from
+        # accept until it was parsed there, or handed to websockets' parser.
+        self.head: Head | None = None
         # The client's (host, port) where the transport cannot tell it: from a PROXY
         # header, or kept when TLS begins (its transport forgets the peer once closed,
         # before the last log line). None: read the TCP peer's from the transport.
@@ -221,6 +226,7 @@ class Connection(asyncio.Protocol):
             return
         self.transport = transport
         self.preface = b""
+        self.head = Head()
         self.gate.opened(self)
         peer = self._tcp_peer()
         if not peer:
@@ -264,13 +270,19 @@ class Connection(asyncio.Protocol):
             data = self._preface(data)
             if not data:
                 return
+        if self.head is not None:
+            rest = self._head(data)
+            if rest is None:
+                return
+            data = rest
         ws = self.ws
         try:
             # A slice at a time: once closed (max_frame_rate, a bad frame), what is left of a
             # read bigger than a client's close reply is not parsed (nor answered: a ping
             # gets a pong even after the close), and the closing handshake's deadline ends
-            # the connection. One read may hold 40,000 pings.
-            for offset in range(0, len(data), READ_SLICE):
+            # the connection. One read may hold 40,000 pings. Once at least, even with no
+            # bytes left: a request tokend.handshake handed over waits in events_received.
+            for offset in range(0, len(data) or 1, READ_SLICE):
                 if ws.close_sent is not None and len(data) > READ_SLICE:
                     break
                 ws.receive_data(data[offset : offset + READ_SLICE])
@@ -333,6 +345,19 @@ class Connection(asyncio.Protocol):
         handshake = tls.begin(raw, self, context, received, self.gate.settings.hello_timeout)
         handshake.add_done_callback(lambda _: self._tls_ended(raw, handshake))
         return b""
+
+    def _head(self, data: bytes) -> bytes | None:
+        """The upgrade request, parsed by tokend.handshake when it can be (else by
+        websockets): what goes on to websockets' parser, None while the head is not whole."""
+        assert self.head is not None
+        parsed = self.head.feed(data)
+        if parsed is None:
+            return None
+        self.head = None
+        request, rest = parsed
+        if request is not None:
+            hand_over(self.ws, request)
+        return rest
 
     def _refuse(self, event: str, **fields: Any) -> bytes:
         """Close a connection whose first bytes are not what its source must send."""
@@ -694,6 +719,9 @@ class SessionLink:
         session = self.session
         connection = self.connection
         welcome = session.started(answer)
+        if welcome is Ask.START:  # the store asks for the token verified first
+            self.outcome(welcome)
+            return
         if not isinstance(welcome, bytes):
             connection.close_with(welcome)
             # Closed before the answer came, which gave it the session: released at once.

@@ -100,8 +100,9 @@ class Phase(Enum):
 class Host(Protocol):
     """What a session asks of the node that runs it, answered at once."""
 
-    def verify(self, token: str) -> Claims:
-        """The token's claims; raises TokenError."""
+    def check(self, token: str, signature: bool) -> tuple[Claims, str]:
+        """The token's claims, checked (its signature too if ``signature``), and its
+        digest (tokend.tokens.TokenService.check); raises TokenError."""
         ...
 
     def sign(self, claims: Claims) -> str: ...
@@ -171,8 +172,10 @@ class Session:
         "since_ms",
         "storing",
         "tid_bytes",
+        "token_digest",
         "token_exp_ms",
         "unanswered",
+        "unverified",
         "warned",
     )
 
@@ -186,6 +189,10 @@ class Session:
         self.tid_bytes = b""
         self.key = b""  # the session key, made at HELLO; WELCOME carries it
         self.shown_proof: bytes | None = None  # the HELLO's resume proof, until the answer
+        # The HELLO's token digest for the store, and the token while its signature is
+        # unchecked (see _hello), until the answer.
+        self.token_digest = ""
+        self.unverified: str | None = None
         self.last_seq = 0
         self.last_beat = -math.inf  # clock() at the last heartbeat verified
         self.cadenced = False  # that heartbeat came on cadence (see _cadenced)
@@ -294,17 +301,29 @@ class Session:
         return self._close(p.CloseCode.PROTOCOL_ERROR, "text_message")
 
     def _hello(self, hello: p.Hello, shed_from: int) -> Ask | Close:
+        """Check the token and ask the store to start or resume its session.
+
+        A HELLO with a resume proof comes back to a session the store likely knows: its
+        token is checked in every way but the signature, and the store goes on only if
+        the session keeps this token's digest, the token it was last verified with
+        (else it answers VERIFY, see :meth:`started`). A fresh login (no proof) is
+        verified in full at once: it pays no second round trip (docs/security.md, "A
+        resume skips the signature of a token the store knows").
+        """
+        signature = hello.proof is None
+        self.unverified = None if signature else hello.token
         try:
-            claims = self.host.verify(hello.token)
+            claims, self.token_digest = self.host.check(hello.token, signature)
         except TokenError as exc:
-            code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
-            return self._close(code, exc.reason)
+            # Refused with the reason a HELLO verified at once gets (its signature first).
+            return self._verify() or self._refused(exc)
         self.claims = claims
         # A HELLO counts as a heartbeat: the session would be ACTIVE.
         if serving_rank(claims.prio, warned=False) >= shed_from:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         if self.host.sub_is_full(claims):
-            return self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
+            # Told to a token whose signature verified only: it tells of others' sessions.
+            return self._verify() or self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
         # Made before the store is asked: the store keeps (a digest of) the resume proof it
         # makes, for the next resume of the session to show, on whatever node (spec "Resume
         # proof").
@@ -312,6 +331,22 @@ class Session:
         self.shown_proof = hello.proof
         self.phase = Phase.STARTING
         return Ask.START
+
+    def _refused(self, exc: TokenError) -> Close | None:
+        code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN
+        return self._close(code, exc.reason)
+
+    def _verify(self) -> Close | None:
+        """Verify now the signature of a token checked without it (the refusal, if any,
+        is the one a HELLO verified at once would have had); None when it verified."""
+        token, self.unverified = self.unverified, None
+        if token is None:
+            return None
+        try:
+            _, self.token_digest = self.host.check(token, True)
+        except TokenError as exc:
+            return self._refused(exc)
+        return None
 
     @property
     def next_proof(self) -> bytes:
@@ -322,10 +357,15 @@ class Session:
 
     # The store's answers
 
-    def started(self, answer: HelloAnswer) -> bytes | Close | None:
-        """The store's answer to :attr:`Ask.START`: WELCOME, or the refusal."""
+    def started(self, answer: HelloAnswer) -> bytes | Ask | Close | None:
+        """The store's answer to :attr:`Ask.START`: WELCOME, the refusal, or (VERIFY)
+        :attr:`Ask.START` again once the token is verified."""
         outcome = answer.outcome
-        self.shown_proof = None
+        if outcome is HelloOutcome.VERIFY and self.phase is Phase.STARTING:
+            # The store does not know the token: verified now, then asked again.
+            return self._verify() or Ask.START
+        self.shown_proof = self.unverified = None
+        self.token_digest = ""
         if self.phase is not Phase.STARTING:
             if self.phase is Phase.CLOSED and outcome in _HELD:
                 # The store gave this connection the session after it closed (its client

@@ -58,6 +58,9 @@ WINDOW = 0.2
 # Calm (mean lateness under half of shed_lag, no heartbeat backlog) for this long
 # before a shed class is served again.
 CALM_FOR = 1.0
+# How long the classes held, read from every session (19,000 ranks: milliseconds of a
+# loop already late), are taken as they were: they change slower than one window.
+HELD_FOR = 1.0
 
 
 class Shedder:
@@ -72,10 +75,14 @@ class Shedder:
         shed_lag: float,
         ranks: Callable[[], Iterable[int]],
         backlogged: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.shed_lag = shed_lag
         self.ranks = ranks
         self.backlogged = backlogged
+        self.clock = clock
+        self._held: set[int] = set()
+        self._held_at = -math.inf
         self.shed_from = RANKS
         # Every class but the best is shed, and the node was overloaded still.
         self.saturated = False
@@ -114,7 +121,7 @@ class Shedder:
 
     def step_down(self, lag: float) -> None:
         """Shed the worst-ranked class held that is not shed yet, unless it is the best."""
-        held = set(self.ranks())
+        held = self.held()
         if not held:
             return
         best = min(held)
@@ -131,6 +138,13 @@ class Shedder:
             shed=shed_classes(self.shed_from),
             lag_ms=round(lag * 1000),
         )
+
+    def held(self) -> set[int]:
+        """The ranks of the sessions held, read again at most every :data:`HELD_FOR`."""
+        now = self.clock()
+        if now - self._held_at >= HELD_FOR:
+            self._held, self._held_at = set(self.ranks()), now
+        return self._held
 
     def step_up(self) -> None:
         """Serve the class shed last again (and new handshakes)."""

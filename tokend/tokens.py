@@ -18,6 +18,7 @@ import bisect
 import calendar
 import fcntl
 import functools
+import hashlib
 import json
 import math
 import os
@@ -45,6 +46,8 @@ KID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "exp")
 DEFAULT_PRIO = 5
 PRIO_RANGE = range(10)
+# Distinct JWS headers whose kid TokenService keeps (a node sees a handful: one per key).
+HEADER_CACHE_SIZE = 64
 
 
 # Why a token is refused: the reason of its close (4502 for "expired", else 4501), the
@@ -132,6 +135,10 @@ def _locked(directory: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _raw(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
 def _b64url(raw: bytes) -> str:
     """RFC 7515 2: base64url without padding (``base64.urlsafe_b64encode``'s, two calls
     fewer: a renewal makes two)."""
@@ -206,6 +213,7 @@ class KeyRing:
         self._private: dict[str, Ed25519PrivateKey] = {}
         self._headers: dict[str, str] = {}  # the JWS header of each kid, base64url-encoded
         self._public: dict[str, Ed25519PublicKey] = {}
+        self._raw: dict[str, bytes] = {}  # each public key's raw bytes
         self.kids: list[str] = []  # every kid, oldest first
         self.files: dict[str, KeyFile] = {}  # every .pem file by name, as last scanned
         self.unlisted = ""  # why the directory could not be listed at the last scan
@@ -251,6 +259,10 @@ class KeyRing:
         """Sign and verify with ``keys`` from now on (each attribute replaced whole)."""
         self._public = {
             kid: self._public[kid] if self._private.get(kid) is key else key.public_key()
+            for kid, key in keys.items()
+        }
+        self._raw = {
+            kid: self._raw[kid] if self._private.get(kid) is key else _raw(self._public[kid])
             for kid, key in keys.items()
         }
         self._private = keys
@@ -336,14 +348,16 @@ class KeyRing:
     def public_key(self, kid: str) -> Ed25519PublicKey | None:
         return self._public.get(kid)
 
+    def raw_public_key(self, kid: str) -> bytes:
+        """The 32 bytes of ``kid``'s public key (RFC 8032 5.1.5)."""
+        return self._raw[kid]
+
     def jwks(self, kids: Iterable[str]) -> dict[str, Any]:
         """The public keys of ``kids`` as a JWKS (RFC 7517; OKP keys per RFC 8037),
         newest first."""
         keys = []
         for kid in sorted(kids, reverse=True):
-            raw = self._public[kid].public_bytes(
-                serialization.Encoding.Raw, serialization.PublicFormat.Raw
-            )
+            raw = self._raw[kid]
             keys.append(
                 {
                     "kty": "OKP",
@@ -443,6 +457,8 @@ class TokenService:
         self._claims_head = (
             f'{{"iss":{_json_string(self.issuer)},"aud":{_json_string(self.audience)},"sub":'
         )
+        # The kid of each JWS header (its base64url text) that named a usable key.
+        self._kids: dict[str, str] = {}
 
     def new_claims(
         self,
@@ -510,22 +526,26 @@ class TokenService:
         primitives: PyJWT spends ~340 us per token validating base64 one character
         at a time, more than the Ed25519 verification itself, on every HELLO.
         """
+        return self.check(token, now, signature=True)[0]
+
+    def check(self, token: str, now: float, *, signature: bool) -> tuple[Claims, str]:
+        """:meth:`verify`'s checks, all of them, or (``signature`` False) all but the
+        Ed25519 signature; and the token's :func:`token_digest` under its key.
+
+        Without the signature the claims are only as good as a store that knows the
+        digest as one of a token verified before (hello.lua; docs/security.md "A resume
+        skips the signature of a token the store knows"): the key must still be in the
+        ring and published, and every claim is checked as for a verified token.
+        """
         segments = token.split(".")
         if len(segments) != 3 or not all(map(_B64URL.fullmatch, segments)):
             raise TokenError("malformed")
-        header = _json_segment(segments[0])
-        alg, kid = header.get("alg"), header.get("kid")
-        # Only Ed25519 keys exist here: an allowed algorithm of another family
-        # could never verify, so it is refused rather than tried.
-        if alg not in self.algorithms or alg != "EdDSA":
-            raise TokenError("bad_algorithm")
-        if not isinstance(kid, str) or not KID_PATTERN.match(kid):
-            raise TokenError("unknown_kid")
-        key = self._key_for(kid, now)
-        try:
-            key.verify(_b64decode(segments[2]), f"{segments[0]}.{segments[1]}".encode("ascii"))
-        except (InvalidSignature, binascii.Error):
-            raise TokenError("bad_signature") from None
+        key, raw_key = self._header_key(segments[0], now)
+        if signature:
+            try:
+                key.verify(_b64decode(segments[2]), f"{segments[0]}.{segments[1]}".encode("ascii"))
+            except (InvalidSignature, binascii.Error):
+                raise TokenError("bad_signature") from None
         payload = _json_segment(segments[1])
         for claim in REQUIRED_CLAIMS:
             if claim not in payload:
@@ -542,7 +562,41 @@ class TokenService:
             raise TokenError("expired")
         if payload["iat"] > now + self.leeway or payload.get("nbf", 0) > now + self.leeway:
             raise TokenError("not_yet_valid")
-        return _claims(payload)
+        return _claims(payload), token_digest(raw_key, token)
+
+    def _header_key(self, segment: str, now: float) -> tuple[Ed25519PublicKey, bytes]:
+        """The key a JWS header names (its kid), if the algorithm is EdDSA and the key is
+        in the ring and published at ``now``; with its raw bytes (for the digest).
+
+        A header that passed is kept by its exact text (the same few headers come with
+        every token): its kid, so that the next is not decoded again. The ring's key and
+        the schedule are asked each time: a key removed or retired refuses at once.
+        """
+        kid = self._kids.get(segment)
+        if kid is None:
+            header = _json_segment(segment)
+            alg, kid = header.get("alg"), header.get("kid")
+            # Only Ed25519 keys exist here: an allowed algorithm of another family
+            # could never verify, so it is refused rather than tried.
+            if alg not in self.algorithms or alg != "EdDSA":
+                raise TokenError("bad_algorithm")
+            if not isinstance(kid, str) or not KID_PATTERN.match(kid):
+                raise TokenError("unknown_kid")
+            key = self._key_for(kid, now)
+            if len(self._kids) >= HEADER_CACHE_SIZE:
+                self._kids.clear()  # headers crafted to fill it: start over
+            self._kids[segment] = kid
+        else:
+            key = self._key_for(kid, now)
+        return key, self.keys.raw_public_key(kid)
+
+
+def token_digest(raw_key: bytes, token: str) -> str:
+    """What the store keeps of the token a session was last verified with, and compares
+    a resume's token with: the first 16 bytes of SHA-256 over the raw public key of the
+    token's kid and the token, in hex. Equal digests mean the same token bytes under the
+    same key (a kid that came to name another key would not match)."""
+    return hashlib.sha256(raw_key + token.encode()).hexdigest()[:32]
 
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]+")

@@ -78,6 +78,11 @@ class HelloRequest(NamedTuple):
     # this connection's session key makes, which the next resume of the session must show.
     shown: bytes | None = None
     proof: bytes = b""
+    # The token's digest (tokend.tokens.token_digest), kept with the session when
+    # ``verified``; when not (its signature unchecked), the HELLO goes on only if the
+    # session keeps this digest, else it is answered VERIFY.
+    token: str = ""
+    verified: bool = True
 
 
 class ReleaseRequest(NamedTuple):
@@ -132,9 +137,11 @@ class Store(ScriptRunner):
         conn: str,
         shown: bytes | None = None,
         proof: bytes = b"",
+        token: str = "",
+        verified: bool = True,
     ) -> HelloAnswer:
         """Start or resume one session (hello.lua); see :class:`HelloRequest`."""
-        request = HelloRequest(tid, sub, prio, iat_s, exp_s, conn, shown, proof)
+        request = HelloRequest(tid, sub, prio, iat_s, exp_s, conn, shown, proof, token, verified)
         return (await self.hellos([request]))[0]
 
     async def hellos(self, batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
@@ -150,7 +157,7 @@ class Store(ScriptRunner):
             return await self._hellos_but_revoked(batch)
         prefixes = self._session_prefixes
         members = []
-        for tid, sub, prio, iat_s, exp_s, conn, shown, proof in batch:
+        for tid, sub, prio, iat_s, exp_s, conn, shown, proof, token, verified in batch:
             tid_text = str(tid)
             shard = Keyspace.shard_of(tid_text)
             hash_prefix, tomb_prefix = prefixes[shard]
@@ -167,6 +174,8 @@ class Store(ScriptRunner):
                         conn,
                         proof_digest(shown),
                         proof_digest(proof),
+                        token,
+                        "1" if verified else "0",
                     ),
                 )
             )
@@ -174,10 +183,14 @@ class Store(ScriptRunner):
         return [_hello_answer(reply) for reply in replies]
 
     async def _hellos_but_revoked(self, batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
-        """:meth:`hellos`, answering those this node knows as revoked itself."""
+        """:meth:`hellos`, answering those this node knows as revoked itself (a token not
+        verified yet is told to verify first: a revocation is told to its token only)."""
         barred = [self.known_revoked(str(request[0])) for request in batch]
         asked = iter(await self.hellos([r for r, b in zip(batch, barred, strict=True) if not b]))
-        return [_REVOKED if b else next(asked) for b in barred]
+        return [
+            (_REVOKED if r.verified else _VERIFY) if b else next(asked)
+            for r, b in zip(batch, barred, strict=True)
+        ]
 
     def heartbeat_request(self, tid: uuid.UUID, conn: str) -> HeartbeatRequest:
         tid_text = str(tid)
@@ -416,6 +429,7 @@ def _never(tid: str) -> bool:
 
 
 _REVOKED = HelloAnswer(HelloOutcome.ENDED, ended=Ended.REVOKED)
+_VERIFY = HelloAnswer(HelloOutcome.VERIFY)
 
 
 def _hello_answer(reply: list[Any]) -> HelloAnswer:

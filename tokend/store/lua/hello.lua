@@ -2,20 +2,31 @@
 -- tid. KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
 -- arguments are warn_after (ms), grace (ms), expire_after (ms) and held_live (ms:
 -- heartbeat_interval + tokend.clocks.HELD_LIVE_SLACK_MS); each session's are (tid, sub,
--- prio, iat (s), exp (s), conn, shown, proof): shown is the digest of the HELLO's resume
--- proof ('' for none), proof the digest of the proof this connection's session key makes,
--- kept with the session (field `proof`) for the next resume to show
--- (tokend.store.sessions.proof_digest).
+-- prio, iat (s), exp (s), conn, shown, proof, token, verified): shown is the digest of the
+-- HELLO's resume proof ('' for none), proof the digest of the proof this connection's
+-- session key makes, kept with the session (field `proof`) for the next resume to show
+-- (tokend.store.sessions.proof_digest); token the digest of the HELLO's token
+-- (tokend.tokens.token_digest), kept with the session (field `tok`) when verified is '1'.
+-- A HELLO whose token's signature was not checked (verified '0') goes on only if the
+-- session keeps that digest: the very token it was last verified with; else {VERIFY},
+-- nothing written, before anything about the session is told (docs/security.md).
 -- Returns, per session in order, of HELLO_OUTCOME: {STARTED|RESUMED, exp_ms, iat_s,
--- since_ms}, {ENDED, tombstone}, {EXPIRED}, {MISMATCH} or {IN_USE}. since_ms is when this
--- connection took the session (hash field `since`): after a failover a node re-asserts
--- its connection only over one that took it earlier (heartbeat.lua).
+-- since_ms}, {ENDED, tombstone}, {EXPIRED}, {MISMATCH}, {IN_USE} or {VERIFY}. since_ms is
+-- when this connection took the session (hash field `since`): after a failover a node
+-- re-asserts its connection only over one that took it earlier (heartbeat.lua).
 local warn_ms, grace_ms, expire_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2]),
                                      tonumber(ARGV[OWN + 3])
 local held_live_ms = tonumber(ARGV[OWN + 4])
 local now = now_ms()
 
-local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof)
+local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof, token,
+                     verified)
+  if verified ~= '1' then
+    local known = redis.call('HGET', skey, 'tok')
+    if token == '' or known ~= token then
+      return {HELLO_OUTCOME.VERIFY}
+    end
+  end
   local tomb = redis.call('GET', tkey)
   if tomb then
     return {HELLO_OUTCOME.ENDED, tomb}
@@ -61,7 +72,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof)
     -- A resume counts as a heartbeat: the session is ACTIVE again.
     local exp = s.exp
     redis.call('HSET', skey, 'st', STATE.ACTIVE, 'hb', now, 'conn', conn, 'since', now,
-               'proof', proof)
+               'proof', proof, 'tok', token)
     if s.left then
       redis.call('HDEL', skey, 'left')
     end
@@ -84,11 +95,11 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof)
     return {HELLO_OUTCOME.EXPIRED}
   end
   redis.call('HSET', skey, 'sub', sub, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat,
-             'prio', prio, 'conn', conn, 'since', now, 'proof', proof)
+             'prio', prio, 'conn', conn, 'since', now, 'proof', proof, 'tok', token)
   redis.call('PEXPIREAT', skey, exp + grace_ms)
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   emit('SESSION_STARTED', tid, sub, now, conn)
   return {HELLO_OUTCOME.STARTED, exp, tonumber(iat), now}
 end
 
-return for_each_session(4, 8, hello)
+return for_each_session(4, 10, hello)

@@ -1,0 +1,366 @@
+"""tokend/handshake.py (the upgrade request parsed by httptools) against websockets' parser.
+
+The same bytes, cut into reads anywhere, go to websockets' ``ServerProtocol`` as it
+parses them itself, and to the path of ``Connection.data_received``: ``Head`` first,
+then (a request parsed) ``accept``/``send_response`` and the rest to websockets' frame
+parser, or (not parsed) every byte to websockets. Both must come to the same: the same
+request (method, path, protocol, headers in order), the same response status and
+headers (but Date), the same frames after it, the same EOF. Valid requests of every
+common shape, a table of malformed ones, and hypothesis' variations of both.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request, Response
+
+from tokend import protocol as p
+from tokend.connection import TokendProtocol
+from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse
+
+KEY = base64.b64encode(b"0123456789abcdef").decode()
+HEADERS = [
+    ("Host", "127.0.0.1:8765"),
+    ("Upgrade", "websocket"),
+    ("Connection", "Upgrade"),
+    ("Sec-WebSocket-Key", KEY),
+    ("Sec-WebSocket-Version", "13"),
+    ("Sec-WebSocket-Protocol", p.SUBPROTOCOL),
+]
+# A masked binary frame a client may send right behind its request (a HELLO).
+HELLO_FRAME = Frame(Opcode.BINARY, p.encode(p.Hello("a.b.c"))).serialize(mask=True)
+
+
+def request_bytes(
+    headers: list[tuple[str, str]] = HEADERS,
+    line: str = "GET /v1/ws HTTP/1.1",
+    separator: str = ": ",
+    eol: str = "\r\n",
+) -> bytes:
+    text = line + eol + "".join(f"{n}{separator}{v}{eol}" for n, v in headers) + eol
+    return text.encode("latin-1")
+
+
+@dataclass
+class Outcome:
+    request: tuple[Any, ...] | None
+    status: int | str | None
+    response_headers: list[tuple[str, str]]
+    frames: list[tuple[Opcode, bytes]]
+    eof_sent: bool
+
+
+def _ws() -> TokendProtocol:
+    return TokendProtocol(origins=None, max_size=16384)
+
+
+def _answer(ws: TokendProtocol, request: Request) -> Response | str:
+    """accept and send_response, as Connection._request; what goes wrong there is
+    Connection._internal_error's (a log line, the connection left to its timer)."""
+    try:
+        response = ws.accept(request)
+        ws.send_response(response)
+    except Exception as exc:
+        return f"failed: {type(exc).__name__}"
+    return response
+
+
+def _outcome(
+    ws: TokendProtocol,
+    request: Request | None,
+    response: Response | str | None,
+    events: list[Any],
+) -> Outcome:
+    frames = [(e.opcode, bytes(e.data)) for e in events if isinstance(e, Frame)]
+    if isinstance(response, str):
+        return Outcome(_fields(request) if request else None, response, [], [], ws.eof_sent)
+    return Outcome(
+        None if request is None else _fields(request),
+        None if response is None else response.status_code,
+        [] if response is None else [h for h in response.headers.raw_items() if h[0] != "Date"],
+        frames,
+        ws.eof_sent,
+    )
+
+
+def _fields(request: Request) -> tuple[Any, ...]:
+    return (request.method, request.path, request.protocol, list(request.headers.raw_items()))
+
+
+def by_websockets(chunks: list[bytes], eof: bool = False) -> Outcome:
+    """tokend before tokend/handshake.py: every byte through websockets' parser."""
+    ws = _ws()
+    request = response = None
+    events: list[Any] = []
+    for chunk in chunks:
+        ws.receive_data(chunk)
+        request, response = _handle(ws, events, request, response)
+    return _ended(ws, events, request, response, eof)
+
+
+def by_handshake(chunks: list[bytes], eof: bool = False) -> Outcome:
+    """tokend now: Connection.data_received's path through tokend.handshake.Head."""
+    ws = _ws()
+    head: Head | None = Head()
+    request = response = None
+    events: list[Any] = []
+    for chunk in chunks:
+        data = chunk
+        if head is not None:
+            parsed = head.feed(chunk)
+            if parsed is None:
+                continue
+            head = None
+            parsed_request, data = parsed
+            if parsed_request is not None:
+                hand_over(ws, parsed_request)
+        ws.receive_data(data)
+        request, response = _handle(ws, events, request, response)
+    return _ended(ws, events, request, response, eof)
+
+
+Answered = tuple[Request | None, Response | str | None]
+
+
+def _handle(
+    ws: TokendProtocol, events: list[Any], request: Request | None, response: Any
+) -> Answered:
+    """Answer the request among the protocol's events, as Connection does; keep the rest."""
+    for event in ws.events_received():
+        if isinstance(event, Request):
+            request, response = event, _answer(ws, event)
+        else:
+            events.append(event)
+    return request, response
+
+
+def _ended(
+    ws: TokendProtocol, events: list[Any], request: Request | None, response: Any, eof: bool
+) -> Outcome:
+    if eof:
+        ws.receive_eof()
+        events += ws.events_received()
+    return _outcome(ws, request, response, events)
+
+
+def cut(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+
+
+def assert_same(data: bytes, cuts: list[int] = [], eof: bool = False) -> Outcome:  # noqa: B006
+    chunks = cut(data, cuts)
+    expected = by_websockets(chunks, eof)
+    assert by_handshake(chunks, eof) == expected
+    return expected
+
+
+# Valid requests
+
+VALID = {
+    "tokend client": request_bytes(),
+    "browser-like": request_bytes(
+        [
+            ("Host", "example.com"),
+            ("Connection", "Upgrade"),
+            ("Pragma", "no-cache"),
+            ("Cache-Control", "no-cache"),
+            ("User-Agent", "Mozilla/5.0 (X11; Linux x86_64) Chrome/120.0"),
+            ("Upgrade", "websocket"),
+            ("Origin", "http://example.com"),
+            ("Sec-WebSocket-Version", "13"),
+            ("Accept-Encoding", "gzip, deflate, br"),
+            ("Accept-Language", "en-US,en;q=0.9"),
+            ("Sec-WebSocket-Key", KEY),
+            ("Sec-WebSocket-Extensions", "permessage-deflate; client_max_window_bits"),
+            ("Sec-WebSocket-Protocol", p.SUBPROTOCOL),
+        ]
+    ),
+    "query string": request_bytes(line="GET /v1/ws?x=1&y=%20 HTTP/1.1"),
+    "absolute form": request_bytes(line="GET http://127.0.0.1:8765/v1/ws HTTP/1.1"),
+    "HTTP/1.0": request_bytes(line="GET /v1/ws HTTP/1.0"),
+    "no subprotocol": request_bytes(HEADERS[:5]),
+    "empty header value": request_bytes([*HEADERS, ("X-Empty", "")]),
+    "obs-text value": request_bytes([*HEADERS, ("X-Latin", "caf\xe9")]),
+    "tab inside a value": request_bytes([*HEADERS, ("X-Tab", "a\tb")]),
+    "lower-case names": request_bytes([(n.lower(), v) for n, v in HEADERS]),
+    "Content-Length: 0": request_bytes([*HEADERS, ("Content-Length", "0")]),
+    "health check": request_bytes([("Host", "x")], line="GET /readyz HTTP/1.1"),
+    # Spelt otherwise than clients do: websockets' parser takes these.
+    "no space after colon": request_bytes(separator=":"),
+    "trailing space in a value": request_bytes([*HEADERS, ("X-Trailing", "a ")]),
+    "just over the head limit": request_bytes(
+        [*HEADERS, ("X-Big", "x" * (MAX_HEAD_LENGTH - len(request_bytes()) + 1))]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", VALID)
+def test_a_valid_request_parses_as_websockets_parses_it(name: str) -> None:
+    data = VALID[name]
+    outcome = assert_same(data)
+    assert outcome.request is not None
+
+
+def test_the_common_requests_take_the_httptools_path() -> None:
+    """The fast path is taken (else this module would only be websockets' again)."""
+    for name in ("tokend client", "browser-like", "query string", "lower-case names"):
+        request = parse(VALID[name])
+        assert request is not None, name
+        assert _fields(request) == by_websockets([VALID[name]]).request
+
+
+def test_a_handshake_accepted_gives_101_and_the_subprotocol() -> None:
+    outcome = assert_same(request_bytes())
+    assert outcome.status == 101
+    assert ("Sec-WebSocket-Protocol", p.SUBPROTOCOL) in outcome.response_headers
+
+
+@pytest.mark.parametrize("split", [1, 2, 7, 64])
+def test_a_request_split_into_many_reads_with_a_hello_behind_it(split: int) -> None:
+    data = request_bytes() + HELLO_FRAME
+    outcome = assert_same(data, list(range(split, len(data), split)))
+    assert outcome.status == 101
+    assert outcome.frames == [(Opcode.BINARY, p.encode(p.Hello("a.b.c")))]
+
+
+def test_a_request_coalesced_with_a_hello_and_a_second_request() -> None:
+    data = request_bytes() + HELLO_FRAME + request_bytes()
+    outcome = assert_same(data)
+    assert outcome.status == 101
+
+
+# Invalid requests: each must be refused alike (same status, or no response and EOF)
+
+
+def _replace(old: str, new: str) -> bytes:
+    return request_bytes().replace(old.encode(), new.encode())
+
+
+INVALID = {
+    "POST": request_bytes(line="POST /v1/ws HTTP/1.1"),
+    "lower-case method": request_bytes(line="get /v1/ws HTTP/1.1"),
+    "unknown method": request_bytes(line="FOO /v1/ws HTTP/1.1"),
+    "HTTP/2": request_bytes(line="GET /v1/ws HTTP/2.0"),
+    "HTTP/1.2": request_bytes(line="GET /v1/ws HTTP/1.2"),
+    "no version": request_bytes(line="GET /v1/ws"),
+    "two spaces": request_bytes(line="GET  /v1/ws HTTP/1.1"),
+    "space in path": request_bytes(line="GET /v1/ w HTTP/1.1"),
+    "non-ASCII path": _replace("/v1/ws", "/v1/w\xe9"),
+    "missing Upgrade": request_bytes([h for h in HEADERS if h[0] != "Upgrade"]),
+    "missing Connection": request_bytes([h for h in HEADERS if h[0] != "Connection"]),
+    "missing key": request_bytes([h for h in HEADERS if h[0] != "Sec-WebSocket-Key"]),
+    "missing version": request_bytes([h for h in HEADERS if h[0] != "Sec-WebSocket-Version"]),
+    "duplicate key": request_bytes([*HEADERS, ("Sec-WebSocket-Key", KEY)]),
+    "duplicate Upgrade": request_bytes([*HEADERS, ("Upgrade", "websocket")]),
+    "bad key": _replace(KEY, "not base64!"),
+    "short key": _replace(KEY, base64.b64encode(b"short").decode()),
+    "version 8": _replace("Sec-WebSocket-Version: 13", "Sec-WebSocket-Version: 8"),
+    "Upgrade: h2c": _replace("Upgrade: websocket", "Upgrade: h2c"),
+    "Connection: close": _replace("Connection: Upgrade", "Connection: close"),
+    "other subprotocol": _replace(p.SUBPROTOCOL, "chat"),
+    "chunked body": request_bytes([*HEADERS, ("Transfer-Encoding", "chunked")])
+    + b"5\r\nhello\r\n0\r\n\r\n",
+    "Content-Length: 5": request_bytes([*HEADERS, ("Content-Length", "5")]) + b"hello",
+    "bare LF line ends": request_bytes(eol="\n"),
+    "bare CR in a value": _replace("Upgrade: websocket", "Upgrade: web\rsocket"),
+    "LF in a value": _replace("Upgrade: websocket", "Upgrade: web\nsocket"),
+    "NUL in a value": _replace("Upgrade: websocket", "Upgrade: web\x00socket"),
+    "space before colon": request_bytes(separator=" : "),
+    "folded header": _replace("Upgrade: websocket", "Upgrade: websocket\r\n continued"),
+    "header without colon": _replace("Upgrade: websocket", "Upgrade websocket"),
+    "bad header name": _replace("Upgrade: websocket", "Up(grade): websocket"),
+    "non-ASCII header name": _replace("Upgrade: websocket", "Upgr\xe4de: websocket"),
+    "empty header name": _replace("Upgrade: websocket", ": websocket"),
+    "blank line first": b"\r\n" + request_bytes(),
+    "oversize header": request_bytes([*HEADERS, ("X-Big", "x" * 9000)]),
+    "oversize request line": request_bytes(line="GET /" + "a" * 9000 + " HTTP/1.1"),
+    "too many headers": request_bytes([*HEADERS, *[(f"X-{i}", "1") for i in range(130)]]),
+    "not HTTP": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64),
+    "PROXY-like": b"PROXY TCP4 1.2.3.4 5.6.7.8 1 2\r\n" + request_bytes(),
+}
+
+
+@pytest.mark.parametrize("name", INVALID)
+@pytest.mark.parametrize("reads", ["whole", "bytewise", "with EOF"])
+def test_a_malformed_request_is_refused_as_websockets_refuses_it(name: str, reads: str) -> None:
+    data = INVALID[name]
+    cuts = list(range(1, len(data))) if reads == "bytewise" and len(data) < 3000 else []
+    outcome = assert_same(data, cuts, eof=reads == "with EOF")
+    assert outcome.status != 101
+
+
+def test_an_incomplete_request_then_eof_gets_no_response() -> None:
+    outcome = assert_same(request_bytes()[:40], eof=True)
+    assert outcome.status is None and outcome.eof_sent
+
+
+# Variations
+
+_NAMES = st.sampled_from(
+    ["Host", "Upgrade", "Connection", "Sec-WebSocket-Key", "Sec-WebSocket-Version", "X-A"]
+) | st.text(st.characters(min_codepoint=0, max_codepoint=255), min_size=0, max_size=8)
+_VALUES = st.sampled_from(["websocket", "Upgrade", KEY, "13", p.SUBPROTOCOL, ""]) | st.text(
+    st.characters(min_codepoint=0, max_codepoint=255), max_size=12
+)
+_LINES = st.sampled_from(
+    ["GET /v1/ws HTTP/1.1", "GET /v1/ws HTTP/1.0", "GET / HTTP/1.1", "HEAD /v1/ws HTTP/1.1"]
+) | st.text(st.characters(min_codepoint=0, max_codepoint=255), max_size=24)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    line=_LINES,
+    changes=st.lists(st.tuples(st.integers(0, 10), _NAMES, _VALUES), max_size=4),
+    drop=st.sets(st.integers(0, len(HEADERS) - 1), max_size=2),
+    separator=st.sampled_from([": ", ":", " : ", ":  ", ":\t"]),
+    eol=st.sampled_from(["\r\n", "\r\n", "\r\n", "\n", "\r"]),
+    rest=st.sampled_from([b"", HELLO_FRAME, b"\r\n", b"GET / HTTP/1.1\r\n\r\n"]),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+    eof=st.booleans(),
+)
+@example(
+    line="GET /v1/ws HTTP/1.1", changes=[], drop=set(), separator=": ", eol="\r\n",
+    rest=HELLO_FRAME, cuts=[3, 50, 140], eof=False,
+)  # fmt: skip
+def test_variations_of_a_request_come_to_the_same_outcome(
+    line: str,
+    changes: list[tuple[int, str, str]],
+    drop: set[int],
+    separator: str,
+    eol: str,
+    rest: bytes,
+    cuts: list[int],
+    eof: bool,
+) -> None:
+    headers = [h for i, h in enumerate(HEADERS) if i not in drop]
+    for position, name, value in changes:
+        headers.insert(min(position, len(headers)), (name, value))
+    assert_same(request_bytes(headers, line, separator, eol) + rest, cuts, eof)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=300), cuts=st.lists(st.integers(0, 300), max_size=4))
+def test_any_bytes_come_to_the_same_outcome(data: bytes, cuts: list[int]) -> None:
+    assert_same(data, cuts, eof=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    position=st.integers(0, len(request_bytes()) - 1),
+    byte=st.integers(0, 255),
+    cuts=st.lists(st.integers(0, 300), max_size=3),
+)
+def test_a_request_with_one_byte_changed_comes_to_the_same_outcome(
+    position: int, byte: int, cuts: list[int]
+) -> None:
+    data = bytearray(request_bytes() + HELLO_FRAME)
+    data[position] = byte
+    assert_same(bytes(data), cuts)
