@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import http_request
+from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.metrics import CONTENT_TYPE, STAGE_SAMPLE_EVERY, Window
 from tokend.server import App
@@ -58,7 +59,13 @@ async def test_counters_gauges_and_histograms(
 
         # Silent now: WARN, then EXPIRED by this node's sweeper (close 4505).
         await events.wait_for("SESSION_WARN", timeout=5)
-        assert value(await scrape(app), "tokend_sessions", state="WARN") == 1
+
+        async def warned() -> bool:
+            return value(await scrape(app), "tokend_sessions", state="WARN") == 1
+
+        # Counted once the node has read its sweep's reply, which can come after the
+        # event has reached this test (the other shards' calls run in between).
+        await eventually(warned)
         assert (await client.expect_close()).code == p.CloseCode.SESSION_EXPIRED
     await events.wait_for("TOKEN_EXPIRED", timeout=5)
     samples = await scrape(app)
