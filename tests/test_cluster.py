@@ -403,7 +403,15 @@ async def test_the_control_subscription_retries_as_soon_as_sentinel_names_a_new_
         await listener.until_retry(0.3, dead)
         assert sum(slept) == pytest.approx(0.3) and len(slept) == round(0.3 / SENTINEL_POLL)
         waiting = asyncio.create_task(node.control.until_retry(60, dead))
-        await sentinel.execute_command("SENTINEL", "FAILOVER", watcher.service)
+
+        async def failing_over() -> bool:
+            try:
+                await sentinel.execute_command("SENTINEL", "FAILOVER", watcher.service)
+            except rexc.ResponseError:  # NOGOODSLAVE until it has a replica it may promote
+                return False
+            return True
+
+        await eventually(failing_over, timeout=30)
         await eventually(promoted, timeout=30)
         await asyncio.wait_for(waiting, 10)  # at once, not after its 60 s
         await eventually(lambda: is_ready(app.port), 10)
