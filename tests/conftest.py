@@ -17,7 +17,7 @@ from testkit.events import EventLog
 from testkit.redis_servers import RedisClusterProcess, RedisProcess
 from testkit.tokend_process import SHORT_CLOCKS
 from testkit.tokens import minter
-from tokend import config, connection, logs, server, tls
+from tokend import admission, config, connection, drain, logs, server, tls
 from tokend.config import Settings
 from tokend.server import App
 from tokend.store.keyspace import Keyspace
@@ -162,11 +162,18 @@ async def app(start_app: Callable[..., Awaitable[App]]) -> App:
 
 @pytest.fixture
 def tokend_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
-    """The warning-and-above lines of the listener, its connections and TLS, captured
-    for the whole test (the modules' loggers made anew: loggers cached before a
-    capture, as tokend.logs configures them, would not see it)."""
+    """The warning-and-above lines of the listener, its admission, drain, connections
+    and TLS, captured for the whole test (the modules' loggers made anew: loggers cached
+    before a capture, as tokend.logs configures them, would not see it)."""
+    loggers = (
+        (server, "log"),
+        (admission, "log"),
+        (drain, "log"),
+        (connection, "_log"),
+        (tls, "log"),
+    )
     with structlog.testing.capture_logs() as logs:
-        for module, name in ((server, "log"), (connection, "_log"), (tls, "log")):
+        for module, name in loggers:
             monkeypatch.setattr(module, name, structlog.get_logger(module.__name__))
         yield logs
 

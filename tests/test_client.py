@@ -168,7 +168,11 @@ async def test_no_renewal_missed_over_accelerated_minutes(
     # A renewal may also come between the 10 s and the logout: count them all.
     seen = [change async for change in session.changes()]  # its whole (short) history
     renewed = [c for c in seen if c.kind is Change.RENEWED and c.detail == "renewed"]
-    assert len(events.of("TOKEN_RENEWED", tid)) == len(renewed) == session.stats.renewals
+    assert len(renewed) == session.stats.renewals
+    # A heartbeat still unanswered at the logout may have renewed the token in Redis
+    # (its TOKEN_RENEWED published) with its ACK never read: at most one per such beat.
+    unanswered = session.stats.heartbeats - session.stats.acks
+    assert len(renewed) <= len(events.of("TOKEN_RENEWED", tid)) <= len(renewed) + unanswered
     assert not events.of("TOKEN_EXPIRED", tid)
     assert not events.of("SESSION_WARN", tid)
 

@@ -32,7 +32,7 @@ from tokend.answers import (
     heartbeat_outcome,
 )
 from tokend.config import Settings
-from tokend.node import HeartbeatBatcher, HelloBatcher, Node
+from tokend.node import HeartbeatBatcher, HelloBatcher, Node, ReleaseBatcher
 from tokend.session import Ask, Cadence, Close, Session
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import Store
@@ -149,7 +149,7 @@ async def started(
 ) -> list[Waiter]:
     """Waiters whose sessions HELLO started, through one HelloBatcher flush (the sub of
     each is its name, unless ``subs`` says)."""
-    hellos = HelloBatcher(store)
+    hellos = HelloBatcher(store, ReleaseBatcher(store))
     waiters = [
         Waiter(host, store, name, prio, sub)
         for name, prio, sub in zip(names, prios or [5] * len(names), subs or names, strict=True)
@@ -175,6 +175,32 @@ async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: S
         assert view is not None and view.conn == waiter.session.conn
 
 
+async def test_a_hello_after_its_own_connection_ended_resumes_without_a_proof(
+    host: Host, store: Store
+) -> None:
+    """A connection that ended before a HELLO came is released in Redis before that HELLO
+    is sent (HelloBatcher's invariant): a client that closes and comes straight back to
+    the same node resumes, proof or not, instead of meeting its own ended connection as
+    a live holder (4509). Its release waits in the batcher, not yet flushed, as on a
+    node whose release lane is behind."""
+    (first,) = await started(host, store, ["back"])
+    claims = first.session.claims
+    assert claims is not None
+    releases = ReleaseBatcher(store)
+    releases.submit(
+        store.release_request(claims.tid, first.session.conn, first.session.since_ms, "")
+    )
+    again = Waiter(host, store, "back-2", sub="back")
+    again.token = first.token  # the same token, no proof: a v1 client reconnecting
+    again.hello()
+    hellos = HelloBatcher(store, releases)
+    hellos.submit(again)
+    await hellos.flush()
+    [(what, answer)] = again.calls
+    assert (what, answer.outcome) == ("hello_answered", "resumed")
+    assert releases.pending == 0
+
+
 async def test_a_hello_batch_fails_together_when_redis_is_gone(
     host: Host, make_settings: Callable[..., Settings], tmp_path: Path
 ) -> None:
@@ -183,7 +209,7 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
     client = open_client(settings.redis_url, settings)
     try:
         dead = Store(client, settings, "node-a")
-        hellos = HelloBatcher(dead)
+        hellos = HelloBatcher(dead, ReleaseBatcher(dead))
         waiters = [Waiter(host, dead, f"g-{n}") for n in range(3)]
         for waiter in waiters:
             waiter.hello()

@@ -93,10 +93,21 @@ class Batcher(Generic[Item]):
 
 
 class HelloBatcher(Batcher[Peer]):
-    """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush."""
+    """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush.
+
+    Invariant: the connections of this node that ended before a HELLO came are released
+    in Redis before that HELLO is sent (:meth:`ReleaseBatcher.settle`), so a client that
+    closes and comes straight back to the same node resumes, proof or not, instead of
+    meeting its own ended connection as a live holder (4509).
+    """
+
+    def __init__(self, store: Store, releases: ReleaseBatcher) -> None:
+        super().__init__(store)
+        self.releases = releases
 
     async def flush(self) -> None:
         batch, self.waiting = list(self.waiting), {}
+        await self.releases.settle()
         requests = []
         for peer in batch:
             session = peer.session
@@ -245,6 +256,8 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         self.in_flight = 0  # releases sent to Redis and not answered yet
+        self._none_in_flight = asyncio.Event()
+        self._none_in_flight.set()
         self.lost = 0  # releases Redis could not take since the outage began
         self.stopping = False
         self.released: Counter[ReleaseOutcome] = Counter()
@@ -254,15 +267,16 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
     async def record(self, batch: list[ReleaseRequest]) -> bool:
         """Release ``batch`` in one round trip; False when Redis could not take it."""
         self.in_flight += len(batch)  # still counted if the stop cancels the call
+        self._none_in_flight.clear()
         started = time.perf_counter()
         try:
             outcomes = await self.store.releases(batch)
         except Exception as exc:  # StoreUnavailable, or a script error
-            self.in_flight -= len(batch)
+            self._landed(batch)
             if not isinstance(exc, StoreUnavailable):
                 log.exception("release failed")
             return False
-        self.in_flight -= len(batch)
+        self._landed(batch)
         self.round_trips += 1
         self.seconds += time.perf_counter() - started
         self.released.update(outcomes)
@@ -270,6 +284,18 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
             log.warning("store back: sessions not released meanwhile", count=self.lost)
             self.lost = 0
         return True
+
+    def _landed(self, batch: list[ReleaseRequest]) -> None:
+        self.in_flight -= len(batch)
+        if not self.in_flight:
+            self._none_in_flight.set()
+
+    async def settle(self) -> None:
+        """Record the releases waiting now and wait for those under way (answered or
+        failed): what ended before this call is released in Redis when it returns."""
+        if self.waiting:
+            await self.flush()
+        await self._none_in_flight.wait()
 
     async def flush(self) -> None:
         batch, self.waiting = list(self.waiting), {}
@@ -320,8 +346,8 @@ class Node:
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
         self.heartbeat_batcher = HeartbeatBatcher(self.store, settings.heartbeat_batch)
-        self.hello_batcher = HelloBatcher(self.store)
         self.release_batcher = ReleaseBatcher(self.store)
+        self.hello_batcher = HelloBatcher(self.store, self.release_batcher)
         # The Hub's round trips, straight to the batchers (no call in between).
         self.submit_hello = self.hello_batcher.submit
         self.forget_hello = self.hello_batcher.forget
