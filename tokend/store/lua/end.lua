@@ -14,7 +14,7 @@ local by = ARGV[OWN + 7] ~= '' and ARGV[OWN + 7] or nil
 -- A client closes its session with BYE and only so.
 local reason = kind == 'SESSION_CLOSED' and 'bye' or nil
 local s = load_session(skey)
-local now = now_ms()
+local now = NOW
 
 -- A revocation is told to every node (on CONTROL itself, no node named): each keeps it
 -- until its tombstone would expire, to bar the token and to write the tombstone again

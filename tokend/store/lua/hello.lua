@@ -17,7 +17,7 @@
 local warn_ms, grace_ms, expire_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2]),
                                      tonumber(ARGV[OWN + 3])
 local held_live_ms = tonumber(ARGV[OWN + 4])
-local now = now_ms()
+local now = NOW
 
 local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof, token,
                      verified)

@@ -13,7 +13,7 @@
 -- this to tokend.clocks.
 -- Returns, per session in order, a RELEASE_OUTCOME: NOT_HELD, RELEASED or PARKED.
 local warn_ms, restart_grace_ms = tonumber(ARGV[OWN + 1]), tonumber(ARGV[OWN + 2])
-local now = now_ms()
+local now = NOW
 
 local function release(skey, tkey, tid, conn, since, reason)
   local s = load_session(skey)

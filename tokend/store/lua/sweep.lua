@@ -21,7 +21,7 @@ local limit = tonumber(ARGV[OWN + 1])
 local warn_ms, expire_ms = tonumber(ARGV[OWN + 2]), tonumber(ARGV[OWN + 3])
 local session_prefix, tomb_prefix = ARGV[OWN + 4], ARGV[OWN + 5]
 
-local now = now_ms()
+local now = NOW
 local out = {now, '', 0}
 
 -- A transition made, for the reply.
