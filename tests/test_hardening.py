@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from redis import asyncio as aioredis
 from structlog.testing import CapturingLogger
 from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
@@ -18,12 +19,15 @@ from testkit.clients import RawClient, WireClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, http_get
 from testkit.procs import proc_running
+from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend import client, connection
 from tokend import protocol as p
+from tokend.config import Settings
 from tokend.server import App
 from tokend.store.keyspace import Keyspace
+from tokend.store.redis_client import open_client
 from tokend.tokens import TokenService
 
 SEND_TIMEOUT = 1.0
@@ -279,3 +283,25 @@ async def test_a_client_that_never_answers_the_close_is_dropped(app: App):
         assert b" 101 " in received and close_frame in received.partition(b"\r\n\r\n")[2]
     finally:
         writer.close()
+
+
+async def test_pooled_connections_outlive_a_redis_restart(
+    own_redis: RedisProcess, settings: Settings
+):
+    """A Redis restart closes every connection in the pool; each is replaced before it
+    carries a command, so no caller sees the restart once Redis is back (a node's first
+    BYE after a restart failed so: 1013, the logout not recorded)."""
+    client = open_client(own_redis.url, settings)
+    assert isinstance(client, aioredis.Redis)
+    try:
+        pool = client.connection_pool
+        opened = [await pool.get_connection() for _ in range(settings.redis_pool_size)]
+        for connection in opened:
+            await pool.release(connection)
+        own_redis.kill()
+        await asyncio.to_thread(own_redis.start)
+        # All at once: each takes a connection of its own from the pool.
+        pongs = await asyncio.gather(*(client.ping() for _ in opened))
+        assert pongs == [True] * len(opened)
+    finally:
+        await client.aclose()

@@ -20,6 +20,7 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.maint_notifications import MaintNotificationsConfig
 
 from tokend.config import ConfigError, Settings
 from tokend.store.packing import pack_with_hiredis
@@ -29,6 +30,12 @@ Client = aioredis.Redis | RedisCluster
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+# redis-py 8 turns maintenance notifications (a Redis Enterprise feature) on by default,
+# and a pool that has them on hands out a pooled connection without checking whether
+# Redis closed it: after a Redis restart each one failed its next command (a BYE answered
+# 1013). Off, the pool replaces a closed connection before using it.
+NO_MAINT_NOTIFICATIONS = MaintNotificationsConfig(enabled=False)
 
 
 def open_client(url: str, settings: Settings) -> Client:
@@ -78,11 +85,16 @@ def _client(url: str, settings: Settings) -> Client:
             connection_pool_class=_BlockingSentinelPool,
             max_connections=settings.redis_pool_size,
             timeout=settings.redis_timeout,
+            maint_notifications_config=NO_MAINT_NOTIFICATIONS,
             **options,
             **kwargs,
         )
     pool = BlockingConnectionPool.from_url(
-        url, max_connections=settings.redis_pool_size, timeout=settings.redis_timeout, **options
+        url,
+        max_connections=settings.redis_pool_size,
+        timeout=settings.redis_timeout,
+        maint_notifications_config=NO_MAINT_NOTIFICATIONS,
+        **options,
     )
     return aioredis.Redis(connection_pool=pool)
 
