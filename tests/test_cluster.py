@@ -48,7 +48,14 @@ from tokend.config import ConfigError, Settings
 from tokend.control import SENTINEL_POLL, ControlListener
 from tokend.server import App
 from tokend.store.keyspace import SHARDS, Keyspace
-from tokend.store.redis_client import Client, _multi_host, open_client, slot_groups, subscription
+from tokend.store.redis_client import (
+    Client,
+    MultiHostUrl,
+    open_client,
+    parse_multi_host_url,
+    slot_groups,
+    subscription,
+)
 from tokend.store.sessions import Store
 from tokend.tokens import TokenService
 
@@ -498,19 +505,13 @@ async def test_concurrent_renewals_from_two_nodes_never_shorten_the_token(
     ],
 )
 def test_cluster_url(url: str, hosts: list[tuple[str, int]], options: dict[str, object]):
-    parsed_hosts, parsed, service = _multi_host(url, 6379, service=False)
-    assert parsed_hosts == hosts
-    assert parsed == options
-    assert service == ""
+    assert parse_multi_host_url(url, 6379, service=False) == MultiHostUrl(hosts, options, "")
 
 
 def test_sentinel_url_names_its_service_and_db():
-    hosts, options, service = _multi_host(
+    assert parse_multi_host_url(
         "redis+sentinel://:secret@s1:26380,s2/mymaster/2", 26379, service=True
-    )
-    assert hosts == [("s1", 26380), ("s2", 26379)]
-    assert service == "mymaster"
-    assert options == {"password": "secret", "db": 2}
+    ) == MultiHostUrl([("s1", 26380), ("s2", 26379)], {"password": "secret", "db": 2}, "mymaster")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -50,7 +50,7 @@ def open_client(url: str, settings: Settings) -> Client:
     """
     try:
         client = _client(url, settings)
-    except ValueError as exc:  # redis-py's and _multi_host's word for a bad URL
+    except ValueError as exc:  # redis-py's and parse_multi_host_url's word for a bad URL
         raise ConfigError(f"redis_url: {exc}") from None
     pack_with_hiredis(client)
     return client
@@ -65,7 +65,7 @@ def _client(url: str, settings: Settings) -> Client:
     }
     scheme = url.partition("://")[0].lower()
     if scheme in CLUSTER_SCHEMES:
-        hosts, kwargs, _ = _multi_host(url, 6379, service=False)
+        hosts, kwargs, _ = parse_multi_host_url(url, 6379, service=False)
         return RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in hosts],
             # Per cluster node: the Store's calls plus the control subscription.
@@ -74,7 +74,7 @@ def _client(url: str, settings: Settings) -> Client:
             **kwargs,
         )
     if scheme in SENTINEL_SCHEMES:
-        hosts, kwargs, service = _multi_host(url, 26379, service=True)
+        hosts, kwargs, service = parse_multi_host_url(url, 26379, service=True)
         sentinel_options = {k: v for k, v in options.items() if k.startswith("socket_")}
         if kwargs.get("ssl"):
             sentinel_options["ssl"] = True
@@ -99,14 +99,22 @@ def _client(url: str, settings: Settings) -> Client:
     return aioredis.Redis(connection_pool=pool)
 
 
-def _multi_host(
-    url: str, default_port: int, *, service: bool
-) -> tuple[list[tuple[str, int]], dict[str, Any], str]:
+class MultiHostUrl(NamedTuple):
+    """A ``redis+cluster://`` or ``redis+sentinel://`` URL, split."""
+
+    hosts: list[tuple[str, int]]
+    # The connection options of the rest, as redis-py parses a ``redis://`` URL's
+    options: dict[str, Any]
+    # The Sentinel service name ("" for a Cluster)
+    service: str
+
+
+def parse_multi_host_url(url: str, default_port: int, *, service: bool) -> MultiHostUrl:
     """Split ``scheme://[user:pass@]host:port[,host:port...][/service][/db][?query]``.
 
-    Returns the hosts, the connection options of the rest (parsed as redis-py parses
-    a ``redis://`` URL; ``ssl`` set for ``rediss+...``) and, when ``service``, the
-    Sentinel service name (the path's first part, required).
+    ``ssl`` is set among the options for ``rediss+...``; with ``service``, the path's
+    first part is the Sentinel service name, and required. A URL that cannot be used
+    raises ValueError.
     """
     parts = urlsplit(url)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
@@ -127,7 +135,7 @@ def _multi_host(
         kwargs.pop(key, None)
     if kwargs.pop("connection_class", None) is SSLConnection:
         kwargs["ssl"] = True
-    return hosts, kwargs, name
+    return MultiHostUrl(hosts, kwargs, name)
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
