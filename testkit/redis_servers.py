@@ -154,6 +154,44 @@ class RedisClusterProcess:
             interval=0.05,
             what="redis cluster at cluster_state:ok",
         )
+        decoding = [node.client() for node in self.nodes]
+        eventually_sync(
+            lambda: self._bus_ready(decoding),
+            timeout,
+            interval=0.05,
+            what="redis cluster bus links between every two nodes known at both ends",
+        )
+
+    @staticmethod
+    def _bus_ready(clients: list[redis.Redis]) -> bool:
+        """Whether every node has a bus link to every other that the other end has taken
+        for that node's own (it has had a full message, a PING, on it).
+
+        PUBLISH travels over these links. Valkey 8.1 sends it as a light message, which
+        the receiving node refuses, closing the link and dropping the message, on a link
+        it has not yet taken for the sender's (fixed in valkey-io/valkey#2817): in a
+        cluster's first seconds, after cluster_state:ok, what a test published was lost.
+        """
+        # links[n][(direction, node id)] = when the link was made (ms), as node n sees it
+        links: list[dict[tuple[str, str], int]] = []
+        ids = []
+        for client in clients:
+            ids.append(client.execute_command("CLUSTER", "MYID"))
+            links.append(
+                {
+                    (link["direction"], link["node"]): link["create-time"]
+                    for link in client.execute_command("CLUSTER", "LINKS")
+                }
+            )
+        for a, a_id in enumerate(ids):
+            for b, b_id in enumerate(ids):
+                if a == b:
+                    continue
+                made = links[a].get(("to", b_id))
+                taken = links[b].get(("from", a_id))
+                if made is None or taken is None or taken < made:
+                    return False
+        return True
 
     def add_replica(self, master: int, timeout: float = 20) -> RedisProcess:
         """A new node replicating ``self.nodes[master]``, returned once it is in sync and

@@ -22,7 +22,8 @@ All three want a client made by :func:`tokend.store.redis_client.open_client` (o
 On a Cluster the shards live in different slots, so the stream readers send one
 read per slot (:func:`tokend.store.redis_client.slot_groups`) instead of one for all 16, and
 keep each in flight until it answers (:class:`_Reads`). Plain PUBLISH reaches
-every Cluster node, so :func:`live` subscribes on any one. See ``docs/events.md``
+every Cluster node over the cluster bus (not one without a working link to it), so
+:func:`live` subscribes on any one. See ``docs/events.md``
 and ``docs/scaling.md``.
 """
 
