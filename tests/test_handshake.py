@@ -24,6 +24,7 @@ from websockets.http11 import Request, Response
 from tokend import protocol as p
 from tokend.connection import TokendProtocol
 from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse
+from tokend.http_request import MAX_HEADERS
 
 KEY = base64.b64encode(b"0123456789abcdef").decode()
 HEADERS = [
@@ -196,6 +197,12 @@ VALID = {
     # Spelt otherwise than clients do: websockets' parser takes these.
     "no space after colon": request_bytes(separator=":"),
     "trailing space in a value": request_bytes([*HEADERS, ("X-Trailing", "a ")]),
+    # Refused by the parser both listeners read with (the admin listener's 400 and 431):
+    # websockets decides them here.
+    "no Host": request_bytes(HEADERS[1:]),
+    "more header lines than the shared parser takes": request_bytes(
+        [*HEADERS, *[(f"X-{i}", "1") for i in range(MAX_HEADERS)]]
+    ),
     "just over the head limit": request_bytes(
         [*HEADERS, ("X-Big", "x" * (MAX_HEAD_LENGTH - len(request_bytes()) + 1))]
     ),
@@ -215,6 +222,14 @@ def test_the_common_requests_take_the_httptools_path() -> None:
         request = parse(VALID[name])
         assert request is not None, name
         assert _fields(request) == by_websockets([VALID[name]]).request
+
+
+def test_what_the_shared_parser_refuses_websockets_decides() -> None:
+    """A refusal of tokend.http_request is no answer on the main port: those requests
+    take websockets' parser, which accepts them (above, the same outcome)."""
+    for name in ("no Host", "more header lines than the shared parser takes"):
+        assert parse(VALID[name]) is None, name
+        assert by_websockets([VALID[name]]).status == 101, name
 
 
 def test_a_handshake_accepted_gives_101_and_the_subprotocol() -> None:

@@ -2,18 +2,19 @@
 
 websockets parses the upgrade request with a generator per line, a regex per header
 and a ``Headers`` built one call at a time: a tenth of what a resume costs in Python
-(docs/performance.md, "Resume"). Here httptools (llhttp, as uvicorn uses it) splits the
-request's head, and the result is handed to websockets as the ``Request`` its own
-parser would have made, queued as its parser queues it (then ``ServerProtocol.accept``
-and ``send_response`` as before).
+(docs/performance.md, "Resume"). Here the parser both listeners read with
+(:class:`tokend.http_request.RequestParser`: httptools, llhttp as uvicorn uses it)
+splits the request's head, and the result is handed to websockets as the ``Request``
+its own parser would have made, queued as its parser queues it (then
+``ServerProtocol.accept`` and ``send_response`` as before).
 
 Only a head that websockets' parser is certain to read the same way is taken: what
 llhttp parsed, written out again as ``METHOD SP path SP HTTP/1.x CRLF``, each header
 as ``name: value CRLF``, then CRLF, must be the received bytes exactly, within
 websockets' limits (line length, header count), ASCII, without a body
 (Transfer-Encoding, Content-Length), a control character or whitespace ending a line.
-Anything else (a malformed request, an unusual but valid spelling, a bare LF) goes to
-websockets' parser, byte for byte, which answers it as it always did.
+Anything else (a request the shared parser refuses, an unusual but valid spelling, a
+bare LF) goes to websockets' parser, byte for byte, which answers it as it always did.
 tests/test_handshake.py holds the two equal.
 """
 
@@ -21,15 +22,17 @@ from __future__ import annotations
 
 import re
 
-import httptools
 from websockets.datastructures import Headers
 from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS, Request
 from websockets.protocol import Protocol
 from websockets.server import ServerProtocol
 
+from tokend.http_request import HTTPError, RequestParser
+
 HEAD_END = b"\r\n\r\n"
 # A head longer than this goes to websockets' parser (which takes longer lines one by
-# one, up to MAX_LINE_LENGTH each): no common client sends one.
+# one, up to MAX_LINE_LENGTH each): no common client sends one. Below the shared
+# parser's MAX_HEAD, so that every line taken here is one websockets takes too.
 MAX_HEAD_LENGTH = MAX_LINE_LENGTH
 # What websockets' header value check refuses (http11._value_re's complement), and a
 # CR or LF anywhere but at a line's end (checked by counts, see Head.feed).
@@ -75,26 +78,6 @@ def _only_crlf(data: bytes) -> bool:
     return lf == crlf and cr - crlf <= (1 if data.endswith(b"\r") else 0)
 
 
-class _Collected:
-    """httptools' callbacks: the request target and the headers, as received."""
-
-    __slots__ = ("complete", "headers", "url")
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.complete = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.complete = True
-
-
 def parse(head: bytes) -> Request | None:
     """The ``Request`` websockets' parser would make of ``head`` (the bytes up to and
     including the blank line), or None when it is not certain to be the same."""
@@ -109,26 +92,23 @@ def parse(head: bytes) -> Request | None:
     lowered = head.lower()
     if b"content-length" in lowered or b"transfer-encoding" in lowered:
         return None  # a body, which websockets refuses (or a value naming one: rare)
-    collected = _Collected()
-    parser = httptools.HttpRequestParser(collected)
+    parser = RequestParser()
     try:
-        parser.feed_data(head)
-    except httptools.HttpParserUpgrade:
-        pass  # llhttp stops at the head of an upgrade request: what it is here
-    except httptools.HttpParserError:
+        parser.feed(head)
+    except HTTPError:
+        return None  # websockets answers it
+    protocol = _VERSIONS.get(parser.version)
+    fields = parser.fields
+    if not parser.whole or protocol is None or len(fields) > MAX_NUM_HEADERS:
         return None
-    protocol = _VERSIONS.get(parser.get_http_version())
-    headers = collected.headers
-    if not collected.complete or protocol is None or len(headers) > MAX_NUM_HEADERS:
-        return None
-    method, url = parser.get_method(), collected.url
+    method, url = parser.method, parser.target
     written = [method, b" ", url, b" ", protocol.encode(), b"\r\n"]
-    written += [b"%s: %s\r\n" % header for header in headers]
+    written += [b"%s: %s\r\n" % field for field in fields]
     written.append(b"\r\n")
     if b"".join(written) != head:
         return None
     parsed = Headers()
-    for name, value in headers:
+    for name, value in fields:
         parsed.set_insecure(name.decode(), value.decode())
     return Request(url.decode(), parsed, method.decode(), protocol)
 
