@@ -79,3 +79,18 @@ def test_what_was_received_is_kept_as_it_came() -> None:
     assert parser.request is not None
     assert parser.request.headers == {"host": "Example", "x-empty": ""}
     assert (parser.request.path, parser.request.query) == ("/v1/ws", {"a": "1"})
+
+
+@pytest.mark.parametrize("close", [b"Connection: keep-alive", b"Connection: close"])
+@pytest.mark.parametrize(
+    "after", [b"GET /other HTTP/1.1\r\nX-Second: 1\r\n\r\n", b"\x00junk\r\n", b"GET /half"]
+)
+def test_what_follows_the_request_is_not_read(close: bytes, after: bytes) -> None:
+    parser = RequestParser(max_body=16)
+    parser.feed(request(b"/first", close, b"Content-Length: 2", body=b"ab") + after)
+    assert parser.request is not None
+    assert (parser.request.path, parser.request.body) == ("/first", b"ab")
+    fields = [(b"Host", b"localhost"), tuple(close.split(b": ")), (b"Content-Length", b"2")]
+    assert parser.fields == fields
+    parser.feed(after)
+    assert parser.fields == fields

@@ -58,7 +58,7 @@ class Request:
 
 
 class _Whole(Exception):
-    """The request is complete: stop parsing (one request per connection)."""
+    """The request was complete: stop parsing (one request per connection)."""
 
 
 class RequestParser:
@@ -77,18 +77,32 @@ class RequestParser:
     (each header's name and value, in order) and ``version`` ("1.1").
     """
 
+    __slots__ = (
+        "_body",
+        "_head_done",
+        "_head_fed",
+        "_head_size",
+        "_parser",
+        "_url",
+        "allowed_hosts",
+        "fields",
+        "max_body",
+        "started",
+        "target",
+        "version",
+        "whole",
+    )
+
     def __init__(self, max_body: int = 0, allowed_hosts: frozenset[str] | None = None) -> None:
         self.max_body = max_body
         self.allowed_hosts = allowed_hosts
-        self.request: Request | None = None  # set once its head is complete
-        self.whole = False  # and its body too
+        self.whole = False  # the request is complete, its body too
         self.started = False  # some bytes came
         self.target = b""
         self.fields: list[tuple[bytes, bytes]] = []
         self.version = ""
         self._parser = httptools.HttpRequestParser(self)
-        self._headers: dict[str, str] = {}
-        self._hosts: list[str] = []
+        self._url: URL | None = None  # the target parsed, once the head is complete
         self._head_fed = 0  # bytes fed while the head was incomplete
         # Bytes of the head parsed, but the target's: the request line's method, spaces,
         # version and CRLF, the blank line's CRLF, each header line.
@@ -101,6 +115,21 @@ class RequestParser:
         return self._parser.get_method()
 
     @property
+    def request(self) -> Request | None:
+        """The request, once whole (made on demand: the main port reads ``fields``)."""
+        if not self.whole:
+            return None
+        url = self._url
+        target = self.target.decode("latin-1")
+        path = url.path.decode("latin-1") if url is not None and url.path else target
+        query = url.query.decode("latin-1") if url is not None and url.query else ""
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1") for name, value in self.fields
+        }
+        method = self.method.decode("latin-1")
+        return Request(method, path, dict(parse_qsl(query)), headers, bytes(self._body))
+
+    @property
     def method_and_path(self) -> tuple[str, str]:
         """What the log line names: as much of the request line as was parsed."""
         if not self.target:
@@ -109,6 +138,8 @@ class RequestParser:
         return method, self.target.decode("latin-1").partition("?")[0][:200]
 
     def feed(self, data: bytes) -> None:
+        if self.whole:
+            return  # what follows the request is not read
         self.started = True
         if not self._head_done:
             self._head_fed += len(data)
@@ -120,8 +151,10 @@ class RequestParser:
                 return
             raise exc.__context__ or exc from None
         except httptools.HttpParserUpgrade:
-            return  # only after the message was whole: _Whole above
+            return  # llhttp stops after an upgrade request, whole
         except httptools.HttpParserError as exc:
+            if self.whole:
+                return  # what follows the request is not read
             raise _malformed(str(exc)) from None
         # A head still incomplete (a header too long to have been parsed whole yet).
         if not self._head_done and self._head_fed > MAX_HEAD:
@@ -146,11 +179,6 @@ class RequestParser:
         self._head_size += len(name) + len(value) + 4  # ": " and CRLF
         if len(fields) > MAX_HEADERS or len(self.target) + self._head_size > MAX_HEAD:
             raise _head_too_large()
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        if key == "host":
-            self._hosts.append(text.lower())
-        self._headers[key] = text
 
     def on_headers_complete(self) -> None:
         self._head_done = True
@@ -161,47 +189,54 @@ class RequestParser:
                 "version_not_supported",
                 "this listener speaks HTTP/1.1",
             )
-        target = self.target.decode("latin-1")
         try:
-            url = httptools.parse_url(self.target) if target != "*" else None
+            url = self._url = httptools.parse_url(self.target) if self.target != b"*" else None
         except httptools.HttpParserInvalidURLError:
             raise _malformed("invalid request target") from None
-        self._check_host(version, url)
-        if "transfer-encoding" in self._headers:
+        hosts: list[bytes] = []
+        length = b"0"
+        coded = False  # a Transfer-Encoding
+        for name, value in self.fields:
+            key = name.lower()
+            if key == b"host":
+                hosts.append(value)
+            elif key == b"content-length":
+                length = value
+            elif key == b"transfer-encoding":
+                coded = True
+        self._check_host(version, url, hosts)
+        if coded:
             raise HTTPError(
                 http.HTTPStatus.LENGTH_REQUIRED,
                 "length_required",
                 "send the body with a Content-Length",
             )
         # llhttp took only digits, once: int() cannot fail.
-        if int(self._headers.get("content-length", "0")) > self.max_body:
+        if int(length) > self.max_body:
             raise HTTPError(
                 http.HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 "body_too_large",
                 f"bodies are limited to {self.max_body} bytes",
             )
-        path = url.path.decode("latin-1") if url is not None and url.path else target
-        query = url.query.decode("latin-1") if url is not None and url.query else ""
-        method = self.method.decode("latin-1")
-        self.request = Request(method, path, dict(parse_qsl(query)), self._headers)
 
     def on_body(self, body: bytes) -> None:
         self._body += body
 
     def on_message_complete(self) -> None:
-        assert self.request is not None
-        self.request.body = bytes(self._body)
         self.whole = True
-        raise _Whole
 
-    def _check_host(self, version: str, url: URL | None) -> None:
+    def on_message_begin(self) -> None:
+        if self.whole:  # a second request, pipelined: not read
+            raise _Whole
+
+    def _check_host(self, version: str, url: URL | None, hosts: list[bytes]) -> None:
         """RFC 9112 3.2: exactly one Host in HTTP/1.1; an absolute-form target's authority
         takes its place. Then it must be one this listener answers to."""
-        if len(self._hosts) > 1 or (not self._hosts and version == "1.1"):
+        if len(hosts) > 1 or (not hosts and version == "1.1"):
             raise HTTPError(
                 http.HTTPStatus.BAD_REQUEST, "bad_request", "exactly one Host header is needed"
             )
-        host = self._hosts[0] if self._hosts else None
+        host = hosts[0].decode("latin-1").lower() if hosts else None
         if url is not None and url.host:
             host = url.host.decode("latin-1").lower()
             if url.port is not None:
