@@ -41,7 +41,7 @@ from websockets.typing import Subprotocol
 from tokend import plain_answer, proxy_protocol, tls
 from tokend import protocol as p
 from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
-from tokend.handshake import Head, hand_over
+from tokend.handshake import Head, hand_over, switch_protocols
 from tokend.http_answer import HttpAnswer
 from tokend.peer import Hub
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
@@ -437,12 +437,16 @@ class Connection(asyncio.Protocol):
 
     def _request(self, request: Request) -> None:
         """The opening handshake's request: the gate's own answer to its path if it has
-        one (tokend.plain_answer), else the handshake's 101 or websockets' refusal."""
+        one (tokend.plain_answer), else the handshake's 101 (tokend.handshake's where
+        it is certain to be websockets') or websockets' refusal."""
         path = request.path.partition("?")[0]
         assert self.ip is not None  # addressed before any byte reaches websockets
         answer = self.gate.answer(self.ip, path)
         if answer is not None:
             plain_answer.give(self.ws, answer, self.gate.node, self._write)
+            return
+        if switch_protocols(self.ws, request):
+            self._opened()
             return
         response = self.ws.accept(request)
         self.ws.send_response(response)

@@ -15,18 +15,31 @@ websockets' limits (line length, header count), ASCII, without a body
 (Transfer-Encoding, Content-Length), a control character or whitespace ending a line.
 Anything else (a request the shared parser refuses, an unusual but valid spelling, a
 bare LF) goes to websockets' parser, byte for byte, which answers it as it always did.
-tests/test_handshake.py holds the two equal.
+
+The 101 of such a request, when websockets' ``accept`` is certain to take it (the
+shapes clients send: one ``Connection: Upgrade``, ``Upgrade: websocket``, a key of
+16 bytes, version 13, an allowed Origin, ``tokend.v1`` or no subprotocol), is written
+by :func:`switch_protocols` byte for byte as ``accept`` and ``send_response`` write
+it, and the protocol left as they leave it. tests/test_handshake.py holds the two
+equal.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import email.utils
 import re
+import time
 
 from websockets.datastructures import Headers
 from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS, Request
-from websockets.protocol import Protocol
+from websockets.protocol import Protocol, State
 from websockets.server import ServerProtocol
+from websockets.typing import Origin, Subprotocol
+from websockets.utils import accept_key
 
+from tokend import protocol as p
 from tokend.http_request import HTTPError, RequestParser
 
 HEAD_END = b"\r\n\r\n"
@@ -120,3 +133,77 @@ def hand_over(ws: ServerProtocol, request: Request) -> None:
     ws.events.append(request)
     ws.parser = Protocol.parse(ws)
     next(ws.parser)
+
+
+# Connection values that websockets' parse_connection reads as naming "upgrade".
+_UPGRADE_CONNECTION = frozenset({"upgrade", "keep-alive, upgrade"})
+
+
+def switch_protocols(ws: ServerProtocol, request: Request) -> bool:
+    """Accept ``request`` and send the 101 as ``ws.accept`` then ``ws.send_response``
+    would, when certain they would accept it; False (nothing done): call them instead.
+
+    Certain: the protocol is as tokend makes it (no extensions offered, no debug log),
+    and the request is GET HTTP/1.1 with one of each header websockets checks, each in
+    a spelling its parsers read as accepted, the Origin one ``origins`` names exactly.
+    """
+    if ws.debug or ws.available_extensions is not None or ws.state is not State.CONNECTING:
+        return False
+    if request.method != "GET" or request.protocol != "HTTP/1.1":
+        return False
+    headers = request.headers
+    connection = headers.get_all("Connection")
+    upgrade = headers.get_all("Upgrade")
+    keys = headers.get_all("Sec-WebSocket-Key")
+    origins = headers.get_all("Origin")
+    subprotocols = headers.get_all("Sec-WebSocket-Protocol")
+    if (
+        len(connection) != 1
+        or connection[0].lower() not in _UPGRADE_CONNECTION
+        or len(upgrade) != 1
+        or upgrade[0].lower() != "websocket"
+        or len(keys) != 1
+        or headers.get_all("Sec-WebSocket-Version") != ["13"]
+        or len(origins) > 1
+        or subprotocols not in ([], [p.SUBPROTOCOL])
+    ):
+        return False
+    origin = Origin(origins[0]) if origins else None
+    if ws.origins is not None and origin not in ws.origins:
+        return False  # websockets refuses it, or a pattern of its own matches it
+    key = keys[0]
+    try:
+        if len(base64.b64decode(key.encode(), validate=True)) != 16:
+            return False
+    except binascii.Error:
+        return False
+    ws.accept_called = True
+    ws.origin = origin
+    ws.extensions = []
+    if subprotocols:
+        ws.subprotocol = Subprotocol(p.SUBPROTOCOL)
+        chosen = b"Sec-WebSocket-Protocol: " + p.SUBPROTOCOL.encode() + b"\r\n"
+    else:
+        ws.subprotocol = None
+        chosen = b""
+    ws.writes.append(
+        b"HTTP/1.1 101 Switching Protocols\r\nDate: %s\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Accept: %s\r\n%s\r\n"
+        % (_date(), accept_key(key).encode(), chosen)
+    )
+    ws.state = State.OPEN
+    ws.logger.info("connection open")
+    return True
+
+
+_dated: tuple[int, bytes] = (0, b"")
+
+
+def _date() -> bytes:
+    """The Date header's value now (RFC 9110 5.6.7), as websockets writes it: made once a
+    second (a resume storm answers thousands in one)."""
+    global _dated
+    second = int(time.time())
+    if _dated[0] != second:
+        _dated = (second, email.utils.formatdate(second, usegmt=True).encode())
+    return _dated[1]
