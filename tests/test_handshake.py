@@ -12,18 +12,21 @@ common shape, a table of malformed ones, and hypothesis' variations of both.
 from __future__ import annotations
 
 import base64
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 
 from tokend import protocol as p
 from tokend.connection import TokendProtocol
-from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse
+from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse, switch_protocols
+from tokend.http_request import MAX_HEADERS
 
 KEY = base64.b64encode(b"0123456789abcdef").decode()
 HEADERS = [
@@ -55,21 +58,48 @@ class Outcome:
     response_headers: list[tuple[str, str]]
     frames: list[tuple[Opcode, bytes]]
     eof_sent: bool
+    # Every byte written (the Date header's value but its length blanked), and what the
+    # protocol holds of the handshake.
+    wire: bytes = b""
+    handshake: tuple[Any, ...] = ()
 
 
-def _ws() -> TokendProtocol:
-    return TokendProtocol(origins=None, max_size=16384)
+Origins = list[str | None] | None
 
 
-def _answer(ws: TokendProtocol, request: Request) -> Response | str:
-    """accept and send_response, as Connection._request; what goes wrong there is
-    Connection._internal_error's (a log line, the connection left to its timer)."""
+def _ws(origins: Origins = None) -> TokendProtocol:
+    return TokendProtocol(origins=origins, max_size=16384)
+
+
+def _answer(ws: TokendProtocol, request: Request, switch: bool) -> Response | str:
+    """accept and send_response, as Connection._request, after tokend.handshake's
+    switch_protocols if ``switch`` (then the response is read from the wire); what goes
+    wrong there is Connection._internal_error's (a log line, the connection left to its
+    timer)."""
     try:
+        if switch and switch_protocols(ws, request):
+            return "switched"
         response = ws.accept(request)
         ws.send_response(response)
     except Exception as exc:
         return f"failed: {type(exc).__name__}"
     return response
+
+
+_DATE = re.compile(rb"\r\nDate: [^\r]*\r\n")
+
+
+def _written(ws: TokendProtocol) -> bytes:
+    """What the protocol wrote (the Date header's value blanked: the second may turn)."""
+    wire = b"".join(ws.data_to_send())
+    return _DATE.sub(lambda m: b"\r\nDate: " + b"-" * (len(m.group()) - 10) + b"\r\n", wire)
+
+
+def _from_wire(wire: bytes) -> Response:
+    head = wire.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    status, _, reason = head[0].removeprefix("HTTP/1.1 ").partition(" ")
+    headers = Headers([tuple(line.split(": ", 1)) for line in head[1:]])  # type: ignore[misc]
+    return Response(int(status), reason, headers)
 
 
 def _outcome(
@@ -79,6 +109,10 @@ def _outcome(
     events: list[Any],
 ) -> Outcome:
     frames = [(e.opcode, bytes(e.data)) for e in events if isinstance(e, Frame)]
+    wire = _written(ws)
+    handshake = (ws.state, ws.subprotocol, ws.origin, ws.extensions, ws.accept_called)
+    if response == "switched":
+        response = _from_wire(wire)
     if isinstance(response, str):
         return Outcome(_fields(request) if request else None, response, [], [], ws.eof_sent)
     return Outcome(
@@ -87,6 +121,8 @@ def _outcome(
         [] if response is None else [h for h in response.headers.raw_items() if h[0] != "Date"],
         frames,
         ws.eof_sent,
+        wire,
+        handshake,
     )
 
 
@@ -94,20 +130,20 @@ def _fields(request: Request) -> tuple[Any, ...]:
     return (request.method, request.path, request.protocol, list(request.headers.raw_items()))
 
 
-def by_websockets(chunks: list[bytes], eof: bool = False) -> Outcome:
+def by_websockets(chunks: list[bytes], eof: bool = False, origins: Origins = None) -> Outcome:
     """tokend before tokend/handshake.py: every byte through websockets' parser."""
-    ws = _ws()
+    ws = _ws(origins)
     request = response = None
     events: list[Any] = []
     for chunk in chunks:
         ws.receive_data(chunk)
-        request, response = _handle(ws, events, request, response)
+        request, response = _handle(ws, events, request, response, switch=False)
     return _ended(ws, events, request, response, eof)
 
 
-def by_handshake(chunks: list[bytes], eof: bool = False) -> Outcome:
+def by_handshake(chunks: list[bytes], eof: bool = False, origins: Origins = None) -> Outcome:
     """tokend now: Connection.data_received's path through tokend.handshake.Head."""
-    ws = _ws()
+    ws = _ws(origins)
     head: Head | None = Head()
     request = response = None
     events: list[Any] = []
@@ -122,7 +158,7 @@ def by_handshake(chunks: list[bytes], eof: bool = False) -> Outcome:
             if parsed_request is not None:
                 hand_over(ws, parsed_request)
         ws.receive_data(data)
-        request, response = _handle(ws, events, request, response)
+        request, response = _handle(ws, events, request, response, switch=True)
     return _ended(ws, events, request, response, eof)
 
 
@@ -130,12 +166,12 @@ Answered = tuple[Request | None, Response | str | None]
 
 
 def _handle(
-    ws: TokendProtocol, events: list[Any], request: Request | None, response: Any
+    ws: TokendProtocol, events: list[Any], request: Request | None, response: Any, switch: bool
 ) -> Answered:
     """Answer the request among the protocol's events, as Connection does; keep the rest."""
     for event in ws.events_received():
         if isinstance(event, Request):
-            request, response = event, _answer(ws, event)
+            request, response = event, _answer(ws, event, switch)
         else:
             events.append(event)
     return request, response
@@ -155,10 +191,15 @@ def cut(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
-def assert_same(data: bytes, cuts: list[int] = [], eof: bool = False) -> Outcome:  # noqa: B006
+def assert_same(
+    data: bytes,
+    cuts: list[int] = [],  # noqa: B006
+    eof: bool = False,
+    origins: Origins = None,
+) -> Outcome:
     chunks = cut(data, cuts)
-    expected = by_websockets(chunks, eof)
-    assert by_handshake(chunks, eof) == expected
+    expected = by_websockets(chunks, eof, origins)
+    assert by_handshake(chunks, eof, origins) == expected
     return expected
 
 
@@ -196,6 +237,12 @@ VALID = {
     # Spelt otherwise than clients do: websockets' parser takes these.
     "no space after colon": request_bytes(separator=":"),
     "trailing space in a value": request_bytes([*HEADERS, ("X-Trailing", "a ")]),
+    # Refused by the parser both listeners read with (the admin listener's 400 and 431):
+    # websockets decides them here.
+    "no Host": request_bytes(HEADERS[1:]),
+    "more header lines than the shared parser takes": request_bytes(
+        [*HEADERS, *[(f"X-{i}", "1") for i in range(MAX_HEADERS)]]
+    ),
     "just over the head limit": request_bytes(
         [*HEADERS, ("X-Big", "x" * (MAX_HEAD_LENGTH - len(request_bytes()) + 1))]
     ),
@@ -215,6 +262,40 @@ def test_the_common_requests_take_the_httptools_path() -> None:
         request = parse(VALID[name])
         assert request is not None, name
         assert _fields(request) == by_websockets([VALID[name]]).request
+
+
+def test_what_the_shared_parser_refuses_websockets_decides() -> None:
+    """A refusal of tokend.http_request is no answer on the main port: those requests
+    take websockets' parser, which accepts them (above, the same outcome)."""
+    for name in ("no Host", "more header lines than the shared parser takes"):
+        assert parse(VALID[name]) is None, name
+        assert by_websockets([VALID[name]]).status == 101, name
+
+
+def test_the_common_requests_are_switched_by_tokend() -> None:
+    """switch_protocols writes their 101 (else this would only be websockets' again);
+    above and below, byte for byte as websockets writes it."""
+    for name in ("tokend client", "browser-like", "query string", "no subprotocol"):
+        ws = _ws()
+        request = parse(VALID[name])
+        assert request is not None and switch_protocols(ws, request), name
+
+
+ORIGIN_CASES = {
+    "allowed": ("https://a.example", ["https://a.example", None]),
+    "none, allowed": (None, ["https://a.example", None]),
+    "none, not allowed": (None, ["https://a.example"]),
+    "other": ("https://b.example", ["https://a.example", None]),
+    "any": ("https://b.example", None),
+}
+
+
+@pytest.mark.parametrize("name", ORIGIN_CASES)
+def test_origins_are_checked_as_websockets_checks_them(name: str) -> None:
+    origin, origins = ORIGIN_CASES[name]
+    headers = HEADERS if origin is None else [*HEADERS, ("Origin", origin)]
+    outcome = assert_same(request_bytes(headers) + HELLO_FRAME, origins=origins)
+    assert outcome.status == (101 if origins is None or origin in origins else 403)
 
 
 def test_a_handshake_accepted_gives_101_and_the_subprotocol() -> None:
@@ -260,6 +341,7 @@ INVALID = {
     "missing version": request_bytes([h for h in HEADERS if h[0] != "Sec-WebSocket-Version"]),
     "duplicate key": request_bytes([*HEADERS, ("Sec-WebSocket-Key", KEY)]),
     "duplicate Upgrade": request_bytes([*HEADERS, ("Upgrade", "websocket")]),
+    "duplicate Origin": request_bytes([*HEADERS, ("Origin", "https://a"), ("Origin", "https://a")]),
     "bad key": _replace(KEY, "not base64!"),
     "short key": _replace(KEY, base64.b64encode(b"short").decode()),
     "version 8": _replace("Sec-WebSocket-Version: 13", "Sec-WebSocket-Version: 8"),

@@ -1,11 +1,14 @@
 """One client connection: websockets' Sans-I/O server protocol driven by an asyncio.Protocol.
 
-The only module of the server that knows about websockets. A :class:`Connection`
-feeds the bytes of its socket to a ``websockets.server.ServerProtocol`` (RFC 6455:
-opening handshake, framing, control frames, the closing handshake, message size) and
-hands the binary messages that come out to its :class:`SessionLink`, which decodes
-them for its :class:`tokend.session.Session` and carries out what the session answers:
-frames to send, a round trip of the node (:class:`tokend.peer.Hub`), a close.
+The module of the server that drives websockets' protocol (tokend.handshake parses
+the upgrade request for it, tokend.plain_answer writes the gate's plain HTTP answers
+through it). A :class:`Connection` feeds the bytes of its socket to a
+``websockets.server.ServerProtocol`` (RFC 6455: opening handshake, framing, control
+frames, the closing handshake, message size) and hands the binary messages that come
+out to its :class:`SessionLink`, which decodes them for its
+:class:`tokend.session.Session` and carries out what the session answers: frames to
+send, a round trip of the node (:class:`tokend.peer.Hub`), a close. A sampled
+heartbeat's stages are timed by its :class:`tokend.stage_sample.StageSample`.
 
 No task and no coroutine waits for an idle connection: it is this object, its
 websockets protocol, its link, its session and its socket. Heartbeats are answered from
@@ -26,23 +29,23 @@ from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
-from websockets.datastructures import Headers
 from websockets.exceptions import NegotiationError
 from websockets.frames import Frame, Opcode, apply_mask
-from websockets.http11 import Request, Response
+from websockets.http11 import Request
 from websockets.protocol import Protocol as WebSocketProtocol
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.streams import StreamReader
 from websockets.typing import Subprotocol
 
+from tokend import plain_answer, proxy_protocol, tls
 from tokend import protocol as p
-from tokend import proxy_protocol, tls
 from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
-from tokend.handshake import Head, hand_over
+from tokend.handshake import Head, hand_over, switch_protocols
 from tokend.http_answer import HttpAnswer
 from tokend.peer import Hub
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
+from tokend.stage_sample import StageSample
 
 if TYPE_CHECKING:
     from tokend.config import Settings
@@ -433,26 +436,24 @@ class Connection(asyncio.Protocol):
     # Incoming
 
     def _request(self, request: Request) -> None:
+        """The opening handshake's request: the gate's own answer to its path if it has
+        one (tokend.plain_answer), else the handshake's 101 (tokend.handshake's where
+        it is certain to be websockets') or websockets' refusal."""
         path = request.path.partition("?")[0]
         assert self.ip is not None  # addressed before any byte reaches websockets
         answer = self.gate.answer(self.ip, path)
-        if answer is None:
-            response = self.ws.accept(request)
-            self.ws.send_response(response)
-            if response.status_code == 101:
-                self._opened()
-            else:
-                self.log.info("handshake refused", status=response.status_code, path=path)
-        elif isinstance(answer, HttpAnswer):
-            self.ws.send_response(_response(answer))
+        if answer is not None:
+            plain_answer.give(self.ws, answer, self.gate.node, self._write)
+            return
+        if switch_protocols(self.ws, request):
+            self._opened()
+            return
+        response = self.ws.accept(request)
+        self.ws.send_response(response)
+        if response.status_code == 101:
+            self._opened()
         else:
-            self.gate.node.spawn(self._answer_later(answer))
-
-    async def _answer_later(self, answer: Awaitable[HttpAnswer]) -> None:
-        response = _response(await answer)
-        if self.ws.state is State.CONNECTING and self.transport is not None:
-            self.ws.send_response(response)
-            self._write()
+            self.log.info("handshake refused", status=response.status_code, path=path)
 
     def _opened(self) -> None:
         hub = self.gate.node
@@ -652,7 +653,7 @@ class SessionLink:
     a HELLO, heartbeats or a BYE to store).
     """
 
-    __slots__ = ("connection", "heartbeat_request", "hub", "log", "marks", "session")
+    __slots__ = ("connection", "heartbeat_request", "hub", "log", "sample", "session")
 
     def __init__(self, connection: Connection, hub: Hub, session: Session) -> None:
         self.connection = connection
@@ -661,8 +662,8 @@ class SessionLink:
         self.heartbeat_request: HeartbeatRequest | None = None  # the store's, once WELCOMEd
         # The session's logger (peer, conn, tid, sub), bound once at WELCOME.
         self.log: structlog.typing.FilteringBoundLogger | None = None
-        # perf_counter() readings of a heartbeat sampled for the stage histogram.
-        self.marks: tuple[float, float, float] | None = None
+        # A heartbeat sampled for the stage histogram, from its verification to its ACK.
+        self.sample: StageSample | None = None
 
     # The client's messages
 
@@ -671,12 +672,14 @@ class SessionLink:
         to the session as it came (Session.receive_heartbeat); any other, decoded."""
         session = self.session
         hub = self.hub
-        received = time.perf_counter() if hub.metrics.sampling() else 0.0
+        sample = StageSample() if hub.metrics.sampling() else None
         if p.is_heartbeat(data):
-            decoded = time.perf_counter() if received else 0.0
+            if sample is not None:
+                sample.decode_ended()
             outcome = session.receive_heartbeat(data, hub.shedder.shed_from)
-            if received and outcome is Ask.HEARTBEAT:
-                self.marks = (received, decoded, time.perf_counter())
+            if sample is not None and outcome is Ask.HEARTBEAT:
+                sample.verify_ended()
+                self.sample = sample
         else:
             try:
                 frame = p.decode(data)
@@ -752,8 +755,9 @@ class SessionLink:
     def heartbeats_stored(self, answer: HeartbeatReply) -> None:
         """The batch flush stored this connection's heartbeats: send their ACKs."""
         connection = self.connection
-        marks = self.marks
-        stored = time.perf_counter() if marks is not None else 0.0
+        sample = self.sample
+        if sample is not None:
+            sample.store_ended()
         out = self.session.stored(answer)
         if connection.paused:
             connection.resume_reading()
@@ -766,9 +770,9 @@ class SessionLink:
                 renewed = answer.renewed
             metrics = self.hub.metrics
             metrics.acked(len(out), renewed)
-            if marks is not None:
-                metrics.stages((*marks, stored, time.perf_counter()))
-                self.marks = None
+            if sample is not None:
+                sample.send_ended(metrics)
+                self.sample = None
         elif out is not None:
             connection.close_with(out)
 
@@ -891,8 +895,3 @@ def restart_parser(ws: ServerProtocol) -> None:
 
 
 _DATA = frozenset({Opcode.BINARY, Opcode.CONT, Opcode.TEXT})
-
-
-def _response(answer: HttpAnswer) -> Response:
-    headers, body = answer.encoded()
-    return Response(answer.status.value, answer.status.phrase, Headers(headers), body)

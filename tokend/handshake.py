@@ -2,34 +2,50 @@
 
 websockets parses the upgrade request with a generator per line, a regex per header
 and a ``Headers`` built one call at a time: a tenth of what a resume costs in Python
-(docs/performance.md, "Resume"). Here httptools (llhttp, as uvicorn uses it) splits the
-request's head, and the result is handed to websockets as the ``Request`` its own
-parser would have made, queued as its parser queues it (then ``ServerProtocol.accept``
-and ``send_response`` as before).
+(docs/performance.md, "Resume"). Here the parser both listeners read with
+(:class:`tokend.http_request.RequestParser`: httptools, llhttp as uvicorn uses it)
+splits the request's head, and the result is handed to websockets as the ``Request``
+its own parser would have made, queued as its parser queues it (then
+``ServerProtocol.accept`` and ``send_response`` as before).
 
 Only a head that websockets' parser is certain to read the same way is taken: what
 llhttp parsed, written out again as ``METHOD SP path SP HTTP/1.x CRLF``, each header
 as ``name: value CRLF``, then CRLF, must be the received bytes exactly, within
 websockets' limits (line length, header count), ASCII, without a body
 (Transfer-Encoding, Content-Length), a control character or whitespace ending a line.
-Anything else (a malformed request, an unusual but valid spelling, a bare LF) goes to
-websockets' parser, byte for byte, which answers it as it always did.
-tests/test_handshake.py holds the two equal.
+Anything else (a request the shared parser refuses, an unusual but valid spelling, a
+bare LF) goes to websockets' parser, byte for byte, which answers it as it always did.
+
+The 101 of such a request, when websockets' ``accept`` is certain to take it (the
+shapes clients send: one ``Connection: Upgrade``, ``Upgrade: websocket``, a key of
+16 bytes, version 13, an allowed Origin, ``tokend.v1`` or no subprotocol), is written
+by :func:`switch_protocols` byte for byte as ``accept`` and ``send_response`` write
+it, and the protocol left as they leave it. tests/test_handshake.py holds the two
+equal.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import email.utils
 import re
+import time
 
-import httptools
 from websockets.datastructures import Headers
 from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS, Request
-from websockets.protocol import Protocol
+from websockets.protocol import Protocol, State
 from websockets.server import ServerProtocol
+from websockets.typing import Origin, Subprotocol
+from websockets.utils import accept_key
+
+from tokend import protocol as p
+from tokend.http_request import HTTPError, RequestParser
 
 HEAD_END = b"\r\n\r\n"
 # A head longer than this goes to websockets' parser (which takes longer lines one by
-# one, up to MAX_LINE_LENGTH each): no common client sends one.
+# one, up to MAX_LINE_LENGTH each): no common client sends one. Below the shared
+# parser's MAX_HEAD, so that every line taken here is one websockets takes too.
 MAX_HEAD_LENGTH = MAX_LINE_LENGTH
 # What websockets' header value check refuses (http11._value_re's complement), and a
 # CR or LF anywhere but at a line's end (checked by counts, see Head.feed).
@@ -75,26 +91,6 @@ def _only_crlf(data: bytes) -> bool:
     return lf == crlf and cr - crlf <= (1 if data.endswith(b"\r") else 0)
 
 
-class _Collected:
-    """httptools' callbacks: the request target and the headers, as received."""
-
-    __slots__ = ("complete", "headers", "url")
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.complete = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.complete = True
-
-
 def parse(head: bytes) -> Request | None:
     """The ``Request`` websockets' parser would make of ``head`` (the bytes up to and
     including the blank line), or None when it is not certain to be the same."""
@@ -109,26 +105,23 @@ def parse(head: bytes) -> Request | None:
     lowered = head.lower()
     if b"content-length" in lowered or b"transfer-encoding" in lowered:
         return None  # a body, which websockets refuses (or a value naming one: rare)
-    collected = _Collected()
-    parser = httptools.HttpRequestParser(collected)
+    parser = RequestParser()
     try:
-        parser.feed_data(head)
-    except httptools.HttpParserUpgrade:
-        pass  # llhttp stops at the head of an upgrade request: what it is here
-    except httptools.HttpParserError:
+        parser.feed(head)
+    except HTTPError:
+        return None  # websockets answers it
+    protocol = _VERSIONS.get(parser.version)
+    fields = parser.fields
+    if not parser.whole or protocol is None or len(fields) > MAX_NUM_HEADERS:
         return None
-    protocol = _VERSIONS.get(parser.get_http_version())
-    headers = collected.headers
-    if not collected.complete or protocol is None or len(headers) > MAX_NUM_HEADERS:
-        return None
-    method, url = parser.get_method(), collected.url
+    method, url = parser.method, parser.target
     written = [method, b" ", url, b" ", protocol.encode(), b"\r\n"]
-    written += [b"%s: %s\r\n" % header for header in headers]
+    written += [b"%s: %s\r\n" % field for field in fields]
     written.append(b"\r\n")
     if b"".join(written) != head:
         return None
     parsed = Headers()
-    for name, value in headers:
+    for name, value in fields:
         parsed.set_insecure(name.decode(), value.decode())
     return Request(url.decode(), parsed, method.decode(), protocol)
 
@@ -140,3 +133,77 @@ def hand_over(ws: ServerProtocol, request: Request) -> None:
     ws.events.append(request)
     ws.parser = Protocol.parse(ws)
     next(ws.parser)
+
+
+# Connection values that websockets' parse_connection reads as naming "upgrade".
+_UPGRADE_CONNECTION = frozenset({"upgrade", "keep-alive, upgrade"})
+
+
+def switch_protocols(ws: ServerProtocol, request: Request) -> bool:
+    """Accept ``request`` and send the 101 as ``ws.accept`` then ``ws.send_response``
+    would, when certain they would accept it; False (nothing done): call them instead.
+
+    Certain: the protocol is as tokend makes it (no extensions offered, no debug log),
+    and the request is GET HTTP/1.1 with one of each header websockets checks, each in
+    a spelling its parsers read as accepted, the Origin one ``origins`` names exactly.
+    """
+    if ws.debug or ws.available_extensions is not None or ws.state is not State.CONNECTING:
+        return False
+    if request.method != "GET" or request.protocol != "HTTP/1.1":
+        return False
+    headers = request.headers
+    connection = headers.get_all("Connection")
+    upgrade = headers.get_all("Upgrade")
+    keys = headers.get_all("Sec-WebSocket-Key")
+    origins = headers.get_all("Origin")
+    subprotocols = headers.get_all("Sec-WebSocket-Protocol")
+    if (
+        len(connection) != 1
+        or connection[0].lower() not in _UPGRADE_CONNECTION
+        or len(upgrade) != 1
+        or upgrade[0].lower() != "websocket"
+        or len(keys) != 1
+        or headers.get_all("Sec-WebSocket-Version") != ["13"]
+        or len(origins) > 1
+        or subprotocols not in ([], [p.SUBPROTOCOL])
+    ):
+        return False
+    origin = Origin(origins[0]) if origins else None
+    if ws.origins is not None and origin not in ws.origins:
+        return False  # websockets refuses it, or a pattern of its own matches it
+    key = keys[0]
+    try:
+        if len(base64.b64decode(key.encode(), validate=True)) != 16:
+            return False
+    except binascii.Error:
+        return False
+    ws.accept_called = True
+    ws.origin = origin
+    ws.extensions = []
+    if subprotocols:
+        ws.subprotocol = Subprotocol(p.SUBPROTOCOL)
+        chosen = b"Sec-WebSocket-Protocol: " + p.SUBPROTOCOL.encode() + b"\r\n"
+    else:
+        ws.subprotocol = None
+        chosen = b""
+    ws.writes.append(
+        b"HTTP/1.1 101 Switching Protocols\r\nDate: %s\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Accept: %s\r\n%s\r\n"
+        % (_date(), accept_key(key).encode(), chosen)
+    )
+    ws.state = State.OPEN
+    ws.logger.info("connection open")
+    return True
+
+
+_dated: tuple[int, bytes] = (0, b"")
+
+
+def _date() -> bytes:
+    """The Date header's value now (RFC 9110 5.6.7), as websockets writes it: made once a
+    second (a resume storm answers thousands in one)."""
+    global _dated
+    second = int(time.time())
+    if _dated[0] != second:
+        _dated = (second, email.utils.formatdate(second, usegmt=True).encode())
+    return _dated[1]
