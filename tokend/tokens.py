@@ -593,10 +593,21 @@ class TokenService:
 
 def token_digest(raw_key: bytes, token: str) -> str:
     """What the store keeps of the token a session was last verified with, and compares
-    a resume's token with: the first 16 bytes of SHA-256 over the raw public key of the
-    token's kid and the token, in hex. Equal digests mean the same token bytes under the
-    same key (a kid that came to name another key would not match)."""
-    return hashlib.sha256(raw_key + token.encode()).hexdigest()[:32]
+    a resume's token with: the :func:`store_digest` of the raw public key of the token's
+    kid and the token. Equal digests mean the same token bytes under the same key (a kid
+    that came to name another key would not match)."""
+    return store_digest(raw_key + token.encode())
+
+
+def store_digest(data: bytes) -> str:
+    """The form in which the session hash keeps a secret's digest (the token's, the resume
+    proof's): the first 16 bytes (128 bits) of its SHA-256, base64url without padding.
+
+    22 characters rather than hex's 32: the session hash is most of a session's Redis
+    memory, and this alphabet keeps it text (readable by any client; no '|' to split on,
+    as heartbeat.lua's restore argument does).
+    """
+    return _b64url(hashlib.sha256(data).digest()[:16])
 
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]+")
