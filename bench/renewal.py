@@ -9,18 +9,24 @@ last ACK, summed over the storms.
 Baseline: what Redis alone does for the same renewals, a redis-py (hiredis) pipelined
 EVALSHA loop, one call per session, of a script doing the renewal's Redis work
 (HMGET, PEXPIREAT, XADD and PUBLISH of the event, HSET, ZADD) on the same keys.
+
+Beside it, what a renewal costs tokend beyond a heartbeat and a signature (issue 22.3):
+the same storms on a tokend whose ``renew_window`` (1 s) renews nothing, its CPU per
+heartbeat, and an Ed25519 signature of a token's size timed in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import redis
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bench.common import (
     Context,
@@ -33,6 +39,7 @@ from bench.common import (
     storm_pool,
     tokend_server,
 )
+from bench.resume import Profiler
 from testkit.procs import CpuMeter
 from tokend.store.keyspace import Keyspace
 
@@ -40,6 +47,8 @@ RATE_TARGET = 10_000  # renewals/s from one process (issue 12; 20,000/s was aske
 TOKEN_TTL_S, RENEW_WINDOW_S, MINTED_TTL_S = 120, 119, 60
 PIPELINE = 1000
 GAP_S = 1.1
+NO_RENEWAL_WINDOW_S = 1  # the tokens have ~60 s left: no heartbeat of the storms renews
+SIGNATURES = 2000  # Ed25519 signatures timed for the CPU one costs here
 
 RENEW_LUA = """
 local t = redis.call('TIME')
@@ -87,17 +96,32 @@ def redis_loop(url: str, tids: Sequence[uuid.UUID], rounds: int) -> dict[str, An
     }
 
 
-async def tokend_storms(ctx: Context) -> dict[str, Any]:
+def signature_cpu_us() -> float:
+    """CPU microseconds of one Ed25519 signature over a token's signing input (~260 bytes)."""
+    key = Ed25519PrivateKey.generate()
+    message = bytes(260)
+    began = time.process_time()
+    for _ in range(SIGNATURES):
+        key.sign(message)
+    return (time.process_time() - began) / SIGNATURES * 1e6
+
+
+async def tokend_storms(ctx: Context, *, renewing: bool = True) -> dict[str, Any]:
+    """The storms against one tokend; ``ops`` is what each storm was for: renewals, or
+    (not ``renewing``: a ``renew_window`` that renews nothing) heartbeats."""
     sizes = ctx.sizes
     tokens = ctx.tokens(sizes.storm_sessions, ttl_s=MINTED_TTL_S)
+    renew_window = RENEW_WINDOW_S if renewing else NO_RENEWAL_WINDOW_S
     storms = []
     with (
         redis_server(ctx) as store,
-        tokend_server(ctx, store.url, token_ttl=TOKEN_TTL_S, renew_window=RENEW_WINDOW_S) as server,
+        tokend_server(ctx, store.url, token_ttl=TOKEN_TTL_S, renew_window=renew_window) as server,
     ):
         async with storm_pool(ctx, server, tokens) as pool:
             await open_all(pool, sizes.concurrency)
             meter = CpuMeter({"tokend": server.pid, "redis": redis_pid(store)})
+            # --profile: py-spy samples tokend over the storms (and their gaps) only.
+            profiler = Profiler(ctx, server.pid) if ctx.profile and renewing else None
             for n in range(sizes.renew_rounds):
                 if n:
                     await asyncio.sleep(GAP_S)
@@ -105,10 +129,12 @@ async def tokend_storms(ctx: Context) -> dict[str, Any]:
                 replies = await pool.ask("burst", timeout=120)
                 cpu = meter.stop()
                 span = max(r["t_end"] for r in replies) - min(r["t_start"] for r in replies)
+                acks, renewed = sum(r["acks"] for r in replies), sum(r["renewed"] for r in replies)
                 storms.append(
                     {
-                        "acks": sum(r["acks"] for r in replies),
-                        "renewed": sum(r["renewed"] for r in replies),
+                        "acks": acks,
+                        "renewed": renewed,
+                        "ops": renewed if renewing else acks,
                         "failed": sum(r["failed"] for r in replies),
                         "seconds": span,
                         "cpu_pct": {
@@ -117,14 +143,29 @@ async def tokend_storms(ctx: Context) -> dict[str, Any]:
                         },
                     }
                 )
+            profile = profiler.stop() if profiler is not None else ""
     renewed = sum(s["renewed"] for s in storms)
     seconds = sum(s["seconds"] for s in storms)
-    return {"storms": storms, "renewed": renewed, "seconds": seconds, "rate": renewed / seconds}
+    ops = sum(s["ops"] for s in storms)
+    cpu_s = sum(s["cpu_pct"]["tokend"] / 100 * s["seconds"] for s in storms)
+    return {
+        "storms": storms,
+        "renewed": renewed,
+        "seconds": seconds,
+        "rate": renewed / seconds,
+        "cpu_us_per_op": cpu_s / ops * 1e6 if ops else 0.0,
+        "profile": profile,
+    }
 
 
 async def run(ctx: Context) -> list[Row]:
     sizes = ctx.sizes
     tokend = await tokend_storms(ctx)
+    if tokend["profile"]:
+        print(tokend["profile"], file=sys.stderr)
+    heartbeats = await tokend_storms(ctx, renewing=False)
+    signature_us = signature_cpu_us()
+    beyond = tokend["cpu_us_per_op"] - heartbeats["cpu_us_per_op"] - signature_us
     tids = ctx.tokens(sizes.storm_sessions, ttl_s=MINTED_TTL_S).tids[: sizes.storm_sessions]
     with redis_server(ctx) as store:
         meter = CpuMeter({"redis": redis_pid(store), "redis-py loop": os.getpid()})
@@ -150,8 +191,16 @@ async def run(ctx: Context) -> list[Row]:
             "Redis EVALSHA loop",
             bare["rate"],
             ratio(tokend["rate"], bare["rate"]),
-            f"{tokend['renewed']:,} of {expected:,} renewed; {storms} | Redis EVALSHA loop: "
+            f"{tokend['renewed']:,} of {expected:,} renewed; {storms} | tokend CPU per "
+            f"renewal {tokend['cpu_us_per_op']:.0f} us = heartbeat in the same storms "
+            f"{heartbeats['cpu_us_per_op']:.0f} us + Ed25519 signature {signature_us:.0f} us "
+            f"+ {beyond:.0f} us | Redis EVALSHA loop: "
             f"CPU {', '.join(f'{k} {v:.0f}%' for k, v in bare['cpu_pct'].items())}",
-            {"tokend": tokend, "redis_loop": bare},
+            {
+                "tokend": tokend,
+                "heartbeat_storms": heartbeats,
+                "signature_cpu_us": signature_us,
+                "redis_loop": bare,
+            },
         )
     ]

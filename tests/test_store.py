@@ -23,8 +23,9 @@ from tokend.store.keyspace import Keyspace
 from tokend.store.packing import FASTER, HiredisConnection, HiredisPacking
 from tokend.store.redis_client import open_client
 from tokend.store.scripts import HEARTBEAT
-from tokend.store.sessions import HelloRequest, Store
+from tokend.store.sessions import HelloRequest, Store, proof_digest
 from tokend.store.unavailable import StoreUnavailable
+from tokend.tokens import store_digest
 
 __all__ = ["control", "store"]  # fixtures of testkit
 
@@ -113,6 +114,21 @@ async def test_round_trips_through_real_redis(
         assert await pipe.execute() == [2, 2.5, 2]
     finally:
         await client.aclose()
+
+
+async def test_the_session_hash_is_a_listpack_with_its_digests_in_22_characters(
+    store: Store, redis: Redis
+) -> None:
+    """Redis memory per session is mostly this hash (docs/performance.md, "Latest"): it stays
+    in listpack encoding, and its two digests (128 bits each) take 22 characters, not hex's 32."""
+    tid, now = uuid.uuid4(), int(time.time())
+    token = store_digest(b"a token")
+    await store.hello(tid, "alice", 5, now, now + 60, "node-a/1", proof=b"p" * 16, token=token)
+    key = store.keys.session_keys(tid)[0]
+    proof, tok = await redis.hmget(key, "proof", "tok")
+    assert (proof, tok) == (proof_digest(b"p" * 16), token)
+    assert len(proof) == len(tok) == 22
+    assert await redis.object("encoding", key) == "listpack"
 
 
 async def test_the_session_hash_names_its_node_only_in_conn(store: Store, redis: Redis) -> None:

@@ -178,6 +178,40 @@ def test_tokens_are_the_bytes_pyjwt_makes(
     assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == sub
 
 
+@pytest.mark.parametrize("prio", [5, 0])
+def test_a_renewed_token_is_the_bytes_pyjwt_makes_of_its_new_times(
+    service: TokenService, ring: KeyRing, prio: int
+) -> None:
+    """sign_as (a renewal) writes the claims with the iat and exp it is given, the rest
+    the claims': the bytes jwt.encode makes of them, verified by PyJWT."""
+    first = service.new_claims("alice", prio=prio)
+    iat, exp = first.iat - 60, first.iat - 60 + 3600
+    token = service.sign_as(first, iat, exp)
+    assert isinstance(token, bytes)
+    body = jwt.decode(token, options={"verify_signature": False})
+    assert (body["iat"], body["exp"], body["jti"]) == (iat, exp, str(first.tid))
+    assert token.decode() == sign(ring, body)
+    public = ring.public_key(ring.kids[-1])
+    assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == "alice"
+
+
+def test_the_signing_kid_kept_for_a_time_follows_the_ring(
+    settings: Settings, ring: KeyRing, service: TokenService
+) -> None:
+    """signing_kid keeps its last answer for the same time and ring only: a key added
+    meanwhile (another list of kids) is asked of the schedule again."""
+    old_kid = ring.kids[-1]
+    new_kid = ring.rotate()
+    due = service.schedule.signs_from(new_kid)
+    assert service.signing_kid(due - 1) == old_kid
+    assert service.signing_kid(due) == new_kid
+    assert service.signing_kid(due) == new_kid  # kept
+    (settings.resolved_keys_dir / f"{new_kid}.pem").unlink()
+    ring.refresh()  # the new key's file gone: the ring has the old key alone
+    assert ring.kids == [old_kid]
+    assert service.signing_kid(due) == old_kid
+
+
 def test_minted_tokens_have_fresh_ids(service: TokenService) -> None:
     assert (
         service.verify(service.mint("a"), time.time()).tid

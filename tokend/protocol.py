@@ -298,7 +298,7 @@ def encode(frame: Frame) -> bytes:
 def encode_ack(
     seq: int,
     exp_ms: int,
-    token: str | None = None,
+    token: str | bytes | None = None,
     *,
     renewed: bool = False,
     resent: bool = False,
@@ -314,7 +314,8 @@ def encode_ack(
             return _ACK_HEAD.pack(_ACK_TYPE, ACK_WAS_WARN if was_warn else 0, seq, exp_ms, 0)
         except struct.error as exc:
             raise ProtocolError(f"cannot encode HeartbeatAck: {exc}") from None
-    raw = token.encode("ascii") if token else b""
+    # A token the node signed comes as its ASCII bytes (TokenService.sign_as).
+    raw = token if isinstance(token, bytes) else token.encode("ascii") if token else b""
     if bool(raw) != (renewed or resent):
         raise ProtocolError("ack: a token goes with the renewed or resent flag")
     if len(raw) > MAX_TOKEN_LENGTH:

@@ -105,7 +105,10 @@ class Host(Protocol):
         digest (tokend.tokens.TokenService.check); raises TokenError."""
         ...
 
-    def sign(self, claims: Claims) -> str: ...
+    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> bytes:
+        """The token of ``claims`` with this iat and exp, signed: ASCII bytes, as the
+        renewed ACK carries it (tokend.tokens.TokenService.sign_as)."""
+        ...
 
     def sub_is_full(self, claims: Claims) -> bool:
         """True when the token's sub may open no further session (``max_sessions_per_sub``)."""
@@ -435,9 +438,7 @@ class Session:
         """An ACK that carries the session's current token: renewed, or re-sent."""
         claims = self.claims
         assert claims is not None
-        token = self.host.sign(
-            Claims(claims.tid, claims.sub, self.iat_s, self.exp_ms // 1000, claims.prio)
-        )
+        token = self.host.sign(claims, self.iat_s, self.exp_ms // 1000)
         self.token_exp_ms = self.exp_ms
         return p.encode_ack(
             seq, self.exp_ms, token, renewed=renewed, resent=not renewed, was_warn=was_warn

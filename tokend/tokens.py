@@ -140,9 +140,14 @@ def _raw(key: Ed25519PublicKey) -> bytes:
 
 
 def _b64url(raw: bytes) -> str:
-    """RFC 7515 2: base64url without padding (``base64.urlsafe_b64encode``'s, two calls
-    fewer: a renewal makes two)."""
-    return binascii.b2a_base64(raw, newline=False).translate(_URLSAFE).rstrip(b"=").decode()
+    """RFC 7515 2: base64url without padding, as text."""
+    return _b64url_bytes(raw).decode()
+
+
+def _b64url_bytes(raw: bytes) -> bytes:
+    """:func:`_b64url` as ASCII bytes (``base64.urlsafe_b64encode``'s, two calls fewer): a
+    renewal makes two, and its token goes out as bytes."""
+    return binascii.b2a_base64(raw, newline=False).translate(_URLSAFE).rstrip(b"=")
 
 
 _URLSAFE = bytes.maketrans(b"+/", b"-_")
@@ -211,7 +216,7 @@ class KeyRing:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._private: dict[str, Ed25519PrivateKey] = {}
-        self._headers: dict[str, str] = {}  # the JWS header of each kid, base64url-encoded
+        self._headers: dict[str, bytes] = {}  # each kid's JWS header, base64url, and "."
         self._public: dict[str, Ed25519PublicKey] = {}
         self._raw: dict[str, bytes] = {}  # each public key's raw bytes
         self.kids: list[str] = []  # every kid, oldest first
@@ -377,19 +382,24 @@ class KeyRing:
         of Python per token, most of what a renewal costs besides the signature itself;
         the bytes are PyJWT's (tests/test_tokens.py holds them equal).
         """
-        return self.sign_json(json.dumps(claims, separators=(",", ":")), kid)
+        return self.sign_json(json.dumps(claims, separators=(",", ":")).encode(), kid).decode()
 
-    def sign_json(self, claims: str, kid: str) -> str:
-        """:meth:`sign` of claims already written as compact JSON."""
+    def sign_json(self, claims: bytes, kid: str) -> bytes:
+        """:meth:`sign` of claims already written as compact JSON, in ASCII bytes (the
+        token as an ACK carries it: no text made and encoded again)."""
         header = self._headers.get(kid)
         if header is None:
-            header = self._headers[kid] = _b64url(
-                json.dumps(
-                    {"alg": "EdDSA", "kid": kid, "typ": "JWT"}, separators=(",", ":")
-                ).encode()
+            # With the dot that follows it: one concatenation less per token.
+            header = self._headers[kid] = (
+                _b64url_bytes(
+                    json.dumps(
+                        {"alg": "EdDSA", "kid": kid, "typ": "JWT"}, separators=(",", ":")
+                    ).encode()
+                )
+                + b"."
             )
-        signing_input = f"{header}.{_b64url(claims.encode())}"
-        return f"{signing_input}.{_b64url(self._private[kid].sign(signing_input.encode()))}"
+        signing_input = header + _b64url_bytes(claims)
+        return signing_input + b"." + _b64url_bytes(self._private[kid].sign(signing_input))
 
 
 @functools.cache
@@ -457,6 +467,8 @@ class TokenService:
         self._claims_head = (
             f'{{"iss":{_json_string(self.issuer)},"aud":{_json_string(self.audience)},"sub":'
         )
+        # signing_kid's last answer: (the ring's kids, the time, the kid).
+        self._signing: tuple[list[str], float, str] = ([], math.nan, "")
         # The kid of each JWS header (its base64url text) that named a usable key.
         self._kids: dict[str, str] = {}
 
@@ -486,7 +498,12 @@ class TokenService:
 
     def sign(self, claims: Claims) -> str:
         """The token of ``claims``, signed by the key that signs at its ``iat``
-        (:class:`KeySchedule`): no clock is read, no file.
+        (:class:`KeySchedule`): no clock is read, no file."""
+        return self.sign_as(claims, claims.iat, claims.exp).decode()
+
+    def sign_as(self, claims: Claims, iat: int, exp: int) -> bytes:
+        """The token of ``claims`` with this ``iat`` and ``exp`` instead of theirs (a
+        renewal: no Claims made for it), in ASCII bytes, as an ACK carries it.
 
         The claims are written as ``json.dumps`` writes the dict {iss, aud, sub, jti, iat,
         exp[, prio]} compactly, without building it: a renewal signs one token, and the
@@ -496,12 +513,21 @@ class TokenService:
         prio = "" if claims.prio == DEFAULT_PRIO else f',"prio":{int(claims.prio)}'
         body = (
             f'{self._claims_head}{_json_string(claims.sub)},"jti":"{claims.tid}",'
-            f'"iat":{int(claims.iat)},"exp":{int(claims.exp)}{prio}}}'
+            f'"iat":{int(iat)},"exp":{int(exp)}{prio}}}'
         )
-        return self.keys.sign_json(body, self.signing_kid(claims.iat))
+        return self.keys.sign_json(body.encode(), self.signing_kid(iat))
 
     def signing_kid(self, now: float) -> str:
-        return self.schedule.signing(self.keys.kids, now)
+        """The kid that signs at ``now``; the last answer is kept with its ``now`` and
+        ring (a storm's renewals share both: their iat is Redis's second; a refresh
+        replaces ``keys.kids`` whole, so another ring is another list)."""
+        kids = self.keys.kids
+        last = self._signing
+        if last[0] is kids and last[1] == now:
+            return last[2]
+        kid = self.schedule.signing(kids, now)
+        self._signing = (kids, now, kid)
+        return kid
 
     def published_kids(self, now: float) -> list[str]:
         return self.schedule.published(self.keys.kids, now)
@@ -593,10 +619,21 @@ class TokenService:
 
 def token_digest(raw_key: bytes, token: str) -> str:
     """What the store keeps of the token a session was last verified with, and compares
-    a resume's token with: the first 16 bytes of SHA-256 over the raw public key of the
-    token's kid and the token, in hex. Equal digests mean the same token bytes under the
-    same key (a kid that came to name another key would not match)."""
-    return hashlib.sha256(raw_key + token.encode()).hexdigest()[:32]
+    a resume's token with: the :func:`store_digest` of the raw public key of the token's
+    kid and the token. Equal digests mean the same token bytes under the same key (a kid
+    that came to name another key would not match)."""
+    return store_digest(raw_key + token.encode())
+
+
+def store_digest(data: bytes) -> str:
+    """The form in which the session hash keeps a secret's digest (the token's, the resume
+    proof's): the first 16 bytes (128 bits) of its SHA-256, base64url without padding.
+
+    22 characters rather than hex's 32: the session hash is most of a session's Redis
+    memory, and this alphabet keeps it text (readable by any client; no '|' to split on,
+    as heartbeat.lua's restore argument does).
+    """
+    return _b64url(hashlib.sha256(data).digest()[:16])
 
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]+")

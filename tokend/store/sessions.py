@@ -8,7 +8,6 @@ so that no raw reply leaves this module.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -47,6 +46,7 @@ from tokend.store.scripts import (
     ScriptRunner,
 )
 from tokend.store.unavailable import NotConfirmed
+from tokend.tokens import store_digest
 
 log = structlog.get_logger("tokend.store")
 
@@ -56,13 +56,13 @@ SessionPart = tuple[int, Sequence[str], Sequence[Any]]
 
 def proof_digest(proof: bytes | None) -> str:
     """What the store keeps of a resume proof (spec "Resume proof", revision 2), and what
-    hello.lua compares: the first 16 bytes of its SHA-256, in hex; "" for no proof.
+    hello.lua compares: its :func:`tokend.tokens.store_digest`; "" for no proof.
 
     Not the proof itself: a digest cannot be turned back into a proof, so a copy of Redis
     does not let anyone take over a live session, and an equality of digests in Lua takes
     a time that tells nothing about the proof (docs/security.md). Never logged all the same.
     """
-    return hashlib.sha256(proof).hexdigest()[:32] if proof else ""
+    return store_digest(proof) if proof else ""
 
 
 class HelloRequest(NamedTuple):

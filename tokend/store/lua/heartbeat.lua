@@ -6,7 +6,7 @@
 -- for a heartbeat the node received in time but could only store now (after an outage);
 -- it is not judged late. restore = '' or, when the node asks again for a session the
 -- store answered gone or taken, what its live connection knows:
--- 'prio|iat_s|exp_ms|since_ms|proof|sub' (proof: as hello.lua keeps it).
+-- 'prio|iat_s|exp_ms|since_ms|proof|sub' (proof: as hello.lua keeps it, base64url).
 -- Returns, per session in order: exp_ms alone when the heartbeat was stored and the
 -- session neither left WARN nor was renewed (the common case, cheapest to send and to
 -- parse); else {OK, was_warn, renewed, exp_ms, iat_s}, {GONE, tombstone or ''} or
@@ -21,7 +21,7 @@ local now = NOW
 -- session ended (tombstone), its token expired, or another connection took it later.
 -- Returns whether it did.
 local function restore(skey, tkey, tid, conn, s, known)
-  local prio, iat, exp, since, proof, sub = known:match('^(%d+)|(%d+)|(%d+)|(%d+)|(%x*)|(.*)$')
+  local prio, iat, exp, since, proof, sub = known:match('^(%d+)|(%d+)|(%d+)|(%d+)|([%w_%-]*)|(.*)$')
   exp, since = tonumber(exp), tonumber(since)
   if s then
     if s.sub ~= sub or (s.since or 0) >= since then
