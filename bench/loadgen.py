@@ -18,13 +18,14 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
 
 * ``connect {concurrency, retry_for, heartbeat, heartbeat_for}``: open the connections
   (tokend and bare: handshake, HELLO, WELCOME; socketio: handshake, engine.io OPEN,
-  namespace CONNECT), timed; for ``retry_for`` seconds a refusal the client should retry
-  (HTTP 503, a reconnectable close code) is retried with the SDK's backoff (Retry-After
-  honoured). With ``heartbeat`` (seconds, tokend), each connection heartbeats from its
-  own WELCOME as the SDK does (one at once, then every ``heartbeat``), until the next
-  command's heartbeats take over or ``heartbeat_for`` seconds have passed: an open
-  longer than ``warn_after`` puts no session in WARN. The reply counts those
-  heartbeats (sent so far) and the connections lost after their WELCOME.
+  namespace CONNECT), timed; for ``retry_for`` seconds from a connection's first
+  attempt, a refusal the client should retry (HTTP 503, a reconnectable close code) is
+  retried with the SDK's backoff (Retry-After honoured). With ``heartbeat`` (seconds,
+  tokend), each connection heartbeats from its own WELCOME as the SDK does (one at
+  once, then every ``heartbeat``), until the next command's heartbeats take over or
+  ``heartbeat_for`` seconds have passed: an open longer than ``warn_after`` puts no
+  session in WARN. The reply counts those heartbeats (sent so far) and the
+  connections lost after their WELCOME.
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
@@ -492,12 +493,13 @@ class Generator:
         latencies: list[int] = []
         pending = iter(self.conns)
         cpu0, t_start = cpu_seconds(), time.time()
-        retry_until = self.loop.time() + retry_for
         if heartbeat:
             self.begin_heartbeats(heartbeat, heartbeat_for)
 
         async def one(conn: Conn) -> None:
             began = time.perf_counter_ns()
+            # Each connection's own window: an open of minutes retries its last ones too.
+            retry_until = self.loop.time() + retry_for
             for attempt in itertools.count():
                 try:
                     await self.open(conn)
