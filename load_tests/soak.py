@@ -327,11 +327,11 @@ def reload_phases(log: Path, skip: int, signalled: float) -> dict[str, float | N
     }
 
 
-def drained_connections(log: Path) -> list[int]:
+def drained_connections(log: Path, skip: int) -> list[int]:
     """The connections each worker held when it began to drain, from its ``draining``
-    line (all at once at a stop: how the kernel spread them over the workers)."""
-    lines = log.read_text(errors="replace").splitlines()
-    return [json.loads(line)["connections"] for line in lines if '"event": "draining"' in line]
+    line after the log's first ``skip`` lines (all at once at a stop: how the kernel
+    spread them over the workers)."""
+    return [entry["connections"] for _, entry in logged_at(log, skip, "draining")]
 
 
 def admin_ports(log: Path) -> dict[str, int]:
@@ -409,13 +409,14 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
         )
     )
     await asyncio.sleep(RESTART_AFTER_S)
+    logged_before = len(server.log.read_text(errors="replace").splitlines())
     signalled = time.time()
     await asyncio.to_thread(server.stop, STOP_TIMEOUT_S)
     assert server.process is not None
     exit_code = server.process.returncode
     stopped = time.time()
     # How the kernel spread the connections over the workers (SO_REUSEPORT).
-    per_worker = drained_connections(server.log)
+    per_worker = drained_connections(server.log, logged_before)
     server.log = server.log.with_name("tokend-restarted.log")
     started = time.time()
     await asyncio.to_thread(server.start, '"listening"', 60.0, args.workers)
