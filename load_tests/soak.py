@@ -342,10 +342,14 @@ def admin_ports(log: Path) -> dict[str, int]:
 
 
 async def open_connections(ports: dict[str, int]) -> dict[str, int]:
-    """Each worker's open connections now: ``tokend_connections`` on its admin port."""
+    """Each worker's open connections now: ``tokend_connections`` on its admin port (-1:
+    not answered in time; a starved worker must not end the run before its reload)."""
     counts = {}
     for node, port in sorted(ports.items()):
-        metrics = (await http_request(port, "GET", "/metrics")).body.decode()
+        try:
+            metrics = (await http_request(port, "GET", "/metrics")).body.decode()
+        except TimeoutError:
+            metrics = ""
         gauge = re.search(r"^tokend_connections (\S+)$", metrics, re.MULTILINE)
         counts[node] = int(float(gauge.group(1))) if gauge else -1
     return counts
