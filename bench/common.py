@@ -659,17 +659,33 @@ def storm_pool(
     )
 
 
-async def open_all(pool: ClientPool, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:
+async def open_all(
+    pool: ClientPool,
+    concurrency: int,
+    retry_for: float = 0.0,
+    heartbeat: float = 0.0,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
     """Open every connection of the pool; rate, latencies and failures, merged.
 
-    For ``retry_for`` seconds the clients retry what the server asks them to retry.
+    For ``retry_for`` seconds the clients retry what the server asks them to retry. With
+    ``heartbeat`` (seconds), each session heartbeats from its WELCOME at that cadence
+    until the pool's next command (at most as long as the open may take). A connect
+    that failed raises, unless not ``strict`` (then counted in ``errors``).
     """
+    timeout = 300 + retry_for
     replies = await pool.ask(
-        "connect", timeout=300 + retry_for, concurrency=concurrency, retry_for=retry_for
+        "connect",
+        timeout=timeout,
+        concurrency=concurrency,
+        retry_for=retry_for,
+        heartbeat=heartbeat,
+        heartbeat_for=timeout,
     )
     opened = sum(r["opened"] for r in replies)
     failed = sum(r["failed"] for r in replies)
-    if failed:
+    if failed and strict:
         errors = [r["errors"] for r in replies if r["errors"]]
         raise BenchError(f"{pool.name}: {failed} of {opened + failed} connects failed: {errors}")
     span = max(r["t_end"] for r in replies) - min(r["t_start"] for r in replies)
@@ -680,5 +696,8 @@ async def open_all(pool: ClientPool, concurrency: int, retry_for: float = 0.0) -
         "rate": opened / span if span > 0 else 0.0,
         "client_cpu_s": round(sum(r["cpu_s"] for r in replies), 2),
         "refusals": dict(sum((Counter(r["refusals"]) for r in replies), Counter())),
+        "errors": dict(sum((Counter(r["errors"]) for r in replies), Counter())),
+        "heartbeats_sent": sum(r["sent"] for r in replies),
+        "lost_after_welcome": dict(sum((Counter(r["closes"]) for r in replies), Counter())),
         **latency_summary([x for r in replies for x in r["latencies_us"]]),
     }

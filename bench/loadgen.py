@@ -16,24 +16,30 @@ whose certificates it trusts; it verifies the server's, as a real client does) a
 when absent).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
-* ``connect {concurrency, retry_for}``: open the connections (tokend and bare:
-  handshake, HELLO, WELCOME; socketio: handshake, engine.io OPEN, namespace CONNECT),
-  timed; for ``retry_for`` seconds a refusal the client should retry (HTTP 503, a
-  reconnectable close code) is retried with the SDK's backoff (Retry-After honoured).
+* ``connect {concurrency, retry_for, heartbeat, heartbeat_for}``: open the connections
+  (tokend and bare: handshake, HELLO, WELCOME; socketio: handshake, engine.io OPEN,
+  namespace CONNECT), timed; for ``retry_for`` seconds from a connection's first
+  attempt, a refusal the client should retry (HTTP 503, a reconnectable close code) is
+  retried with the SDK's backoff (Retry-After honoured). With ``heartbeat`` (seconds,
+  tokend), each connection heartbeats from its own WELCOME as the SDK does (one at
+  once, then every ``heartbeat``), until the next command's heartbeats take over or
+  ``heartbeat_for`` seconds have passed: an open longer than ``warn_after`` puts no
+  session in WARN. The reply counts those heartbeats (sent so far) and the
+  connections lost after their WELCOME.
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
 * ``soak {interval, duration, reconnect, flood, flood_for}``: every connection
   heartbeats every ``interval`` seconds (every ``flood`` seconds for the first
   ``flood_for``; staggered, open loop: a heartbeat does not wait for the previous ACK)
-  for ``duration``; heartbeats sent and ACKed, ACK
-  latencies, and every connection lost meanwhile with its close code
-  (``load_tests/soak.py``). With ``reconnect``, a connection closed with a
-  reconnectable code (or dropped) reconnects and resumes its session as the Python SDK
-  does: the first reconnect after a 1001 spread over ``going_away_window``, then
-  full-jitter backoff, Retry-After of an HTTP 503 honoured, and HELLO with the resume
-  proof of the last WELCOME; the reply counts the resumes, the refusals met on the way
-  (HTTP 503) and when each resume happened. With
+  for ``duration``; heartbeats sent and ACKed, ACK latencies (and, by wall-clock
+  second, ACKs, those slower than 250 ms and the slowest), and every connection lost
+  meanwhile with its close code (``load_tests/soak.py``). With ``reconnect``, a
+  connection closed with a reconnectable code (or dropped) reconnects and resumes its
+  session as the Python SDK does: the first reconnect after a 1001 spread over
+  ``going_away_window``, then full-jitter backoff, Retry-After of an HTTP 503 honoured,
+  and HELLO with the resume proof of the last WELCOME; the reply counts the resumes,
+  the refusals met on the way (HTTP 503) and when each resume happened. With
   ``connect``, the connections not open yet connect the same way (a connect storm
   whose sessions keep the cadence from their WELCOME).
 * ``drop``: drop every connection (no close handshake), keep what each learnt (token,
@@ -90,6 +96,7 @@ _SIO_PING, _SIO_PONG = b"2", b"3"
 CONNECT_TIMEOUT = 20.0
 _ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 MAX_SAMPLES = 2_000_000
+SLOW_ACK_US = 250_000  # an ACK slower than this is counted in the soak's timeline
 SOAK_GRACE_S = 2.0  # after a soak, how long the last heartbeats' ACKs may take
 
 
@@ -171,6 +178,7 @@ class Conn:
         self.live = False  # WELCOMEd and not lost since
         self.last_sent = -math.inf  # loop time of the last soak heartbeat
         self.resumed = False  # the last WELCOME's flag
+        self.timer_epoch = -1  # the generator's epoch of this connection's heartbeat timer
         self.spare = math.inf  # seconds a reconnect after 1001 may wait, from WELCOME
         # Soak: (seq, sent at) of the heartbeats not yet ACKed, oldest first.
         self.pending: deque[tuple[int, int]] = deque()
@@ -300,12 +308,14 @@ class Conn:
 
     # Soak: a heartbeat every `interval` until `end`, each ACK timed
 
-    def soak_tick(self, interval: float, end: float, flood: float, flood_end: float) -> None:
+    def soak_tick(self, epoch: int) -> None:
+        """One tick of this connection's heartbeat timer; it ends once another command's
+        heartbeats (another ``epoch``) took over, or at the generator's ``beat_until``."""
         gen = self.gen
         now = gen.loop.time()
-        if now >= end or not gen.soaking:
+        if epoch != gen.epoch or now >= gen.beat_until:
             return
-        pause = flood if now < flood_end else interval
+        pause = gen.flood if now < gen.flood_end else gen.interval
         if self.live and self.on_data == self._soak_reply:
             if now - self.last_sent < pause / 2:
                 # Just resumed, and its first heartbeat went out on WELCOME (as the SDK
@@ -313,7 +323,22 @@ class Conn:
                 pause = self.last_sent + pause - now
             else:
                 self.soak_beat(now)
-        gen.loop.call_later(pause, self.soak_tick, interval, end, flood, flood_end)
+        gen.loop.call_later(pause, self.soak_tick, epoch)
+
+    def start_timer(self, delay: float) -> None:
+        """This connection's heartbeat timer, first tick in ``delay`` seconds (none if it
+        already has one for the current command)."""
+        gen = self.gen
+        if self.timer_epoch != gen.epoch:
+            self.timer_epoch = gen.epoch
+            gen.loop.call_later(delay, self.soak_tick, gen.epoch)
+
+    def welcomed_soaking(self) -> None:
+        """On WELCOME during heartbeats: the first at once, as the SDK does, then the
+        cadence from there."""
+        self.on_data = self._soak_reply
+        self.soak_beat(self.gen.loop.time())
+        self.start_timer(self.gen.interval)
 
     def soak_beat(self, now: float) -> None:
         self.gen.sent += 1
@@ -333,8 +358,10 @@ class Conn:
         if not pending:
             return
         gen.acks += 1
+        latency = (time.perf_counter_ns() - pending.popleft()[1]) // 1000
         if len(gen.latencies) < MAX_SAMPLES:
-            gen.latencies.append((time.perf_counter_ns() - pending.popleft()[1]) // 1000)
+            gen.latencies.append(latency)
+        gen.ack_second(latency)
         if ack.token:
             self.exp_ms = ack.exp_ms
             self.token = ack.token  # a resume must present the newest
@@ -398,10 +425,18 @@ class Generator:
         self.started_anew = 0
         self.gave_up: Counter[str] = Counter()
         self.first_close: dict[str, float] = {}  # close code -> wall time it was first seen
+        # Soak: by wall-clock second, [ACKs, those slower than SLOW_ACK_US, slowest (us)].
+        self.timeline: dict[int, list[int]] = {}
         self.reconnecting: set[asyncio.Task[None]] = set()
         self.running = 0
         self.window_start = self.window_end = 0
         self.ended = asyncio.Event()
+        # Heartbeats: each command that sends them starts an epoch (the timers of the one
+        # before end at their next tick), at ``interval`` (``flood`` until ``flood_end``),
+        # until ``beat_until`` (loop time).
+        self.epoch = 0
+        self.interval = self.flood = self.flood_end = 0.0
+        self.beat_until = -math.inf
 
     async def open(self, conn: Conn) -> None:
         """Connect, handshake and (tokend) HELLO → WELCOME; raises what went wrong."""
@@ -428,15 +463,43 @@ class Generator:
             conn.transport = None
             raise
 
-    async def connect(self, concurrency: int, retry_for: float = 0.0) -> dict[str, Any]:
+    def begin_heartbeats(
+        self, interval: float, duration: float, flood: float = 0.0, flood_for: float = 0.0
+    ) -> None:
+        """A new epoch of heartbeats (the timers of the last one end at their next tick)
+        with their counters from zero; a heartbeat still unanswered is not this epoch's."""
+        self.epoch += 1
+        now = self.loop.time()
+        self.interval, self.flood = interval, flood
+        self.flood_end = now + flood_for if flood else 0.0
+        self.beat_until = now + duration
+        self.latencies = array("q")
+        self.acks = self.sent = self.started_anew = 0
+        for counts in (self.closes, self.refusals, self.resumed_at, self.gave_up):
+            counts.clear()
+        self.first_close.clear()
+        self.timeline = {}
+        for conn in self.conns:
+            conn.pending.clear()
+
+    async def connect(
+        self,
+        concurrency: int,
+        retry_for: float = 0.0,
+        heartbeat: float = 0.0,
+        heartbeat_for: float = 0.0,
+    ) -> dict[str, Any]:
         errors: Counter[str] = Counter()
         latencies: list[int] = []
         pending = iter(self.conns)
         cpu0, t_start = cpu_seconds(), time.time()
-        retry_until = self.loop.time() + retry_for
+        if heartbeat:
+            self.begin_heartbeats(heartbeat, heartbeat_for)
 
         async def one(conn: Conn) -> None:
             began = time.perf_counter_ns()
+            # Each connection's own window: an open of minutes retries its last ones too.
+            retry_until = self.loop.time() + retry_for
             for attempt in itertools.count():
                 try:
                     await self.open(conn)
@@ -448,6 +511,8 @@ class Generator:
                     await asyncio.sleep(self.delay(conn, exc, attempt))
                 else:
                     latencies.append((time.perf_counter_ns() - began) // 1000)
+                    if heartbeat:
+                        conn.welcomed_soaking()
                     return
 
         async def lane() -> None:
@@ -462,6 +527,10 @@ class Generator:
             "failed": sum(errors.values()),
             "errors": dict(errors),
             "refusals": refusals,  # every failed attempt, retried or not
+            # Heartbeats from each WELCOME (with ``heartbeat``), and connections lost
+            # after theirs, by how.
+            "sent": self.sent,
+            "closes": dict(self.closes),
             "t_start": t_start,
             "t_end": time.time(),
             "cpu_s": cpu_seconds() - cpu0,
@@ -508,30 +577,25 @@ class Generator:
         flood_for: float = 0.0,
         connect: bool = False,
     ) -> dict[str, Any]:
-        self.latencies = array("q")
-        self.acks = self.sent = self.started_anew = 0
-        for counts in (self.closes, self.refusals, self.resumed_at, self.gave_up):
-            counts.clear()
-        self.first_close.clear()
+        self.begin_heartbeats(interval, duration, flood, flood_for)
         self.soaking, self.reconnect = True, reconnect
         live = [c for c in self.conns if c.live]
-        end = self.loop.time() + duration
-        flood_end = self.loop.time() + flood_for if flood else 0.0
-        first = flood or interval
         now = self.loop.time()
         for i, conn in enumerate(live):
             conn.on_data = conn._soak_reply
-            # Staggered, but never sooner than the cadence after its last heartbeat: a
-            # connection keeps its cadence from one soak to the next.
-            delay = first * i / len(live)
-            if not flood:
-                delay = max(delay, conn.last_sent + interval - now)
-            self.loop.call_later(delay, conn.soak_tick, interval, end, flood, flood_end)
+            # A connection that has heartbeated keeps its cadence (from its WELCOME, or
+            # from the command before; those overdue spread over a moment, not at once),
+            # unless it floods now; the others are staggered over one pause.
+            due = conn.last_sent + interval - now
+            if flood or due == -math.inf:
+                delay = (flood or interval) * i / len(live)
+            else:
+                delay = due if due > 0 else SOAK_GRACE_S * i / len(live)
+            conn.start_timer(delay)
         if connect:  # a connect storm: each new session keeps the cadence from its WELCOME
-            ticking = (interval, end, flood, flood_end)
             for conn in self.conns:
                 if not conn.live:
-                    self._reconnect(conn, ticking=ticking)
+                    self._reconnect(conn)
         await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
@@ -552,7 +616,15 @@ class Generator:
             "started_anew": self.started_anew,
             "gave_up": dict(self.gave_up),
             "latencies_us": self.latencies.tolist(),
+            "timeline": {str(k): v for k, v in self.timeline.items()},
         }
+
+    def ack_second(self, latency_us: int) -> None:
+        """Count an ACK (and how slow it was) in this wall-clock second's entry."""
+        entry = self.timeline.setdefault(int(time.time()), [0, 0, 0])
+        entry[0] += 1
+        entry[1] += latency_us > SLOW_ACK_US
+        entry[2] = max(entry[2], latency_us)
 
     def connection_lost(self, conn: Conn, exc: Exception) -> None:
         """A soaking connection was closed or dropped: count it, and resume if asked."""
@@ -571,25 +643,14 @@ class Generator:
             return self.backoff.after_going_away(attempt, conn.spare)
         return self.backoff.delay(attempt)
 
-    def _reconnect(
-        self,
-        conn: Conn,
-        lost: BaseException | None = None,
-        ticking: tuple[float, float, float, float] | None = None,
-    ) -> None:
+    def _reconnect(self, conn: Conn, lost: BaseException | None = None) -> None:
         """Resume (or, new, start) the session of ``conn`` (``lost``: how its connection
-        ended); ``ticking``: the soak_tick arguments of a connection that has no heartbeat
-        timer yet."""
-        task = self.loop.create_task(self._resume(conn, lost, ticking))
+        ended)."""
+        task = self.loop.create_task(self._resume(conn, lost))
         self.reconnecting.add(task)
         task.add_done_callback(self.reconnecting.discard)
 
-    async def _resume(
-        self,
-        conn: Conn,
-        lost: BaseException | None,
-        ticking: tuple[float, float, float, float] | None = None,
-    ) -> None:
+    async def _resume(self, conn: Conn, lost: BaseException | None) -> None:
         """Reconnect with backoff until the session is resumed or the soak ends."""
         failure = lost
         for attempt in itertools.count():
@@ -607,10 +668,7 @@ class Generator:
                 self.resumed_at[int(time.time() * 10)] += 1  # tenths of a second
             else:
                 self.started_anew += 1  # lost and begun again; or new, in a connect storm
-            conn.on_data = conn._soak_reply
-            conn.soak_beat(self.loop.time())  # at once on WELCOME, as the SDK does
-            if ticking is not None:
-                self.loop.call_later(ticking[0], conn.soak_tick, *ticking)
+            conn.welcomed_soaking()
             return
 
     async def burst(self) -> dict[str, Any]:

@@ -202,7 +202,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         began_ms = int(time.time() * 1000)
         async with pools(ctx, server.url, sizes) as (groups, tids):
             for name in HELD:
-                opened = await open_all(groups[name], 50, retry_for=args.heartbeat)
+                # Each group heartbeats from its WELCOMEs while the next ones open (the
+                # groups open one after another, for longer than warn_after on a slow
+                # day); the warn group stays silent, to reach WARN.
+                cadence = 0.0 if name == "warn" else args.heartbeat
+                opened = await open_all(
+                    groups[name], 50, retry_for=args.heartbeat, heartbeat=cadence
+                )
                 figures[f"open-{name}"] = opened["opened"]
             soaking = [n for n in HELD if n != "warn"]
             baseline = await asyncio.gather(

@@ -15,7 +15,8 @@ phases and stops everything it started:
   session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
 * **reload** (``--reload``): with the sessions held and heartbeating, SIGHUP the
   supervisor (a rolling reload: each worker replaced by a new one while the port stays
-  open; docs/operations.md) and wait for its outcome; every client closed with 1001
+  open, the old ones drained together over ``--reload-drain-period``;
+  docs/operations.md) and wait for its outcome; every client closed with 1001
   resumes its session on a live worker. Reports the refused connects (goal 0), the
   resumes (the last one's time after the SIGHUP: goal within 60 s), ACK latency over the
   window, the reload's duration and outcome, the connections each worker held, new
@@ -56,6 +57,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,7 @@ from testkit.events import READ_CHUNK, read_events  # noqa: E402
 from testkit.net import http_request  # noqa: E402
 from testkit.procs import CpuMeter, fd_limit, proc_children, proc_rss  # noqa: E402
 from testkit.waiting import eventually  # noqa: E402
+from tokend.config import Settings  # noqa: E402
 from tokend.store.keyspace import Keyspace  # noqa: E402
 
 PER_CLIENT_PROCESS = 5000  # sessions per load-generator process (well under its fd limit)
@@ -101,6 +104,7 @@ STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
 # A reload of each worker, at most: a new one starts, the old one drains.
 RELOAD_TIMEOUT_PER_WORKER_S = 60.0
 RESUME_GOAL_S = 60.0
+RELOAD_DRAIN_PERIOD = Settings().reload_drain_period
 EXPIRY_LAG_GOAL_MS = 250
 # After the last deadline, how long the expire phase waits for stragglers.
 EXPIRY_GRACE_S = 30.0
@@ -132,6 +136,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--drain-period", type=float, default=10.0, help="the server's drain_period (default 10)"
     )
     parser.add_argument(
+        "--reload-drain-period",
+        type=float,
+        default=RELOAD_DRAIN_PERIOD,
+        help=f"the server's reload_drain_period (default {RELOAD_DRAIN_PERIOD:g})",
+    )
+    parser.add_argument(
         "--reload", action="store_true", help="then reload the workers (SIGHUP to the supervisor)"
     )
     parser.add_argument(
@@ -153,7 +163,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (logs) instead of removing it"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.per_client > max_sessions():
+        # Each client connection is an open file of its load-generator process.
+        parser.error(
+            f"--per-client {args.per_client}: a client process may hold {max_sessions()} "
+            f"(open-file limit {fd_limit()} less headroom); spread them over more processes"
+        )
+    return args
 
 
 def processes(server: Child, workers: int) -> dict[str, int]:
@@ -256,11 +273,65 @@ def resumes(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def drained_connections(log: Path) -> list[int]:
+TIMELINE_BUCKET_S = 5
+
+
+def timeline(replies: Sequence[dict[str, Any]], since: float) -> list[dict[str, Any]]:
+    """ACKs, those slower than 250 ms, the slowest, and resumes, in buckets of
+    :data:`TIMELINE_BUCKET_S` seconds from ``since`` (wall-clock): where a window's
+    slow ACKs and its resumes fall."""
+    rows: dict[int, dict[str, Any]] = {}
+
+    def row(at: float) -> dict[str, Any]:
+        start = int((at - since) // TIMELINE_BUCKET_S) * TIMELINE_BUCKET_S
+        return rows.setdefault(
+            start, {"t": start, "acks": 0, "slow": 0, "max_ms": 0.0, "resumed": 0}
+        )
+
+    for reply in replies:
+        for second, (acks, slow, slowest_us) in reply["timeline"].items():
+            entry = row(int(second))
+            entry["acks"] += acks
+            entry["slow"] += slow
+            entry["max_ms"] = max(entry["max_ms"], round(slowest_us / 1000, 1))
+        for tenth, resumed in reply["resumed_at"].items():
+            row(int(tenth) / 10)["resumed"] += resumed
+    return [rows[t] for t in sorted(rows)]
+
+
+def logged_at(log: Path, skip: int, event: str) -> list[tuple[float, dict[str, Any]]]:
+    """The wall-clock time and entry of each ``event`` line of ``log`` after its first
+    ``skip`` lines."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines()[skip:]:
+        if f'"event": "{event}"' in line:
+            entry = json.loads(line)
+            found.append((datetime.fromisoformat(entry["timestamp"]).timestamp(), entry))
+    return found
+
+
+def reload_phases(log: Path, skip: int, signalled: float) -> dict[str, float | None]:
+    """Seconds after the SIGHUP at which the reload's steps happened, from the server's
+    log: every new worker ready (its old one stopped accepting), the old workers sent
+    SIGTERM, the last old worker's last 1001 batch, the last old worker exited."""
+
+    def last(event: str) -> float | None:
+        times = [at for at, _ in logged_at(log, skip, event)]
+        return round(max(times) - signalled, 1) if times else None
+
+    return {
+        "new_workers_ready_s": last("worker replaced"),
+        "drain_began_s": last("draining old workers"),
+        "last_close_sent_s": last("drained a batch"),
+        "old_workers_exited_s": last("old worker exited"),
+    }
+
+
+def drained_connections(log: Path, skip: int) -> list[int]:
     """The connections each worker held when it began to drain, from its ``draining``
-    line (all at once at a stop: how the kernel spread them over the workers)."""
-    lines = log.read_text(errors="replace").splitlines()
-    return [json.loads(line)["connections"] for line in lines if '"event": "draining"' in line]
+    line after the log's first ``skip`` lines (all at once at a stop: how the kernel
+    spread them over the workers)."""
+    return [entry["connections"] for _, entry in logged_at(log, skip, "draining")]
 
 
 def admin_ports(log: Path) -> dict[str, int]:
@@ -271,10 +342,14 @@ def admin_ports(log: Path) -> dict[str, int]:
 
 
 async def open_connections(ports: dict[str, int]) -> dict[str, int]:
-    """Each worker's open connections now: ``tokend_connections`` on its admin port."""
+    """Each worker's open connections now: ``tokend_connections`` on its admin port (-1:
+    not answered in time; a starved worker must not end the run before its reload)."""
     counts = {}
     for node, port in sorted(ports.items()):
-        metrics = (await http_request(port, "GET", "/metrics")).body.decode()
+        try:
+            metrics = (await http_request(port, "GET", "/metrics")).body.decode()
+        except TimeoutError:
+            metrics = ""
         gauge = re.search(r"^tokend_connections (\S+)$", metrics, re.MULTILINE)
         counts[node] = int(float(gauge.group(1))) if gauge else -1
     return counts
@@ -312,6 +387,8 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
     figures = resumes(replies)
     last = figures.pop("last_resume")
     return {
+        "phases": reload_phases(server.log, logged_before, signalled),
+        "timeline": timeline(replies, signalled),
         "began_ms": began_ms,
         **figures,
         "result": outcome["result"] if outcome else "no outcome",
@@ -336,13 +413,14 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
         )
     )
     await asyncio.sleep(RESTART_AFTER_S)
+    logged_before = len(server.log.read_text(errors="replace").splitlines())
     signalled = time.time()
     await asyncio.to_thread(server.stop, STOP_TIMEOUT_S)
     assert server.process is not None
     exit_code = server.process.returncode
     stopped = time.time()
     # How the kernel spread the connections over the workers (SO_REUSEPORT).
-    per_worker = drained_connections(server.log)
+    per_worker = drained_connections(server.log, logged_before)
     server.log = server.log.with_name("tokend-restarted.log")
     started = time.time()
     await asyncio.to_thread(server.start, '"listening"', 60.0, args.workers)
@@ -449,6 +527,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         warn_after=3 * args.heartbeat,
         expire_after=4 * args.heartbeat,
         drain_period=args.drain_period,
+        reload_drain_period=args.reload_drain_period,
     )
     figures: dict[str, Any] = {"workers": args.workers, "client_processes": procs}
     try:
@@ -469,10 +548,32 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             tokens=tokens,
             sources=sources(procs),
         ) as pool:
-            opened = await open_all(pool, CONNECT_CONCURRENCY, retry_for=args.heartbeat)
+            # Each session heartbeats from its own WELCOME, as a real client does: an open
+            # longer than warn_after (75,000 sessions on a slow day) warns none of them.
+            open_ms = int(time.time() * 1000)
+            # A connect that failed for good is reported (the verdict counts the opened).
+            opened = await open_all(
+                pool,
+                CONNECT_CONCURRENCY,
+                retry_for=args.heartbeat,
+                heartbeat=args.heartbeat,
+                strict=False,
+            )
             figures["open"] = {
-                k: opened[k] for k in ("opened", "seconds", "rate", "refusals", "p99_ms")
+                k: opened[k]
+                for k in (
+                    "opened",
+                    "seconds",
+                    "rate",
+                    "refusals",
+                    "errors",
+                    "p99_ms",
+                    "heartbeats_sent",
+                    "lost_after_welcome",
+                )
             }
+            events = await read_events(redis, KEY_PREFIX, open_ms)
+            figures["open"]["events"] = dict(Counter(e["type"] for e in events))
             figures["hold"] = await hold(args, server, pool, redis, base)
             if args.reload:
                 figures["reload"] = reload_figures = await reload(args, server, pool)
@@ -510,8 +611,16 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
     """What failed (empty: PASS)."""
     problems = []
     hold = figures["hold"]
-    if figures["open"]["opened"] != sessions:
-        problems.append(f"only {figures['open']['opened']} of {sessions} sessions opened")
+    opened = figures["open"]
+    if opened["opened"] != sessions:
+        problems.append(
+            f"only {opened['opened']} of {sessions} sessions opened ({opened['errors']})"
+        )
+    if opened["lost_after_welcome"]:
+        problems.append(f"open: lost after WELCOME {opened['lost_after_welcome']}")
+    for kind in ("SESSION_WARN", "TOKEN_EXPIRED"):
+        if opened["events"].get(kind):
+            problems.append(f"{opened['events'][kind]} {kind} during the open")
     if hold["closes"]:
         problems.append(f"unexpected closes {hold['closes']}")
     if hold["acks"] != hold["sent"]:
@@ -550,7 +659,10 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
     lines = [
         f"sessions:           {opened['opened']:,} from {figures['client_processes']} client "
         f"processes, {figures['workers']} worker(s) (opened in {opened['seconds']:.1f} s, "
-        f"{opened['rate']:,.0f}/s; refusals retried {opened['refusals'] or 'none'})",
+        f"{opened['rate']:,.0f}/s; refusals retried {opened['refusals'] or 'none'}; "
+        f"{opened['heartbeats_sent']:,} heartbeats from the WELCOMEs; lost "
+        f"{opened['lost_after_welcome'] or 'none'}; "
+        f"events {opened['events'] or 'none'})",
         f"hold:               {figures['duration_s']:g} s, heartbeat every "
         f"{figures['heartbeat_s']:g} s",
         f"unexpected closes:  {sum(hold['closes'].values())} {hold['closes'] or ''}".rstrip(),
@@ -577,6 +689,12 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"                    closes {reloaded['closes']}; new sessions "
             f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
             f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
+            f"                    steps (s after SIGHUP): {reloaded['phases']}",
+            "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / resumed): "
+            + "; ".join(
+                f"{r['t']:+d} {r['acks']}/{r['slow']}/{r['max_ms']:g}/{r['resumed']}"
+                for r in reloaded["timeline"]
+            ),
         ]
     if restart := figures.get("restart"):
         lines += [

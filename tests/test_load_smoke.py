@@ -96,6 +96,10 @@ def test_soak_smoke_run(tmp_path: Path):
     assert figures["stdout"].rstrip().endswith("result:             PASS")
     hold = figures["hold"]
     assert figures["open"]["opened"] == hold["sessions"] == 60 and hold["closes"] == {}
+    # Each session heartbeated from its own WELCOME, not from the end of the open.
+    opened = figures["open"]
+    assert opened["heartbeats_sent"] >= 60
+    assert opened["lost_after_welcome"] == {} and opened["events"] == {"SESSION_STARTED": 60}
     # Every connection heartbeated about six times, each ACKed and timed.
     assert hold["acks"] == hold["sent"] >= 60 * 5
     assert hold["ack_latency"]["samples"] == hold["acks"]
@@ -134,7 +138,7 @@ def test_soak_reload_smoke_run(tmp_path: Path):
     sessions, which all resume on the new workers; not one connect refused."""
     figures = run_json(
         SOAK, tmp_path, "--sessions", "300", "--per-client", "150", "--workers", "2",
-        "--duration", "2", "--heartbeat", "5", "--drain-period", "1", "--reload",
+        "--duration", "2", "--heartbeat", "5", "--reload-drain-period", "1", "--reload",
         "--reload-window", "15", timeout=120,
     )  # fmt: skip
     assert figures["returncode"] == 0, figures["stdout"]

@@ -32,8 +32,9 @@ from tokend.config import ConfigError, Settings
 from tokend.embedded import socket_url
 from tokend.tokens import TokenService
 
-# A reload's drain, short: each old worker closes its connections within a second.
-RELOAD_CLOCKS: dict[str, Any] = {**CALM_CLOCKS, "drain_period": 1.0}
+# A reload's drain, short: each old worker closes its connections within a second or
+# two (reload_drain_period apart from drain_period, to see which one a drain uses).
+RELOAD_CLOCKS: dict[str, Any] = {**CALM_CLOCKS, "drain_period": 1.0, "reload_drain_period": 1.5}
 
 
 def supervisor_of(settings: Settings, workers: int, **env: str) -> TokendProcess:
@@ -245,6 +246,15 @@ async def test_a_reload_under_load_refuses_nothing_and_every_session_resumes_on_
     assert finished["result"] == "ok", finished
     new = started(supervisor, generation=2)
     assert finished["nodes"] == sorted(new) == ["pool-w1.2", "pool-w2.2"]
+    # The old workers drained together (both sent SIGTERM before either had closed its
+    # connections), each over reload_drain_period.
+    assert [e["nodes"] for e in supervisor.logged("draining old workers")] == [sorted(old)]
+    drains = {
+        e["node"]: e["drain_period"]
+        for e in supervisor.logged("signal received, draining")
+        if e["node"] in old
+    }
+    assert drains == dict.fromkeys(old, RELOAD_CLOCKS["reload_drain_period"]), drains
     # Never refused: neither the sessions' reconnects nor the prober's connects.
     assert probes["refused"] == 0 and probes["accepted"] > 0, probes
     totals = sum((s.counts for s in held), Counter())

@@ -207,6 +207,12 @@ class Settings:
     drain_period: float = _setting(
         10.0, "on SIGTERM, open connections are closed with 1001 spread over this long"
     )
+    reload_drain_period: float = _setting(
+        30.0,
+        "in a rolling reload, the old workers close their connections with 1001 together, "
+        "each spread over this long: the new workers resume sessions / reload_drain_period a "
+        "second",
+    )
     restart_grace: float = _setting(
         60.0,
         "seconds added to the clocks of a session the server closed with 1001 (drain, reload, "
@@ -414,8 +420,9 @@ def validate(settings: Settings) -> Settings:
             f"{ADMIN_TOKEN_MIN_DISTINCT} of them different, printable, no spaces around them, "
             "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
         )
-    if settings.drain_period < 0:
-        raise ConfigError("drain_period: must not be negative (0 closes all at once)")
+    for name in ("drain_period", "reload_drain_period"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{name}: must not be negative (0 closes all at once)")
     if settings.restart_grace < 0:
         raise ConfigError("restart_grace: must not be negative (0: a close counts as a heartbeat)")
     if settings.redis_pool_size < 4:

@@ -111,9 +111,16 @@ class App:
         )
 
     async def drain(self, hurry: asyncio.Event) -> None:
-        """Stop accepting, then close connections with 1001 spread over ``drain_period``;
-        once ``hurry`` is set, the rest at once (:class:`tokend.drain.Drain`)."""
-        await self._drain(self.settings.drain_period, hurry)
+        """Stop accepting, then close connections with 1001 spread over ``drain_period``
+        (``reload_drain_period`` for an old worker of a reload: one that was told to stop
+        accepting first); once ``hurry`` is set, the rest at once
+        (:class:`tokend.drain.Drain`)."""
+        await self._drain(self.drain_period, hurry)
+
+    @property
+    def drain_period(self) -> float:
+        reloaded = self.server is not None and not self.server.is_serving()
+        return self.settings.reload_drain_period if reloaded else self.settings.drain_period
 
     async def _drain(self, period: float, hurry: asyncio.Event) -> None:
         assert self.server is not None and self.admission is not None
@@ -170,7 +177,7 @@ async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> 
         await stopping.wait()
         ready.cancel()
         notifier.notify(STOPPING="1")
-        log.info("signal received, draining", drain_period=settings.drain_period)
+        log.info("signal received, draining", drain_period=app.drain_period)
         await app.drain(hurry)
         notifier.notify(**{activation.DRAINED: "1"})
     finally:
