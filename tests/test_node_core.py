@@ -190,15 +190,56 @@ async def test_a_hello_after_its_own_connection_ended_resumes_without_a_proof(
     releases.submit(
         store.release_request(claims.tid, first.session.conn, first.session.since_ms, "")
     )
-    again = Waiter(host, store, "back-2", sub="back")
-    again.token = first.token  # the same token, no proof: a v1 client reconnecting
+    assert await reconnect_outcome(host, store, first, releases) == "resumed"
+    assert releases.pending == 0
+
+
+async def reconnect_outcome(
+    host: Host, store: Store, first: Waiter, releases: ReleaseBatcher
+) -> str:
+    """The outcome of a HELLO with ``first``'s token and no proof (a v1 client coming
+    back), sent by a HelloBatcher that settles ``releases`` first."""
+    again = Waiter(host, store, "again", sub="again")
+    again.token = first.token
     again.hello()
     hellos = HelloBatcher(store, releases)
     hellos.submit(again)
     await hellos.flush()
     [(what, answer)] = again.calls
-    assert (what, answer.outcome) == ("hello_answered", "resumed")
-    assert releases.pending == 0
+    assert what == "hello_answered"
+    return str(answer.outcome)
+
+
+class AnswerLost(Waiter):
+    """A connection whose HELLO Redis ran but whose answer never reached it (the store
+    call timed out after the script was sent)."""
+
+    def hello_answered(self, answer: HelloAnswer) -> None:
+        self.calls.append(("answer lost", answer))
+
+
+async def test_a_hello_whose_answer_was_lost_is_released_at_its_close(
+    host: Host, store: Store
+) -> None:
+    """1013 store_unavailable after a HELLO that Redis ran all the same: the close releases
+    the session (its since unknown), so the client's next connection resumes it instead of
+    meeting a session held by a connection that no longer exists (4509)."""
+    lost = AnswerLost(host, store, "lost")
+    lost.hello()
+    hellos = HelloBatcher(store, ReleaseBatcher(store))
+    hellos.submit(lost)
+    await hellos.flush()
+    [(what, answer)] = lost.calls
+    assert (what, answer.outcome) == ("answer lost", "started")
+    closed = lost.session.store_unavailable()
+    assert closed is not None and closed.code == p.CloseCode.TRY_AGAIN_LATER
+    release = lost.session.take_release()
+    claims = lost.session.claims
+    assert release is not None and claims is not None
+    releases = ReleaseBatcher(store)
+    releases.submit(store.release_request(claims.tid, lost.session.conn, lost.session.since_ms, ""))
+    # The client retries its 1013 with the same token.
+    assert await reconnect_outcome(host, store, lost, releases) == "resumed"
 
 
 async def test_a_hello_batch_fails_together_when_redis_is_gone(

@@ -89,6 +89,11 @@ class Ask(Enum):
     BYE = "bye"  # end the session (logout)
 
 
+# since_ms of a connection whose HELLO went unanswered (the store call failed after it was
+# sent): its release frees the session only if this connection holds it (release.lua).
+SINCE_UNKNOWN = -1
+
+
 class Phase(Enum):
     HELLO = "hello"  # waiting for HELLO
     STARTING = "starting"  # HELLO verified; the store has been asked
@@ -501,6 +506,10 @@ class Session:
         """
         if self.phase is Phase.ENDING:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, "bye_not_recorded")
+        if self.phase is Phase.STARTING:
+            # The HELLO was sent: Redis may still have run it, giving this connection the
+            # session with no answer to say so. Released when closed, whoever took it when.
+            self.since_ms = SINCE_UNKNOWN
         return self._close(p.CloseCode.TRY_AGAIN_LATER, "store_unavailable")
 
     # Timers and other nodes

@@ -5,6 +5,8 @@
 -- since_ms, reason): the connection and when it took the session (hello.lua's `since`), and
 -- the reason of its close when the server itself closed it with 1001 (a planned close:
 -- drain, reload, shutdown), '' for any other end.
+-- since_ms is -1 when the HELLO's answer was lost (tokend.session.SINCE_UNKNOWN): the
+-- connection ids alone then decide.
 -- Only a session still held by that very connection is released: its `conn` moves to
 -- `left`. After a planned close, an ACTIVE session with nothing due is also parked: its
 -- clocks restart at the close as a heartbeat's would, plus restart_grace, and
@@ -19,7 +21,8 @@ local function release(skey, tkey, tid, conn, since, reason)
   local s = load_session(skey)
   -- Taken over or ended meanwhile; `since` tells this connection from one of a node that
   -- restarted under the same name and numbered its connections alike.
-  if not s or s.conn ~= conn or s.since ~= tonumber(since) then
+  since = tonumber(since)
+  if not s or s.conn ~= conn or (since ~= -1 and s.since ~= since) then
     return RELEASE_OUTCOME.NOT_HELD
   end
   redis.call('HDEL', skey, 'conn')
