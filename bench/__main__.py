@@ -106,7 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(e.g. --set durable_replicas=1); repeatable",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="sample tokend with py-spy (resume): top functions"
+        "--profile",
+        action="store_true",
+        help="sample tokend with py-spy (resume, renewal): top functions",
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (logs)")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 It serves, on one port, the WebSocket endpoint ``/v1/ws`` (RFC 6455, subprotocol
 ``tokend.v1``) and a few plain HTTP GET routes answered from the opening handshake
 (:mod:`tokend.admission`: limits and routes). Every accepted socket is a
-:class:`tokend.connection.Connection` (the one module that knows websockets) on
+:class:`tokend.connection.Connection` (RFC 6455 over websockets' Sans-I/O protocol) on
 uvloop. Beside it runs the admin listener (:mod:`tokend.admin`: metrics, admin API,
 dashboard). On SIGTERM the node drains (:mod:`tokend.drain`, docs/operations.md).
 """

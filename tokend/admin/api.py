@@ -14,8 +14,9 @@ from typing import Any
 import structlog
 
 from tokend.admin.event_ring import EventRing
-from tokend.admin.listener import HTTPError, Request, Response, only
+from tokend.admin.listener import Response, only
 from tokend.answers import EndOutcome
+from tokend.http_request import HTTPError, Request
 from tokend.node import Node
 from tokend.store.unavailable import NotConfirmed
 from tokend.tokens import DEFAULT_PRIO, PRIO_RANGE

@@ -25,8 +25,9 @@ import structlog
 from tokend import health
 from tokend.admin.api import AdminApi
 from tokend.admin.event_ring import EventRing
-from tokend.admin.listener import WILDCARDS, HTTPError, HttpListener, Request, Response, only
+from tokend.admin.listener import WILDCARDS, HttpListener, Response, only
 from tokend.background import Background
+from tokend.http_request import HTTPError, Request
 from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokend.node import Node
 
