@@ -218,12 +218,14 @@ class AnswerLost(Waiter):
         self.calls.append(("answer lost", answer))
 
 
+@pytest.mark.parametrize("timed_out", [False, True], ids=["open", "hello-timed-out"])
 async def test_a_hello_whose_answer_was_lost_is_released_at_its_close(
-    host: Host, store: Store
+    host: Host, store: Store, timed_out: bool
 ) -> None:
     """1013 store_unavailable after a HELLO that Redis ran all the same: the close releases
     the session (its since unknown), so the client's next connection resumes it instead of
-    meeting a session held by a connection that no longer exists (4509)."""
+    meeting a session held by a connection that no longer exists (4509). The same when
+    hello_timeout had closed the connection while the HELLO was out."""
     lost = AnswerLost(host, store, "lost")
     lost.hello()
     hellos = HelloBatcher(store, ReleaseBatcher(store))
@@ -231,8 +233,15 @@ async def test_a_hello_whose_answer_was_lost_is_released_at_its_close(
     await hellos.flush()
     [(what, answer)] = lost.calls
     assert (what, answer.outcome) == ("answer lost", "started")
-    closed = lost.session.store_unavailable()
-    assert closed is not None and closed.code == p.CloseCode.TRY_AGAIN_LATER
+    if timed_out:
+        assert lost.session.hello_timed_out() is not None
+        assert lost.session.take_release() is None  # its detach: nothing known held yet
+    closed = lost.session.hello_lost()
+    assert (
+        (closed is None)
+        if timed_out
+        else (closed == (p.CloseCode.TRY_AGAIN_LATER, "store_unavailable"))
+    )
     release = lost.session.take_release()
     claims = lost.session.claims
     assert release is not None and claims is not None

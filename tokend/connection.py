@@ -746,9 +746,8 @@ class SessionLink:
 
     def hello_failed(self, unavailable: bool) -> None:
         if unavailable:
-            self.connection.close_with(self.session.store_unavailable())
-            # Redis may have run the HELLO all the same: see Session.store_unavailable.
-            self.hub.release(self)
+            self.connection.close_with(self.session.hello_lost())
+            self.hub.release(self)  # Redis may have run the HELLO all the same
         else:
             self.connection.close_with(
                 self.session.close(p.CloseCode.INTERNAL_ERROR, "internal_error")

@@ -506,11 +506,16 @@ class Session:
         """
         if self.phase is Phase.ENDING:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, "bye_not_recorded")
-        if self.phase is Phase.STARTING:
-            # The HELLO was sent: Redis may still have run it, giving this connection the
-            # session with no answer to say so. Released when closed, whoever took it when.
-            self.since_ms = SINCE_UNKNOWN
         return self._close(p.CloseCode.TRY_AGAIN_LATER, "store_unavailable")
+
+    def hello_lost(self) -> Close | None:
+        """The store call of this connection's HELLO failed after it was sent (1013): Redis
+        may have run it all the same, giving this connection the session with no answer to
+        say so. Its release is owed (on ``conn`` alone: :data:`SINCE_UNKNOWN`) whether the
+        connection is still open or was closed while the HELLO was out (hello_timeout, or
+        the client left)."""
+        self.since_ms = SINCE_UNKNOWN
+        return self.store_unavailable()
 
     # Timers and other nodes
 
