@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,7 @@ from testkit import tokend_process
 from testkit.clients import RawClient, WireClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import http_request
-from testkit.tokend_process import SHORT_CLOCKS, TokendProcess
+from testkit.tokend_process import CALM_CLOCKS, SHORT_CLOCKS, TokendProcess
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.config import Settings
@@ -149,6 +150,91 @@ async def test_the_connections_not_yet_closed_are_served_during_the_drain(
         hurry.set()
         assert (await remaining.expect_close()).code == p.CloseCode.GOING_AWAY
         await drain
+
+
+# A reload's old worker waits for the new workers (tokend/drain.py AcceptQueue) ---------
+
+# Connections an old worker lets wait in the accept queue before it holds its 1001s.
+QUEUE_LIMIT = 2
+
+
+async def replaced_app_with_waiting_connects(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    period: float,
+    stack: contextlib.AsyncExitStack,
+) -> tuple[App, list[RawClient], list[socket.socket]]:
+    """An app holding three sessions whose slot has a new worker (stop_accepting), with
+    more connect attempts than QUEUE_LIMIT waiting in the listening socket's accept queue
+    (nobody accepts them: the "new workers" are behind)."""
+    app = await start_app(
+        **CALM_CLOCKS, reload_drain_period=period, reload_accept_queue=QUEUE_LIMIT
+    )
+    clients = []
+    for n in range(3):
+        client = await stack.enter_async_context(RawClient.connect(app.port))
+        await client.hello(tokens.mint(f"reloaded-{n}"))
+        clients.append(client)
+    port = app.port
+    app.stop_accepting()
+    queue = app.accept_queue
+    assert queue is not None
+    waiting = []
+    for _ in range(QUEUE_LIMIT + 2):
+        waiting.append(stack.enter_context(socket.create_connection(("127.0.0.1", port))))
+    await eventually(lambda: queue.length() == len(waiting), what="the connects queued")
+    return app, clients, waiting
+
+
+async def test_a_reload_drain_holds_its_closes_while_the_new_workers_are_behind(
+    start_app: Callable[..., Awaitable[App]],
+    tokens: TokenService,
+    tokend_logs: list[dict[str, object]],
+) -> None:
+    """No 1001 while more than reload_accept_queue connections wait to be accepted; once
+    they are accepted the schedule goes on (its first batch at once)."""
+    async with contextlib.AsyncExitStack() as stack:
+        app, clients, waiting = await replaced_app_with_waiting_connects(
+            start_app, tokens, LONG_DRAIN_PERIOD, stack
+        )
+        hurry = asyncio.Event()
+        stack.callback(hurry.set)
+        drain = asyncio.create_task(app.drain(hurry))
+        # Unheld, the first batch would be closed at once: every client still gets ACKs.
+        for _ in range(3):
+            for client in clients:
+                assert isinstance(await client.heartbeat(), p.HeartbeatAck)
+        assert len(app.connections) == len(clients)
+        assert any(e["event"].startswith("drain held") for e in tokend_logs), tokend_logs
+        queue = app.accept_queue
+        assert queue is not None
+        for _ in waiting:
+            queue.socket.accept()[0].close()
+        await eventually(
+            lambda: len(app.connections) < len(clients) or any(c.closing for c in app.connections),
+            what="the first batch closing",
+        )
+        hurry.set()
+        for client in clients:
+            assert (await client.expect_close()).code == p.CloseCode.GOING_AWAY
+        async with asyncio.timeout(10):
+            await drain
+
+
+async def test_a_held_reload_drain_ends_by_itself(
+    start_app: Callable[..., Awaitable[App]], tokens: TokenService
+) -> None:
+    """New workers that never catch up hold the drain reload_drain_period at most: then
+    every connection is closed on schedule, 1001, and the drain ends."""
+    period = 1.0
+    async with contextlib.AsyncExitStack() as stack:
+        app, clients, _ = await replaced_app_with_waiting_connects(start_app, tokens, period, stack)
+        drain = asyncio.create_task(app.drain(asyncio.Event()))
+        for client in clients:
+            closed = await client.expect_close(timeout=2 * period + 10)
+            assert closed.code == p.CloseCode.GOING_AWAY
+        async with asyncio.timeout(10):
+            await drain
 
 
 # A planned close costs no session (issue 20.2; docs/protocol.md §5, "Planned close") --------

@@ -96,7 +96,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.worker:  # started by a supervisor, which holds the pid file
         _run(serve_until_signalled(settings, worker=True))
-        return 0
+        _exit_now()
     if settings.workers > 1:
         from tokend.workers import supervise
 
@@ -120,6 +120,16 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         pidfile.release()
     return 0
+
+
+def _exit_now() -> NoReturn:
+    """End a worker that has stopped (its connections closed, Redis and logs flushed)
+    without the interpreter's teardown: freeing a busy worker's objects one by one takes
+    1-3 s of CPU at 10,000 connections, taken from the new workers of a reload that are
+    resuming its sessions on the same cores."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _worker_environ(args: argparse.Namespace) -> dict[str, str]:

@@ -213,6 +213,12 @@ class Settings:
         "each spread over this long: the new workers resume sessions / reload_drain_period a "
         "second",
     )
+    reload_accept_queue: int = _setting(
+        256,
+        "in a rolling reload, an old worker holds its next 1001s while more connections than "
+        "this wait to be accepted by the new workers (they are behind), at most "
+        "reload_drain_period in all; 0: never hold (Linux only: elsewhere never held)",
+    )
     restart_grace: float = _setting(
         60.0,
         "seconds added to the clocks of a session the server closed with 1001 (drain, reload, "
@@ -423,6 +429,8 @@ def validate(settings: Settings) -> Settings:
     for name in ("drain_period", "reload_drain_period"):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name}: must not be negative (0 closes all at once)")
+    if settings.reload_accept_queue < 0:
+        raise ConfigError("reload_accept_queue: must not be negative (0: never hold)")
     if settings.restart_grace < 0:
         raise ConfigError("restart_grace: must not be negative (0: a close counts as a heartbeat)")
     if settings.redis_pool_size < 4:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import socket
+import struct
 from collections.abc import Sequence
 
 import structlog
@@ -31,15 +34,55 @@ DRAIN_TICK = 0.05
 # Most batches' worth of closes a late drain catches up at once: closing thousands in
 # one go would stall the heartbeats of the rest for as long as their closes take.
 CATCH_UP = 4
+# struct tcp_info up to tcpi_unacked, which a listening socket fills with the length of
+# its accept queue (Linux: tcp_get_info).
+_TCP_INFO = struct.Struct("8B5I")
+
+
+class AcceptQueue:
+    """The accept queue of a listening socket this process no longer accepts on: how
+    many connections wait for the processes that still do."""
+
+    def __init__(self, listening: int, limit: int) -> None:
+        # A copy of the listening socket's descriptor: the server closes its own when it
+        # stops accepting.
+        self.socket = socket.socket(fileno=os.dup(listening))
+        self.limit = limit
+
+    def length(self) -> int | None:
+        """Connections waiting to be accepted; None where TCP_INFO cannot tell (not Linux)."""
+        option = getattr(socket, "TCP_INFO", None)
+        if option is None:
+            return None
+        try:
+            info = self.socket.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO.size)
+        except OSError:
+            return None
+        return _TCP_INFO.unpack_from(info)[-1] if len(info) >= _TCP_INFO.size else None
+
+    def behind(self) -> int | None:
+        """The queue's length when over the limit (the accepting processes are behind)."""
+        length = self.length()
+        return length if self.limit and length is not None and length > self.limit else None
+
+    def close(self) -> None:
+        self.socket.close()
 
 
 class Drain:
     """Closes the connections ``admission`` holds, once ``server`` stops accepting."""
 
-    def __init__(self, admission: Admission, node: Node, server: asyncio.Server) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        node: Node,
+        server: asyncio.Server,
+        accept_queue: AcceptQueue | None = None,
+    ) -> None:
         self.admission = admission
         self.node = node
         self.server = server
+        self.accept_queue = accept_queue  # a reload's: the new workers accept
         self.park = True  # until Redis fails to take a batch's parks
 
     async def run(self, period: float, hurry: asyncio.Event) -> None:
@@ -49,7 +92,8 @@ class Drain:
         Sessions stay resumable, each parked before its client is told (one round trip
         per batch, the batches' round trips overlapping; none more once Redis failed to
         answer one). Once ``hurry`` is set, the rest are closed at once, without waiting
-        for Redis.
+        for Redis. With an ``accept_queue`` over its limit the schedule is held, for at
+        most ``period`` in all.
         """
         self.admission.draining = True
         self.server.close()
@@ -63,7 +107,20 @@ class Drain:
             log.info("draining", connections=n, period=period, batches=ticks)
         closing: list[asyncio.Task[None]] = []
         done = tick = 0
+        held = 0.0  # seconds the schedule was held for the accepting workers
         while done < n:
+            waiting = self._accept_queue_behind(held, period, hurry)
+            if waiting is not None:
+                # Hold the schedule, not just this batch: no catch-up burst after it.
+                if not held:
+                    log.warning("drain held: the accepting workers are behind", waiting=waiting)
+                began = loop.time()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(DRAIN_TICK):
+                        await hurry.wait()
+                start += loop.time() - began
+                held += loop.time() - began
+                continue
             if hurry.is_set():
                 if tick < ticks:
                     log.warning("second signal: closing every connection now", left=n - done)
@@ -86,7 +143,17 @@ class Drain:
                     async with asyncio.timeout_at(start + tick * slot):
                         await hurry.wait()
         await asyncio.gather(*closing)
+        if held:
+            log.info("drain was held", held=round(held, 1))
         await self._closed_within(CLOSE_TIMEOUT + 1)
+
+    def _accept_queue_behind(self, held: float, period: float, hurry: asyncio.Event) -> int | None:
+        """The accept queue's length when the next batch should wait for the accepting
+        workers: over its limit, unless the drain was already held ``period`` in all or is
+        hurried."""
+        if self.accept_queue is None or held >= period or hurry.is_set():
+            return None
+        return self.accept_queue.behind()
 
     async def _close(self, batch: Sequence[Connection], left: int, *, wait: bool) -> None:
         """Close the batch's connections still open, once their sessions are parked (with

@@ -22,7 +22,7 @@ from tokend.admin import AdminServer
 from tokend.admission import Admission
 from tokend.config import Settings
 from tokend.connection import Connection
-from tokend.drain import Drain
+from tokend.drain import AcceptQueue, Drain
 from tokend.embedded import EmbeddedRedis
 from tokend.logs import redact_url
 from tokend.node import Node
@@ -45,6 +45,9 @@ class App:
         self.admission: Admission | None = None  # set by start()
         self.server: asyncio.Server | None = None
         self.admin: AdminServer | None = None
+        # Set when this worker stopped accepting for a reload (its slot has a new one).
+        self.accept_queue: AcceptQueue | None = None
+        self.replaced = False
 
     @property
     def port(self) -> int:
@@ -119,12 +122,26 @@ class App:
 
     @property
     def drain_period(self) -> float:
-        reloaded = self.server is not None and not self.server.is_serving()
-        return self.settings.reload_drain_period if reloaded else self.settings.drain_period
+        settings = self.settings
+        return settings.reload_drain_period if self.replaced else settings.drain_period
+
+    def stop_accepting(self) -> None:
+        """A reload's new worker accepts for this one's slot: stop accepting, keep serving
+        the connections open until the drain, and watch the new workers' accept queue."""
+        assert self.server is not None
+        connections = len(self.connections)
+        log.info("stopped accepting: the slot's new worker accepts", connections=connections)
+        self.replaced = True
+        if self.settings.reload_accept_queue:
+            self.accept_queue = AcceptQueue(
+                self.server.sockets[0].fileno(), self.settings.reload_accept_queue
+            )
+        self.server.close()  # this process's copy of the socket; the supervisor keeps it
 
     async def _drain(self, period: float, hurry: asyncio.Event) -> None:
         assert self.server is not None and self.admission is not None
-        await Drain(self.admission, self.node, self.server).run(period, hurry)
+        drain = Drain(self.admission, self.node, self.server, self.accept_queue)
+        await drain.run(period, hurry)
 
     async def stop(self) -> None:
         """Stop accepting, close connections with 1001 at once (sessions stay resumable),
@@ -138,6 +155,8 @@ class App:
             await self.node.stop()
         if self.embedded is not None:
             await self.embedded.astop()
+        if self.accept_queue is not None:
+            self.accept_queue.close()
         log.info("stopped")
 
 
@@ -171,7 +190,7 @@ async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> 
         loop.add_signal_handler(sig, signalled)
     loop.add_signal_handler(signal.SIGHUP, _cannot_reload)
     if worker:
-        loop.add_signal_handler(activation.STOP_ACCEPTING, _stop_accepting, app)
+        loop.add_signal_handler(activation.STOP_ACCEPTING, app.stop_accepting)
     ready = asyncio.ensure_future(_report_ready(app, notifier))
     try:
         await stopping.wait()
@@ -189,12 +208,6 @@ async def _report_ready(app: App, notifier: activation.Notifier) -> None:
     without it when Redis is down, and keeps trying)."""
     await app.node.subscribed.wait()
     notifier.notify(READY="1", STATUS=f"serving on port {app.port}")
-
-
-def _stop_accepting(app: App) -> None:
-    assert app.server is not None
-    log.info("stopped accepting: the slot's new worker accepts", connections=len(app.connections))
-    app.server.close()  # this process's copy of the socket; the supervisor keeps it
 
 
 def _cannot_reload() -> None:
