@@ -26,6 +26,7 @@ from tokend import protocol as p
 from tokend.config import Settings
 from tokend.connection import Connection
 from tokend.http_answer import HttpAnswer
+from tokend.logs import Sampled
 from tokend.node import Node
 from tokend.session import Cadence
 from tokend.shedding import Penalties
@@ -94,6 +95,7 @@ class Admission:
         # Load balancers whose connections begin with a PROXY protocol header.
         self.proxy_networks = settings.proxy_networks
         self.penalties = Penalties(settings.shed_penalty, node.shedder)
+        self.overload_log = Sampled(log)  # refusals that come by the thousand
 
     @property
     def pending_hellos(self) -> int:
@@ -178,7 +180,7 @@ class Admission:
             self.node.metrics.shed_handshakes += 1
             return busy(wait)
         if len(self.connections) > self.max_open_connections:
-            log.warning(
+            self.overload_log.warning(
                 "handshake refused: near the open-file limit",
                 connections=len(self.connections),
                 cap=self.max_open_connections,
@@ -187,6 +189,6 @@ class Admission:
         # Connections without a session yet (this one among them).
         pending_cap = self.settings.max_pending_hellos
         if pending_cap and self.pending_hellos > pending_cap:
-            log.warning("handshake refused: too many pending HELLOs", cap=pending_cap)
+            self.overload_log.warning("handshake refused: too many pending HELLOs", cap=pending_cap)
             return BUSY
         return None

@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
@@ -32,6 +35,31 @@ class StderrLogger:
         stream.flush()
 
     debug = info = warning = warn = error = critical = exception = fatal = failure = log = msg
+
+
+class Sampled:
+    """At most one line a second per event, for what an overload repeats thousands of times
+    a second (refused handshakes): the first at once, each next one with the count of
+    those not logged since (``not_logged``). A line per refusal would spend the CPU the
+    overload lacks on logging it."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, logger: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.clock = clock
+        self.last: dict[str, tuple[float, int]] = {}  # event -> (logged at, not logged since)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        now = self.clock()
+        logged_at, not_logged = self.last.get(event, (-self.INTERVAL, 0))
+        if now - logged_at < self.INTERVAL:
+            self.last[event] = (logged_at, not_logged + 1)
+            return
+        self.last[event] = (now, 0)
+        if not_logged:
+            fields["not_logged"] = not_logged
+        self.logger.warning(event, **fields)
 
 
 def configure(fmt: str = "json", level: str = "info") -> None:
