@@ -410,6 +410,9 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
             interval=args.heartbeat,
             duration=window,
             reconnect=True,
+            # Clients whose reload window ended while they still retried go on, as the
+            # SDK's do (they never give up): their sessions are parked, not lost.
+            connect=True,
         )
     )
     await asyncio.sleep(RESTART_AFTER_S)
