@@ -17,8 +17,8 @@ and the heaviest functions are printed (self and inclusive samples).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -34,6 +34,7 @@ from bench.common import (
     open_all,
     ratio,
 )
+from testkit.net import LOOPBACK
 from testkit.procs import CpuMeter
 
 RATE_TARGET = 2.0  # x the bare websockets server's handshake + HELLO + Ed25519 verify
@@ -44,18 +45,23 @@ IDLE_WAIT_S = 30.0  # how long to wait for it
 DROP_WAIT_S = 120.0  # how long the server may take to see every connection gone
 
 
-def server_connections(port: int) -> int:
-    """TCP connections whose server end is ``port`` (not listening, not in TIME_WAIT),
-    from /proc/net/tcp: those the server has not closed yet."""
+def server_connections(port: int, address: str = LOOPBACK) -> int:
+    """TCP connections whose server end is ``address``:``port`` (not listening, not in
+    TIME_WAIT), from /proc/net/tcp: those the server has not closed yet.
+
+    The address counts as much as the port: a socket from another loopback address may
+    have the same port (the server's port came from the ephemeral range, where the load
+    generators of load_tests/, from 127.0.0.2 and up, hold thousands of theirs), and it
+    is none of the server's.
+    """
+    local = f"{int.from_bytes(socket.inet_aton(address), 'little'):08X}:{port:04X}"
     count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as lines:
-            next(lines)
-            for line in lines:
-                fields = line.split()
-                local_port = int(fields[1].rpartition(":")[2], 16)
-                if local_port == port and fields[3] not in (_LISTEN, _TIME_WAIT):
-                    count += 1
+    with open("/proc/net/tcp") as lines:
+        next(lines)
+        for line in lines:
+            fields = line.split()
+            if fields[1] == local and fields[3] not in (_LISTEN, _TIME_WAIT):
+                count += 1
     return count
 
 
