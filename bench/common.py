@@ -486,6 +486,16 @@ def bare_server(
     """A server of :mod:`bench.bare_server`: websockets (the baseline), sansio or picows;
     with ``verify``, checking each HELLO's signature with the bench's keys; with ``tls``,
     serving wss:// with the run's certificate and tokend's TLS settings."""
+    server = bare_child(ctx, impl, verify=verify, tls=tls)
+    try:
+        server.start("listening")
+        yield server
+    finally:
+        server.stop()
+
+
+def bare_child(ctx: Context, impl: str, *, verify: bool = False, tls: bool = False) -> Child:
+    """The process of :func:`bare_server`, not started."""
     port = free_port()
     argv = [sys.executable, "-m", "bench.bare_server", "--port", str(port), "--impl", impl]
     if verify:
@@ -495,8 +505,7 @@ def bare_server(
         argv += ["--tls-cert", str(files.cert), "--tls-key", str(files.key)]
     name = f"bare-{impl}{'-tls' if tls else ''}"
     log = ctx.scratch(name) / "bare.log"
-    with child(name, argv, log, port=port, ready="listening", cpus=ctx.server_cpus, tls=tls) as c:
-        yield c
+    return Child(name, argv, log, port=port, cpus=ctx.server_cpus, tls=tls)
 
 
 # Load generator processes

@@ -16,24 +16,36 @@ and the heaviest functions are printed (self and inclusive samples).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench import connect_storm
 from bench.common import (
+    QUICK,
     BenchError,
     Child,
+    ClientPool,
     Context,
     Row,
+    bare_child,
     open_all,
     ratio,
+    redis_server,
+    tokend_child,
 )
+from testkit.net import LOOPBACK
 from testkit.procs import CpuMeter
 
 RATE_TARGET = 2.0  # x the bare websockets server's handshake + HELLO + Ed25519 verify
@@ -44,18 +56,23 @@ IDLE_WAIT_S = 30.0  # how long to wait for it
 DROP_WAIT_S = 120.0  # how long the server may take to see every connection gone
 
 
-def server_connections(port: int) -> int:
-    """TCP connections whose server end is ``port`` (not listening, not in TIME_WAIT),
-    from /proc/net/tcp: those the server has not closed yet."""
+def server_connections(port: int, address: str = LOOPBACK) -> int:
+    """TCP connections whose server end is ``address``:``port`` (not listening, not in
+    TIME_WAIT), from /proc/net/tcp: those the server has not closed yet.
+
+    The address counts as much as the port: a socket from another loopback address may
+    have the same port (the server's port came from the ephemeral range, where the load
+    generators of load_tests/, from 127.0.0.2 and up, hold thousands of theirs), and it
+    is none of the server's.
+    """
+    local = f"{int.from_bytes(socket.inet_aton(address), 'little'):08X}:{port:04X}"
     count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as lines:
-            next(lines)
-            for line in lines:
-                fields = line.split()
-                local_port = int(fields[1].rpartition(":")[2], 16)
-                if local_port == port and fields[3] not in (_LISTEN, _TIME_WAIT):
-                    count += 1
+    with open("/proc/net/tcp") as lines:
+        next(lines)
+        for line in lines:
+            fields = line.split()
+            if fields[1] == local and fields[3] not in (_LISTEN, _TIME_WAIT):
+                count += 1
     return count
 
 
@@ -134,18 +151,25 @@ def top_functions(collapsed: str, top: int = PROFILE_TOP) -> str:
     return "\n".join(lines)
 
 
+@contextlib.asynccontextmanager
+async def dropped(ctx: Context, proto: str, server: Child) -> AsyncIterator[ClientPool]:
+    """``connects`` sessions opened, then dropped, and the server done with the drops:
+    the pool whose next ``open_all`` resumes them all at once."""
+    async with connect_storm.session_pool(ctx, proto, server) as pool:
+        await open_all(pool, ctx.sizes.concurrency)
+        await pool.ask("drop", timeout=60)
+        await server_saw_drops(server)
+        yield pool
+
+
 async def storm(ctx: Context, proto: str, server: Child, pids: dict[str, int]) -> dict[str, Any]:
     """Open ``connects`` sessions, drop them, and reconnect them all at once: rate,
     latency and CPU of the reconnect."""
-    sizes = ctx.sizes
-    async with connect_storm.session_pool(ctx, proto, server) as pool:
-        await open_all(pool, sizes.concurrency)
-        await pool.ask("drop", timeout=60)
-        await server_saw_drops(server)
+    async with dropped(ctx, proto, server) as pool:
         profiler = Profiler(ctx, server.pid) if ctx.profile and proto == "tokend" else None
         meter = CpuMeter({proto: server.pid, **pids})
         meter.start()
-        figures = await open_all(pool, sizes.concurrency)
+        figures = await open_all(pool, ctx.sizes.concurrency)
         cpu = meter.stop()
         profile = profiler.stop() if profiler is not None else ""
     cpu["clients"] = round(100 * figures["client_cpu_s"] / figures["seconds"], 1)
@@ -189,3 +213,142 @@ async def run(ctx: Context) -> list[Row]:
             {"tokend": tokend, "bare": bare, "client_ceiling": ceiling, "workers": workers},
         )
     ]
+
+
+# Instructions per resume: ``python -m bench.resume``
+
+
+async def counted(ctx: Context, server: Child, out: Path) -> dict[str, Any]:
+    """The resume storm against ``server`` (running under callgrind, instrumentation
+    off): the instructions it executed while the sessions resumed, and while idle."""
+    proto = "tokend" if server.name == "tokend" else "bare"
+    async with dropped(ctx, proto, server) as pool:
+        await callgrind(server.pid, "--zero", "--instr=on")
+        figures = await open_all(pool, ctx.sizes.concurrency)
+        storm_ir = await callgrind_dump(server.pid, out)
+        # The timers a server runs anyway (tokend's sweeps): their share of the figure.
+        await asyncio.sleep(IDLE_SAMPLE_S)
+        idle_ir = await callgrind_dump(server.pid, out)
+        await callgrind(server.pid, "--instr=off")
+    opened = figures["opened"]
+    idle_per_s = idle_ir / IDLE_SAMPLE_S
+    return {
+        "resumed": figures["resumed"] if proto == "tokend" else opened,
+        "opened": opened,
+        "seconds": figures["seconds"],
+        "instructions": storm_ir,
+        "idle_per_s": idle_per_s,
+        "per_resume": (storm_ir - idle_per_s * figures["seconds"]) / opened,
+        "profile": str(out),
+    }
+
+
+IDLE_SAMPLE_S = 5.0  # seconds of idle counted after the storm
+# tokend's settings while counted. Its timers tick by the wall clock, which valgrind
+# stretches ~50x for the resumes but not for them: the shedder's 100 samples a second
+# (off: it sheds nothing in this storm) and 10 sweeps (1) would be half of the count.
+# What is left is measured idle and taken off. The opening, HELLO and Redis calls take
+# longer under valgrind, the longer the busier the machine: not a timeout's business.
+COUNTED_SETTINGS = {"shed_lag": 0, "sweep_interval": 1.0, "hello_timeout": 60, "redis_timeout": 60}
+VALGRIND_START_S = 600.0  # a server's start under valgrind (uninstrumented, but slow)
+
+
+async def callgrind(pid: int, *commands: str) -> None:
+    """Tell the callgrind running ``pid`` (``callgrind_control``: zero, instr=on, dump...)."""
+    done = await asyncio.create_subprocess_exec(
+        "callgrind_control",
+        *commands,
+        str(pid),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await done.communicate()
+    if done.returncode:
+        raise BenchError(f"callgrind_control {' '.join(commands)}: {output.decode()}")
+
+
+async def callgrind_dump(pid: int, out: Path) -> int:
+    """Dump the counts since the last dump (or zero) to a new file beside ``out``; their
+    total (instructions)."""
+    before = set(out.parent.glob(out.name + ".*"))
+    await callgrind(pid, "--dump")
+    (dump,) = set(out.parent.glob(out.name + ".*")) - before
+    for line in dump.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise BenchError(f"no totals in {dump}")
+
+
+def under_callgrind(child: Child, out: Path) -> Child:
+    """``child`` run by callgrind, instrumentation off until :func:`counted` turns it on."""
+    child.argv = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={out}",
+        *child.argv,
+    ]
+    return child
+
+
+async def instructions(ctx: Context, name: str) -> dict[str, Any]:
+    """:func:`counted` for tokend (with its Redis) or the bare websockets server."""
+    out = ctx.scratch(f"callgrind-{name}") / "callgrind.out"
+    with contextlib.ExitStack() as stack:
+        if name == "tokend":
+            store = stack.enter_context(redis_server(ctx))
+            server = tokend_child(ctx, store.url, **COUNTED_SETTINGS)
+        else:
+            server = bare_child(ctx, "websockets", verify=True)
+        under_callgrind(server, out)
+        stack.callback(server.stop)
+        server.start('"listening"' if name == "tokend" else "listening", VALGRIND_START_S)
+        return await counted(ctx, server, out)
+
+
+async def count_all(ctx: Context, names: list[str]) -> None:
+    results = {name: await instructions(ctx, name) for name in names}
+    for name, figures in results.items():
+        print(
+            f"{name}: {figures['resumed']:,} of {figures['opened']:,} resumed in "
+            f"{figures['seconds']:.1f} s under "
+            f"callgrind, {figures['instructions']:,} instructions, idle "
+            f"{figures['idle_per_s']:,.0f}/s: {figures['per_resume']:,.0f} per resume; "
+            f"counts in {figures['profile']}.*"
+        )
+    if len(results) == 2:
+        print(
+            f"tokend/bare: {results['tokend']['per_resume'] / results['bare']['per_resume']:.3f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.resume",
+        description="Instructions a server executes per resume, counted by callgrind "
+        "(repeatable whatever else the machine does): tokend against the bare websockets "
+        "server doing handshake + HELLO + Ed25519 verify.",
+    )
+    parser.add_argument("--sessions", type=int, default=1000, help="sessions resumed")
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--concurrency", type=int, default=4, help="in flight per client")
+    parser.add_argument(
+        "--server", choices=("tokend", "bare"), nargs="+", default=["tokend", "bare"]
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the scratch dir (counts, logs)")
+    args = parser.parse_args()
+    sizes = replace(
+        QUICK, connects=args.sessions, clients=args.clients, concurrency=args.concurrency
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="tokend-resume-count-"))
+    try:
+        asyncio.run(count_all(Context(sizes, workdir, "info", pin=False), args.server))
+    finally:
+        if args.keep:
+            print(f"scratch dir kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

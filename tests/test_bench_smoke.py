@@ -6,7 +6,9 @@ keeps the harness from rotting. It needs the ``bench`` extra (picows).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,41 @@ def test_quick_tls(tmp_path: Path) -> None:
     for row in rows:
         assert row["value"] > 0 and row["baseline"] > 0 and row["met"] is None, row
     assert "clients' ceiling (picows server) TLS" in stdout
+
+
+def test_resume_counts_the_servers_connections_only() -> None:
+    """bench resume waits for the server to close every dropped connection: a socket of
+    another loopback address on the server's port (a load generator's, from 127.0.0.2)
+    is not one of them (it kept `bench resume` waiting 120 s, then failing)."""
+    from bench.resume import server_connections
+    from testkit.net import LOOPBACK
+
+    with contextlib.ExitStack() as sockets:
+        elsewhere = sockets.enter_context(socket.socket())
+        elsewhere.bind((LOOPBACK, 0))
+        elsewhere.listen()
+        server, stranger = port_on_two_addresses(sockets, LOOPBACK, "127.0.0.2")
+        server.listen()
+        port = server.getsockname()[1]
+        stranger.connect(elsewhere.getsockname())
+        sockets.enter_context(elsewhere.accept()[0])
+        assert server_connections(port) == 0
+        sockets.enter_context(socket.create_connection((LOOPBACK, port)))
+        sockets.enter_context(server.accept()[0])
+        assert server_connections(port) == 1
+
+
+def port_on_two_addresses(
+    sockets: contextlib.ExitStack, first: str, second: str
+) -> tuple[socket.socket, socket.socket]:
+    """Two sockets bound to one port, one on each address (a port the second address
+    already uses, as a busy machine's load generators may, is skipped)."""
+    while True:
+        one = sockets.enter_context(socket.socket())
+        one.bind((first, 0))
+        two = sockets.enter_context(socket.socket())
+        try:
+            two.bind((second, one.getsockname()[1]))
+        except OSError:
+            continue
+        return one, two

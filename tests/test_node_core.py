@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
+from testkit.waiting import eventually
 from tokend import node as node_module
 from tokend import protocol as p
 from tokend.answers import (
@@ -35,7 +36,7 @@ from tokend.config import Settings
 from tokend.node import HeartbeatBatcher, HelloBatcher, Node, ReleaseBatcher
 from tokend.session import Ask, Cadence, Close, Session
 from tokend.store.redis_client import open_client
-from tokend.store.sessions import Store
+from tokend.store.sessions import HelloRequest, Store
 from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
@@ -420,6 +421,44 @@ async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Nod
     node.detach(alice_2)
     node.detach(bob)
     assert len(registry) == 0 and registry.per_sub == {}
+
+
+async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
+    """HELLOs that come while one hello round trip is out go together in the next, two
+    lanes of flush_lanes or not (a round trip costs the node the same whatever it carries:
+    docs/performance.md "Resume")."""
+    assert node.settings.flush_lanes == 2
+    await node.start()
+    host = Host(node.tokens)
+    first, second, third = (Waiter(host, node.store, name) for name in ("one", "two", "three"))
+    original = node.store.hellos
+    sent: list[int] = []
+    entered, answer = asyncio.Event(), asyncio.Event()
+
+    async def held(batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
+        if not batch:  # no round trip (a lane woken with the others, nothing left for it)
+            return await original(batch)
+        sent.append(len(batch))
+        entered.set()
+        await answer.wait()
+        return await original(batch)
+
+    node.store.hellos = held  # type: ignore[method-assign]
+    first.hello()
+    node.submit_hello(first)
+    await entered.wait()
+    second.hello()
+    node.submit_hello(second)
+    # Turns of the loop, not time: more than a free lane takes from its wake to the store.
+    for _ in range(20):
+        await asyncio.sleep(0)
+    third.hello()
+    node.submit_hello(third)
+    assert sent == [1]
+    answer.set()
+    await eventually(lambda: third.welcome is not None)
+    assert sent == [1, 2]
+    assert first.welcome is not None and second.welcome is not None
 
 
 async def test_a_bye_goes_through_the_node_and_its_answer_to_the_peer(node: Node) -> None:

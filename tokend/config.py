@@ -100,8 +100,8 @@ class Settings:
     )
     flush_lanes: int = _setting(
         2,
-        "store round trips each batcher (HELLOs, heartbeats) keeps in flight at once; 2 lets "
-        "the node answer one batch while Redis runs the next",
+        "store round trips the heartbeat batcher keeps in flight at once; 2 lets the node "
+        "answer one batch while Redis runs the next (HELLOs: one at a time, batched behind it)",
     )
     shed_lag: float = _setting(
         0.01,
