@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import os
 import socket
 import ssl as ssl_module
 import uuid
@@ -20,6 +22,17 @@ from websockets.uri import parse_uri
 
 from testkit.net import LOOPBACK
 from tokend import protocol as p
+
+
+def upgrade_request() -> bytes:
+    """A client's opening handshake request for tokend's path and subprotocol, as bytes
+    (for a connection fed by hand, without a socket)."""
+    key = base64.b64encode(os.urandom(16)).decode()
+    return (
+        f"GET {p.WS_PATH} HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+        f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: {p.SUBPROTOCOL}\r\n\r\n"
+    ).encode()
 
 
 class Closed(Exception):

@@ -17,7 +17,6 @@ frame's first bytes.
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import random
 import ssl
@@ -33,6 +32,7 @@ from websockets.frames import Close, Frame, Opcode, apply_mask
 from websockets.http11 import Request
 from websockets.protocol import State
 
+from testkit.clients import upgrade_request
 from tokend import config
 from tokend import protocol as p
 from tokend.answers import HelloAnswer, HelloOutcome
@@ -195,15 +195,6 @@ def masked(frame: Frame, mask: bytes | None = None) -> bytes:
     return data[:head] + mask + apply_mask(frame.data, mask)
 
 
-def handshake() -> bytes:
-    key = base64.b64encode(os.urandom(16)).decode()
-    return (
-        f"GET {p.WS_PATH} HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\n"
-        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-        f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: {p.SUBPROTOCOL}\r\n\r\n"
-    ).encode()
-
-
 class Opened(NamedTuple):
     connection: Connection
     link: SessionLink
@@ -218,7 +209,7 @@ def opened(fast: bool) -> Opened:
     connection = Connection(gate)
     transport = Transport()
     connection.connection_made(transport)
-    connection.data_received(handshake())
+    connection.data_received(upgrade_request())
     assert connection.ws.state is State.OPEN
     if not fast:
         connection.ws.debug = True  # as with websockets' debug logs on: no fast path

@@ -207,6 +207,8 @@ class HeartbeatBatcher(Batcher[Peer]):
     async def flush(self) -> None:
         batch = self._take()
         unstored = self.unstored
+        if not batch and not unstored:  # the other lane took them: no round trip to make
+            return
         replays = []
         if unstored:
             taken = set(batch)

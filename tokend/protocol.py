@@ -12,6 +12,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from hmac import compare_digest
 
 VERSION = 1
 SUBPROTOCOL = "tokend.v1"
@@ -121,7 +122,7 @@ WELCOME_RESUMED = 0x01
 _HELLO_HEAD = struct.Struct(">BBH")  # type, version, L
 _WELCOME = struct.Struct(">BBBB16sQIII32s")
 _HEARTBEAT_SIGNED = struct.Struct(">BB16sQQ")  # the 34 bytes covered by the mac
-_HEARTBEAT_FIELDS = struct.Struct(">16sQQ")  # tid, seq, exp_ms: after type and flags
+_HEARTBEAT_FIELDS = struct.Struct(">2x16sQQ")  # tid, seq, exp_ms: after type and flags
 _ACK_HEAD = struct.Struct(">BBQQH")
 _NOTICE = struct.Struct(">BB")
 
@@ -222,15 +223,21 @@ def is_heartbeat(data: bytes) -> bool:
 def heartbeat_proof_holds(data: bytes, session_key: bytes) -> bool:
     """Constant-time check of a well-formed HEARTBEAT's mac (spec 0x03), computed over
     its first 34 bytes as they came."""
-    signed = _HEARTBEAT_SIGNED.size
-    return hmac.compare_digest(
-        data[signed:], hmac.digest(session_key, data[:signed], "sha256")[:MAC_LENGTH]
+    return compare_digest(
+        data[_SIGNED_LENGTH:],
+        _hmac_digest(session_key, data[:_SIGNED_LENGTH], "sha256")[:MAC_LENGTH],
     )
 
 
-def heartbeat_fields(data: bytes) -> tuple[bytes, int, int]:
-    """A well-formed HEARTBEAT's tid, seq and exp_ms."""
-    return _HEARTBEAT_FIELDS.unpack_from(data, 2)
+_SIGNED_LENGTH = _HEARTBEAT_SIGNED.size
+# OpenSSL's one-shot HMAC, which hmac.digest calls after a check of its own (a Python
+# frame per heartbeat); hmac.digest where Python was built without OpenSSL.
+try:
+    from _hashlib import hmac_digest as _hmac_digest
+except ImportError:  # pragma: no cover
+    _hmac_digest = hmac.digest
+# A well-formed HEARTBEAT's (tid, seq, exp_ms): the struct's own method, no Python frame.
+heartbeat_fields = _HEARTBEAT_FIELDS.unpack_from
 
 
 def resume_proof(session_key: bytes, tid: bytes) -> bytes:
@@ -295,6 +302,15 @@ def encode(frame: Frame) -> bytes:
     raise ProtocolError(f"not a frame: {frame!r}")
 
 
+def encode_plain_ack(seq: int, exp_ms: int, was_warn: bool) -> bytes:
+    """:func:`encode_ack` of an ACK without a token (neither renewed nor re-sent): most
+    ACKs, one per heartbeat."""
+    try:
+        return _ACK_HEAD.pack(_ACK_TYPE, ACK_WAS_WARN if was_warn else 0, seq, exp_ms, 0)
+    except struct.error as exc:
+        raise ProtocolError(f"cannot encode HeartbeatAck: {exc}") from None
+
+
 def encode_ack(
     seq: int,
     exp_ms: int,
@@ -310,10 +326,7 @@ def encode_ack(
     comes here too, so there is one layout.
     """
     if token is None and not (renewed or resent):  # most ACKs: no token
-        try:
-            return _ACK_HEAD.pack(_ACK_TYPE, ACK_WAS_WARN if was_warn else 0, seq, exp_ms, 0)
-        except struct.error as exc:
-            raise ProtocolError(f"cannot encode HeartbeatAck: {exc}") from None
+        return encode_plain_ack(seq, exp_ms, was_warn)
     # A token the node signed comes as its ASCII bytes (TokenService.sign_as).
     raw = token if isinstance(token, bytes) else token.encode("ascii") if token else b""
     if bool(raw) != (renewed or resent):

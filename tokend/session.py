@@ -33,6 +33,7 @@ from tokend.answers import (
     HelloOutcome,
 )
 from tokend.clocks import RANKS, serving_rank
+from tokend.protocol import encode_plain_ack, heartbeat_fields, heartbeat_proof_holds
 from tokend.tokens import Claims, TokenError
 
 # Tombstone -> close code, for a HELLO or heartbeat on a session that ended.
@@ -203,7 +204,7 @@ class Session:
         self.unverified: str | None = None
         self.last_seq = 0
         self.last_beat = -math.inf  # clock() at the last heartbeat verified
-        self.cadenced = False  # that heartbeat came on cadence (see _cadenced)
+        self.cadenced = False  # that heartbeat came on cadence (see receive_heartbeat)
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
@@ -271,20 +272,23 @@ class Session:
         """A well-formed HEARTBEAT message (:func:`tokend.protocol.is_heartbeat`), read as
         it came: :meth:`receive` of its frame, without making one (one per interval per
         session: the server's most frequent message)."""
-        if self.phase is not Phase.OPEN:
+        if self.phase is not _OPEN:
             if self.phase is Phase.HELLO or self.phase is Phase.STARTING:
                 return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
             return None  # ENDING (BYE is being stored) or CLOSED: the close follows
         now = self.clock()
-        if self.frames is not None and not self.frames.take(now):
+        frames = self.frames
+        if frames is not None and not frames.take(now):
             return self._close(p.CloseCode.RATE_LIMITED, "too_many_frames")
-        cadenced = self._cadenced(now)
+        # On cadence: an ACTIVE session's first heartbeat on this connection, or one that
+        # comes half an interval or more after the one before.
+        cadenced = not self.warned and now - self.last_beat >= self.cadence.heartbeat_ms / 2000
         if shed_from < RANKS and not cadenced and self.rank >= shed_from:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         # Spec 0x03: the mac first (constant time), then the tid, then the seq.
-        if not p.heartbeat_proof_holds(data, self.key):
+        if not heartbeat_proof_holds(data, self.key):
             return self._close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
-        tid, seq, exp_ms = p.heartbeat_fields(data)
+        tid, seq, exp_ms = heartbeat_fields(data)
         if tid != self.tid_bytes:
             return self._close(p.CloseCode.BAD_HEARTBEAT, "wrong_tid")
         if seq <= self.last_seq:
@@ -294,11 +298,6 @@ class Session:
         self.last_beat = now
         self.unanswered += ((seq, exp_ms),)
         return Ask.HEARTBEAT
-
-    def _cadenced(self, now: float) -> bool:
-        """An ACTIVE session's first heartbeat on this connection, or one that comes half
-        an interval or more after the one before (at ``now``)."""
-        return not self.warned and now - self.last_beat >= self.cadence.heartbeat_ms / 2000
 
     def malformed(self) -> Close | None:
         """A binary message that is not a protocol v1 frame (the codec refused it): 4503."""
@@ -416,9 +415,9 @@ class Session:
 
     def stored(self, answer: HeartbeatReply) -> list[bytes] | Close | None:
         """The store recorded the heartbeats taken: their ACKs, or the close it implies."""
-        if self.phase is Phase.CLOSED:
+        if self.phase is _CLOSED:
             return None
-        if isinstance(answer, int):  # stored, nothing else changed: the common answer
+        if type(answer) is int:  # stored, nothing else changed: the common answer
             self.warned = False
             self.exp_ms = exp_ms = answer
             renewed = was_warn = False
@@ -428,14 +427,16 @@ class Session:
                 return close
             exp_ms, renewed, was_warn = self.exp_ms, answer.renewed, answer.was_warn
         acks = []
+        token_exp_ms = self.token_exp_ms
         # The first ACK carries the renewal and the WARN recovery, if any.
         for seq, client_exp_ms in self._answered():
             # The client lacks the current token if it says so (its exp), or if it was
             # never given it on this connection (resumed with an older token).
-            if renewed or client_exp_ms != exp_ms or exp_ms != self.token_exp_ms:
+            if renewed or client_exp_ms != exp_ms or exp_ms != token_exp_ms:
                 acks.append(self._token_ack(seq, renewed, was_warn))
+                token_exp_ms = exp_ms
             else:
-                acks.append(p.encode_ack(seq, exp_ms, None, was_warn=was_warn))
+                acks.append(encode_plain_ack(seq, exp_ms, was_warn))
             renewed = was_warn = False
         return acks
 
@@ -585,3 +586,6 @@ class Session:
 
 
 _HELD = frozenset({HelloOutcome.STARTED, HelloOutcome.RESUMED})
+# The phases the heartbeat path compares with, as module globals (no class lookup).
+_OPEN = Phase.OPEN
+_CLOSED = Phase.CLOSED

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -18,7 +19,12 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import BlockingConnectionPool, SSLConnection, parse_url
+from redis.asyncio.connection import (
+    AbstractConnection,
+    BlockingConnectionPool,
+    SSLConnection,
+    parse_url,
+)
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.maint_notifications import MaintNotificationsConfig
 
@@ -97,6 +103,62 @@ def _client(url: str, settings: Settings) -> Client:
         **options,
     )
     return aioredis.Redis(connection_pool=pool)
+
+
+class DirectCalls:
+    """One command at a time on a connection held for it, outside redis-py's pipeline:
+    the store's batch script calls on one Redis (tokend.store.sessions).
+
+    A batch is one EVALSHA; through a pipeline, each paid the pool's checkout and
+    return, a pipeline object, redis-py's event dispatch and its per-command bookkeeping
+    (docs/performance.md, "Hot path"). Here a call takes one of the connections it keeps
+    (checked out of the client's pool once, so the pool still counts, and closes, them),
+    writes the command and reads its reply. Concurrent calls (the batchers' lanes) each
+    hold their own, so it keeps as many as calls were ever in flight at once. The caller
+    bounds the time (tokend.store.unavailable.Deadline): a connection whose call failed or
+    was cancelled midway is disconnected (and connects again at its next call); an error
+    reply leaves it as it is. A call on a connection that fails before the reply came
+    (Redis restarted, or closed it while idle) is made once more, as redis-py's own
+    retry would.
+    """
+
+    def __init__(self, pool: BlockingConnectionPool) -> None:
+        self.pool = pool
+        self.idle: list[AbstractConnection] = []
+
+    @staticmethod
+    def usable(redis: Client) -> DirectCalls | None:
+        """Direct calls for a client to one Redis; None for a Cluster or through Sentinel
+        (whose connections find their node themselves: the pool and pipeline are kept)."""
+        pool = getattr(redis, "connection_pool", None)
+        return DirectCalls(pool) if type(pool) is BlockingConnectionPool else None
+
+    async def call(self, *command: Any) -> Any:
+        """Send one command and return its reply; an error reply is raised (ResponseError)."""
+        connection = self.idle.pop() if self.idle else await self.pool.get_connection()
+        try:
+            try:
+                return await self._call(connection, command)
+            except (rexc.ConnectionError, OSError):
+                return await self._call(connection, command)  # reconnected: once more
+        finally:
+            self.idle.append(connection)
+
+    @staticmethod
+    async def _call(connection: AbstractConnection, command: tuple[Any, ...]) -> Any:
+        try:
+            if not connection.is_connected:
+                await connection.connect()
+            await connection.send_packed_command(
+                connection.pack_command(*command), check_health=False
+            )
+            # No timeout of its own: the caller's deadline bounds the call.
+            return await connection.read_response(timeout=math.inf)
+        except rexc.ResponseError:
+            raise
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
 
 
 class MultiHostUrl(NamedTuple):

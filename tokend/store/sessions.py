@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import structlog
+from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from tokend.answers import (
@@ -35,7 +36,7 @@ from tokend.config import Settings
 from tokend.protocol import CloseCode
 from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.queries import Queries
-from tokend.store.redis_client import Client
+from tokend.store.redis_client import Client, DirectCalls
 from tokend.store.scripts import (
     END,
     HEARTBEAT,
@@ -113,6 +114,8 @@ class Store(ScriptRunner):
         self._session_prefixes = [self.keys.session_prefixes(n) for n in range(SHARDS)]
         # A Cluster refuses a call whose keys span slots (CROSSSLOT).
         self._one_slot_per_call = isinstance(redis, RedisCluster)
+        # The batch scripts' calls, on one Redis (not a Cluster, not through Sentinel).
+        self._direct = DirectCalls.usable(redis)
         held_live_ms = settings.ms("heartbeat_interval") + HELD_LIVE_SLACK_MS
         self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms, held_live_ms]
         self._release_args = [self.warn_ms, settings.ms("restart_grace")]
@@ -312,8 +315,11 @@ class Store(ScriptRunner):
             calls = [(script, keys, args)]
         else:
             return []
-        answered = await self._eval_many(calls)
-        replies = answered[0] if len(answered) == 1 else [r for call in answered for r in call]
+        if self._direct is not None and len(calls) == 1:
+            replies = await self._eval_direct(*calls[0])
+        else:
+            answered = await self._eval_many(calls)
+            replies = answered[0] if len(answered) == 1 else [r for c in answered for r in c]
         if len(parts) == 1:
             return replies  # type: ignore[no-any-return]  # one group: its positions are the batch's, in order
         results: list[Any] = [None] * count
@@ -323,6 +329,27 @@ class Store(ScriptRunner):
                 results[i] = replies[at]
                 at += 1
         return results
+
+    async def _eval_direct(self, script: Script, keys: list[str], args: list[Any]) -> list[Any]:
+        """One batch script call on one Redis, through :class:`DirectCalls` (no pool, no
+        pipeline): what ``_eval_many`` does for one call, NOSCRIPT and errors alike."""
+        direct = self._direct
+        assert direct is not None
+        command = ("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
+
+        async def call() -> Any:
+            try:
+                return await direct.call(*command)
+            except rexc.NoScriptError:
+                # Redis restarted or was flushed: load and run once more.
+                await self.redis.script_load(script.source)
+                return await direct.call(*command)
+
+        try:
+            reply = await self._timed(script.name, call)
+        except rexc.ResponseError as exc:
+            raise RuntimeError(f"script failed: {exc}") from None
+        return self._answered(reply)  # type: ignore[no-any-return]
 
     def release_request(
         self, tid: uuid.UUID, conn: str, since_ms: int, reason: str
