@@ -3,9 +3,11 @@ does), the session hash, and control messages addressed to the node holding a co
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from tokend.answers import ReleaseOutcome, heartbeat_outcome
 from tokend.config import Settings
 from tokend.store.keyspace import Keyspace
 from tokend.store.packing import FASTER, HiredisConnection, HiredisPacking
-from tokend.store.redis_client import open_client
+from tokend.store.redis_client import DirectCalls, open_client
 from tokend.store.scripts import HEARTBEAT
 from tokend.store.sessions import HelloRequest, Store, proof_digest
 from tokend.store.unavailable import StoreUnavailable
@@ -112,6 +114,30 @@ async def test_round_trips_through_real_redis(
         pipe = client.pipeline(transaction=False)
         pipe.incrby(key + ":n", 2).incrbyfloat(key + ":n", 0.5).delete(key, key + ":n")
         assert await pipe.execute() == [2, 2.5, 2]
+    finally:
+        await client.aclose()
+
+
+async def test_direct_calls_give_back_what_they_do_not_keep_of_a_small_pool(
+    redis_server: RedisProcess, settings: Settings
+) -> None:
+    """Direct calls in flight at once each hold a pooled connection; after them, a quarter
+    of the pool at most stays held: the rest of the node finds the others (a pool of 4
+    with 3 kept would leave one for the sweeper, the queries and the pipelines)."""
+    client = open_client(redis_server.url, replace(settings, redis_pool_size=4))
+    pool = client.connection_pool
+    pool.timeout = 1  # a pool that cannot serve says so at once
+    direct = DirectCalls.usable(client)
+    assert direct is not None and direct.keep == 1
+    try:
+        key = f"{settings.key_prefix}:direct"
+        # Three calls at once, each blocked in Redis until its timeout: three connections.
+        assert (
+            await asyncio.gather(*(direct.call("BLPOP", key, 0.2) for _ in range(3))) == [None] * 3
+        )
+        assert len(direct.idle) == 1
+        # Three at once through the pool: they find three connections.
+        assert await asyncio.gather(*(client.blpop([key], 0.2) for _ in range(3))) == [None] * 3
     finally:
         await client.aclose()
 

@@ -114,7 +114,8 @@ class DirectCalls:
     (docs/performance.md, "Hot path"). Here a call takes one of the connections it keeps
     (checked out of the client's pool once, so the pool still counts, and closes, them),
     writes the command and reads its reply. Concurrent calls (the batchers' lanes) each
-    hold their own, so it keeps as many as calls were ever in flight at once. The caller
+    hold their own; it keeps up to a quarter of the pool between calls, and gives the
+    others back. The caller
     bounds the time (tokend.store.unavailable.Deadline): a connection whose call failed or
     was cancelled midway is disconnected (and connects again at its next call); an error
     reply leaves it as it is. A call on a connection that fails before the reply came
@@ -125,6 +126,9 @@ class DirectCalls:
     def __init__(self, pool: BlockingConnectionPool) -> None:
         self.pool = pool
         self.idle: list[AbstractConnection] = []
+        # Kept out of the pool at most: the rest of the node (sweeps, queries, the
+        # pipelines of a Cluster-less store) must still find connections in a small pool.
+        self.keep = max(1, pool.max_connections // 4)
 
     @staticmethod
     def usable(redis: Client) -> DirectCalls | None:
@@ -142,7 +146,10 @@ class DirectCalls:
             except (rexc.ConnectionError, OSError):
                 return await self._call(connection, command)  # reconnected: once more
         finally:
-            self.idle.append(connection)
+            if len(self.idle) < self.keep:
+                self.idle.append(connection)
+            else:
+                await self.pool.release(connection)
 
     @staticmethod
     async def _call(connection: AbstractConnection, command: tuple[Any, ...]) -> Any:
