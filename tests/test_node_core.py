@@ -427,7 +427,7 @@ async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
     """HELLOs that come while one hello round trip is out go together in the next, two
     lanes of flush_lanes or not (a round trip costs the node the same whatever it carries:
     docs/performance.md "Resume")."""
-    assert node.settings.flush_lanes == 2
+    assert node.settings.flush_lanes > 1
     await node.start()
     host = Host(node.tokens)
     first, second, third = (Waiter(host, node.store, name) for name in ("one", "two", "three"))
