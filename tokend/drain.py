@@ -118,8 +118,9 @@ class Drain:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(DRAIN_TICK):
                         await hurry.wait()
-                start += loop.time() - began
-                held += loop.time() - began
+                waited = loop.time() - began
+                start += waited
+                held += waited
                 continue
             if hurry.is_set():
                 if tick < ticks:

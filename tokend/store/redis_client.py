@@ -115,12 +115,11 @@ class DirectCalls:
     (checked out of the client's pool once, so the pool still counts, and closes, them),
     writes the command and reads its reply. Concurrent calls (the batchers' lanes) each
     hold their own; it keeps up to a quarter of the pool between calls, and gives the
-    others back. The caller
-    bounds the time (tokend.store.unavailable.Deadline): a connection whose call failed or
-    was cancelled midway is disconnected (and connects again at its next call); an error
-    reply leaves it as it is. A call on a connection that fails before the reply came
-    (Redis restarted, or closed it while idle) is made once more, as redis-py's own
-    retry would.
+    others back. The caller bounds the time (tokend.store.unavailable.Deadline): a
+    connection whose call failed or was cancelled midway is disconnected (and connects
+    again at its next call); an error reply leaves it as it is. A call on a connection
+    that fails before the reply came (Redis restarted, or closed it while idle) is made
+    once more, as redis-py's own retry would.
     """
 
     def __init__(self, pool: BlockingConnectionPool) -> None:

@@ -150,18 +150,23 @@ class ScriptRunner:
             raise StoreUnavailable("request past its deadline: is this node's clock behind?")
         return result
 
+    async def _reloading(self, script: Script, send: Callable[[], Awaitable[Any]]) -> Any:
+        """``send()``, a call of ``script``; if Redis lacks the script (NOSCRIPT: it
+        restarted or was flushed), load it and send once more."""
+        try:
+            return await send()
+        except rexc.NoScriptError:
+            await self.redis.script_load(script.source)
+            return await send()
+
     async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         argv = [*self._common, *args]
 
-        async def call() -> Any:
-            try:
-                return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
-            except rexc.NoScriptError:
-                # Redis restarted or was flushed: load and run once more.
-                await self.redis.script_load(script.source)
-                return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
+        async def send() -> Any:
+            return await self.redis.evalsha(script.sha, len(keys), *keys, *argv)
 
-        return self._answered(await self._timed(script.name, call))
+        reply = await self._timed(script.name, lambda: self._reloading(script, send))
+        return self._answered(reply)
 
     async def _eval_durably(
         self, script: Script, keys: Sequence[str], args: Sequence[Any]

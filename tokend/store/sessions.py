@@ -336,17 +336,10 @@ class Store(ScriptRunner):
         direct = self._direct
         assert direct is not None
         command = ("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
-
-        async def call() -> Any:
-            try:
-                return await direct.call(*command)
-            except rexc.NoScriptError:
-                # Redis restarted or was flushed: load and run once more.
-                await self.redis.script_load(script.source)
-                return await direct.call(*command)
-
         try:
-            reply = await self._timed(script.name, call)
+            reply = await self._timed(
+                script.name, lambda: self._reloading(script, lambda: direct.call(*command))
+            )
         except rexc.ResponseError as exc:
             raise RuntimeError(f"script failed: {exc}") from None
         return self._answered(reply)  # type: ignore[no-any-return]
