@@ -37,9 +37,9 @@ class Host:
     def check(self, token: str, signature: bool) -> tuple[Claims, str]:
         return self.tokens.check(token, time.time(), signature=signature)
 
-    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> bytes:
+    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> tuple[bytes, str]:
         self.signed.append(Claims(claims.tid, claims.sub, iat_s, exp_s, claims.prio))
-        return self.tokens.sign_as(claims, iat_s, exp_s)
+        return self.tokens.reissue(claims, iat_s, exp_s)
 
     def sub_is_full(self, claims: Claims) -> bool:
         return claims.sub in self.full

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -115,6 +116,76 @@ async def test_another_token_of_the_session_is_verified_then_resumed_and_kept(
     assert isinstance(again, p.Welcome) and again.resumed
     assert checked == [False, True]
     assert await kept_digest(app, redis, first.tid) == digest_of(app, other)
+
+
+async def test_the_token_a_renewal_gave_is_kept_and_its_resume_skips_the_signature(
+    start_app: StartApp, tokens: TokenService, redis: Redis
+) -> None:
+    """The node signed it: the heartbeat after the ACK that gave it records its digest
+    (heartbeat.lua), once; a resume with it is then not verified, as with the token the
+    session was verified with. Before, every resume after a renewal paid the signature
+    and a second round trip: with 15-minute tokens, most resumes of a reload."""
+    app = await start_app(renew_window=30)
+    ttl = app.settings.token_ttl_s
+    # 20 s left: inside the renew window, so the first heartbeat renews.
+    token = tokens.mint("alice", iat=int(time.time()) - ttl + 20)
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+        renewal = await client.heartbeat()
+        assert renewal.renewed and renewal.token is not None
+        renewed = renewal.token
+        assert await kept_digest(app, redis, welcome.tid) == digest_of(app, token)
+        await client.heartbeat()  # the flight after the renewal's ACK
+        assert await kept_digest(app, redis, welcome.tid) == digest_of(app, renewed)
+        # Carried by that one flight only: a digest written over is not written back.
+        await redis.hset(app.node.store.keys.session_keys(tid_uuid(welcome))[0], "tok", "x")
+        await client.heartbeat()
+        assert await kept_digest(app, redis, welcome.tid) == "x"
+        await redis.hset(
+            app.node.store.keys.session_keys(tid_uuid(welcome))[0],
+            "tok",
+            digest_of(app, renewed),
+        )
+    checked = watch_signatures(app)
+    again = await resume(app, renewed, welcome)
+    assert isinstance(again, p.Welcome) and again.resumed
+    assert checked == [False]
+
+
+async def test_a_resume_with_an_older_token_is_given_the_current_one_and_the_store_keeps_it(
+    start_app: StartApp, tokens: TokenService, redis: Redis
+) -> None:
+    """A client that resumes with the token it held before a renewal (the renewed ACK
+    was lost) is verified, and re-sent the current token: the store keeps that one next."""
+    app = await start_app(renew_window=30)
+    ttl = app.settings.token_ttl_s
+    token = tokens.mint("alice", iat=int(time.time()) - ttl + 20)
+    async with RawClient.connect(app.port) as client:
+        welcome = await client.hello(token)
+        renewed = (await client.heartbeat()).token  # the client loses it
+        await client.heartbeat()
+    assert renewed is not None
+    assert await kept_digest(app, redis, welcome.tid) == digest_of(app, renewed)
+    checked = watch_signatures(app)
+    async with RawClient.connect(app.port) as client:
+        again = await client.hello(token, proof_of(welcome))
+        assert again.resumed
+        assert checked == [False, True]  # not the token kept: verified
+        assert await kept_digest(app, redis, welcome.tid) == digest_of(app, token)
+        resent = await client.heartbeat(exp_ms=token_exp_ms(token))
+        assert resent.resent and resent.token == renewed
+        await client.heartbeat()
+        assert await kept_digest(app, redis, welcome.tid) == digest_of(app, renewed)
+
+
+def tid_uuid(welcome: p.Welcome) -> uuid.UUID:
+    return uuid.UUID(bytes=welcome.tid)
+
+
+def token_exp_ms(token: str) -> int:
+    payload = token.split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return int(claims["exp"]) * 1000
 
 
 async def test_a_forged_signature_on_the_known_token_is_4501_and_nothing_is_written(

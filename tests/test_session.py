@@ -30,7 +30,7 @@ from tokend import protocol as p
 from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
 from tokend.clocks import serving_rank
 from tokend.session import Ask, Close, Phase, Release, Session
-from tokend.tokens import TokenService
+from tokend.tokens import TokenService, token_digest
 
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
 
@@ -319,10 +319,16 @@ def test_a_renewal_hands_over_a_new_token(
         new_exp // 1000,
         IAT_S,
     )
+    # Its digest, as the store keeps a token's, is handed over once, for the store.
+    assert session.take_signed_digest() == token_digest(
+        tokens.keys.raw_public_key(tokens.signing_kid(IAT_S)), ack.token
+    )
+    assert session.take_signed_digest() == ""
     # The next heartbeat, with the new exp, needs no token.
     session.receive(heartbeat(w, 2, new_exp))
     [ack] = store_one(session, stored(new_exp))
     assert ack.token is None and ack.flags == 0
+    assert session.take_signed_digest() == ""
 
 
 def test_a_client_with_a_stale_exp_gets_the_token_again(

@@ -83,6 +83,11 @@ class HeartbeatRequest(NamedTuple):
     tid: str
     conn: str
     shard: int
+    # The digest (tokend.tokens.token_digest) of a token this connection was given in an
+    # ACK (a renewal, or a token re-sent) that the store does not keep yet: the one flight
+    # after that ACK carries it, and heartbeat.lua keeps it with the session, so that the
+    # next resume with that token skips the signature (hello.lua). "" the rest of the time.
+    token: str = ""
 
 
 class Known(NamedTuple):

@@ -764,11 +764,15 @@ class SessionLink:
         sample = self.sample
         if sample is not None:
             sample.store_ended()
-        out = self.session.stored(answer)
+        session = self.session
+        out = session.stored(answer)
         if connection.paused:
             connection.resume_reading()
         if type(out) is list:
             connection.send(out)
+            request = self.heartbeat_request
+            if session.signed_digest or (request is not None and request.token):
+                self._record_signed_token()
             renewed = False
             if not isinstance(answer, int):  # not a plain OK
                 if answer.was_warn:
@@ -781,6 +785,14 @@ class SessionLink:
                 self.sample = None
         elif out is not None:
             connection.close_with(out)
+
+    def _record_signed_token(self) -> None:
+        """Keep the store's copy of the token this connection was last given: the flight
+        after the ACK that gave a token carries its digest, that flight only (stored
+        now: this one did, if it carried it)."""
+        request = self.heartbeat_request
+        assert request is not None
+        self.heartbeat_request = request._replace(token=self.session.take_signed_digest())
 
     def heartbeats_held(self) -> None:
         """The store is unavailable: ACK from what the session knows (replayed later)."""

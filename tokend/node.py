@@ -435,8 +435,8 @@ class Node:
     def check(self, token: str, signature: bool) -> tuple[Claims, str]:
         return self.tokens.check(token, time.time(), signature=signature)
 
-    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> bytes:
-        return self.tokens.sign_as(claims, iat_s, exp_s)
+    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> tuple[bytes, str]:
+        return self.tokens.reissue(claims, iat_s, exp_s)
 
     def sub_is_full(self, claims: Claims) -> bool:
         return self.registry.sub_is_full(claims)

@@ -111,9 +111,10 @@ class Host(Protocol):
         digest (tokend.tokens.TokenService.check); raises TokenError."""
         ...
 
-    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> bytes:
+    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> tuple[bytes, str]:
         """The token of ``claims`` with this iat and exp, signed: ASCII bytes, as the
-        renewed ACK carries it (tokend.tokens.TokenService.sign_as)."""
+        renewed ACK carries it; and its digest for the store
+        (tokend.tokens.TokenService.reissue)."""
         ...
 
     def sub_is_full(self, claims: Claims) -> bool:
@@ -178,6 +179,7 @@ class Session:
         "released",
         "resumed",
         "shown_proof",
+        "signed_digest",
         "since_ms",
         "storing",
         "tid_bytes",
@@ -208,6 +210,9 @@ class Session:
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
         self.token_exp_ms = 0  # exp of the newest token this connection was given
+        # That token's digest, when this node signed it, until taken for the store
+        # (take_signed_digest): the next resume with it then skips the signature.
+        self.signed_digest = ""
         self.resumed = False
         self.since_ms = 0  # Redis time at which this connection took the session
         self.warned = False
@@ -444,11 +449,17 @@ class Session:
         """An ACK that carries the session's current token: renewed, or re-sent."""
         claims = self.claims
         assert claims is not None
-        token = self.host.sign(claims, self.iat_s, self.exp_ms // 1000)
+        token, self.signed_digest = self.host.sign(claims, self.iat_s, self.exp_ms // 1000)
         self.token_exp_ms = self.exp_ms
         return p.encode_ack(
             seq, self.exp_ms, token, renewed=renewed, resent=not renewed, was_warn=was_warn
         )
+
+    def take_signed_digest(self) -> str:
+        """The digest of the newest token an ACK gave, once ("" when none since): for the
+        store to keep with the session (tokend.answers.HeartbeatRequest.token)."""
+        digest, self.signed_digest = self.signed_digest, ""
+        return digest
 
     def held_back(self) -> list[bytes] | None:
         """The store is unavailable: acknowledge from what is known, replay later.

@@ -517,6 +517,15 @@ class TokenService:
         )
         return self.keys.sign_json(body.encode(), self.signing_kid(iat))
 
+    def reissue(self, claims: Claims, iat: int, exp: int) -> tuple[bytes, str]:
+        """:meth:`sign_as`, with the new token's :func:`token_digest`: the store keeps it
+        with the session (heartbeat.lua), as it keeps a verified token's, so that a resume
+        with the token this node gave skips the signature as one with the token it
+        verified does (docs/security.md "A resume skips the signature of a token the
+        store knows")."""
+        token = self.sign_as(claims, iat, exp)
+        return token, token_digest(self.keys.raw_public_key(self.signing_kid(iat)), token)
+
     def signing_kid(self, now: float) -> str:
         """The kid that signs at ``now``; the last answer is kept with its ``now`` and
         ring (a storm's renewals share both: their iat is Redis's second; a refresh
@@ -617,12 +626,13 @@ class TokenService:
         return key, self.keys.raw_public_key(kid)
 
 
-def token_digest(raw_key: bytes, token: str) -> str:
-    """What the store keeps of the token a session was last verified with, and compares
-    a resume's token with: the :func:`store_digest` of the raw public key of the token's
-    kid and the token. Equal digests mean the same token bytes under the same key (a kid
-    that came to name another key would not match)."""
-    return store_digest(raw_key + token.encode())
+def token_digest(raw_key: bytes, token: str | bytes) -> str:
+    """What the store keeps of the token a session was last verified with (or given by a
+    node, :meth:`TokenService.reissue`), and compares a resume's token with: the
+    :func:`store_digest` of the raw public key of the token's kid and the token (ASCII).
+    Equal digests mean the same token bytes under the same key (a kid that came to name
+    another key would not match)."""
+    return store_digest(raw_key + (token if isinstance(token, bytes) else token.encode()))
 
 
 def store_digest(data: bytes) -> str:

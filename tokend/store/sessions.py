@@ -253,7 +253,7 @@ class Store(ScriptRunner):
         prefixes = self._session_prefixes
         shard_keys = self._shard_keys
         groups: dict[int, _Group] = {}
-        for i, (tid, conn, shard) in enumerate(batch):
+        for i, (tid, conn, shard, token) in enumerate(batch):
             group = groups.get(shard)
             if group is None:
                 group = groups[shard] = _Group(shard_keys[shard])
@@ -264,6 +264,7 @@ class Store(ScriptRunner):
                 conn,
                 "1" if replayed and replayed[i] else "0",
                 restore[i] if restore else "",
+                token,
             )
             group.positions.append(i)
         replies = await self._run_groups(HEARTBEAT, self._heartbeat_args, groups, len(batch))

@@ -2,11 +2,14 @@
 -- renew a token inside its window.
 -- KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
 -- arguments are warn_after (ms), renew_window (ms), token_ttl (s), grace (ms) and
--- expire_after (ms); each session's are (tid, conn, replayed, restore): replayed = '1'
--- for a heartbeat the node received in time but could only store now (after an outage);
--- it is not judged late. restore = '' or, when the node asks again for a session the
--- store answered gone or taken, what its live connection knows:
+-- expire_after (ms); each session's are (tid, conn, replayed, restore, token): replayed =
+-- '1' for a heartbeat the node received in time but could only store now (after an
+-- outage); it is not judged late. restore = '' or, when the node asks again for a session
+-- the store answered gone or taken, what its live connection knows:
 -- 'prio|iat_s|exp_ms|since_ms|proof|sub' (proof: as hello.lua keeps it, base64url).
+-- token = '' or the digest of a token the node signed and gave this connection since its
+-- last heartbeat (a renewal, a token re-sent): kept with the session (field `tok`) as
+-- hello.lua keeps a verified token's, so that a resume with it skips the signature.
 -- Returns, per session in order: exp_ms alone when the heartbeat was stored and the
 -- session neither left WARN nor was renewed (the common case, cheapest to send and to
 -- parse); else {OK, was_warn, renewed, exp_ms, iat_s}, {GONE, tombstone or ''} or
@@ -47,7 +50,7 @@ local function restore(skey, tkey, tid, conn, s, known)
   return true
 end
 
-local function heartbeat(skey, tkey, tid, conn, replayed, known)
+local function heartbeat(skey, tkey, tid, conn, replayed, known, token)
   local s = load_session(skey, HEARTBEAT_FIELDS)
   if not s or s.conn ~= conn then
     if known == '' or not restore(skey, tkey, tid, conn, s, known) then
@@ -69,6 +72,10 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known)
     finish({skey = skey, tkey = tkey, tid = tid, session = s, now = now,
             event = 'TOKEN_EXPIRED', reason = reason, tomb = ENDED.EXPIRED})
     return {HEARTBEAT_OUTCOME.GONE, ENDED.EXPIRED}
+  end
+  if token ~= '' then
+    -- Only the connection holding the session gets here: a token this node signed for it.
+    redis.call('HSET', skey, 'tok', token)
   end
   local sub, exp, iat = s.sub, s.exp, s.iat
   local was_warn = 0
@@ -96,4 +103,4 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known)
   return {HEARTBEAT_OUTCOME.OK, was_warn, renewed, exp, iat}
 end
 
-return for_each_session(5, 4, heartbeat)
+return for_each_session(5, 5, heartbeat)
