@@ -37,7 +37,15 @@ from tokend.clocks import RANKS, serving_rank
 from tokend.config import Settings
 from tokend.server import App
 from tokend.session import OVERLOADED, Ask, Close, Session
-from tokend.shedding import CALM_FOR, HELD_FOR, WINDOW, Shedder, unverified_sub
+from tokend.shedding import (
+    CALM_FOR,
+    HELD_FOR,
+    MAX_CALM_FOR,
+    RELAPSE_WITHIN,
+    WINDOW,
+    Shedder,
+    unverified_sub,
+)
 from tokend.tokens import TokenService
 
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
@@ -161,6 +169,30 @@ def test_steps_go_down_the_ranks_held_but_never_to_the_best_and_back_up() -> Non
         shedder.step_up()
         assert shedder.shed_from == expected and not shedder.saturated
     assert not shedder.active
+
+
+def test_a_relapse_doubles_the_calm_before_the_next_step_up_and_a_new_episode_resets_it() -> None:
+    """Shedding again within RELAPSE_WITHIN of a step up is the same flood: the node
+    waits twice as long before it serves the class again (up to MAX_CALM_FOR); an
+    overload that comes later starts from CALM_FOR."""
+    held = Held(serving_rank(9, False), serving_rank(0, False))
+    clock = FakeClock()
+    shedder = Shedder(0.01, lambda: held.ranks, lambda: held.backlog, clock)
+    shedder.step_down(lag=0.05)
+    assert shedder.calm_for == CALM_FOR
+    waits = []
+    for _ in range(7):
+        clock.now += shedder.calm_for
+        shedder.step_up()
+        clock.now += RELAPSE_WITHIN / 2
+        shedder.step_down(lag=0.05)
+        waits.append(shedder.calm_for)
+    assert waits == [2.0, 4.0, 8.0, 16.0, MAX_CALM_FOR, MAX_CALM_FOR, MAX_CALM_FOR]
+    clock.now += shedder.calm_for
+    shedder.step_up()
+    clock.now += RELAPSE_WITHIN
+    shedder.step_down(lag=0.05)
+    assert shedder.calm_for == CALM_FOR
 
 
 def test_the_classes_held_are_read_from_the_sessions_once_per_held_for() -> None:

@@ -22,6 +22,11 @@ class but the best is shed and the node is still overloaded, new handshakes get 
 503 with Retry-After too (the token, and so its ``prio``, comes only after the
 handshake; answering 503 costs less than a handshake and a token check). After calm
 windows for :data:`CALM_FOR`, the last class shed is served again, and so on back up.
+A node that must shed again soon after it served a class again (within
+:data:`RELAPSE_WITHIN`) waits twice as long before the next step up, up to
+:data:`MAX_CALM_FOR`: a flood that outlasts the calm no longer swings the node between
+serving it and shedding it, each swing a second of lateness for every session
+(load_tests/overload.py: the shedding ended and began again every 2-5 s for a minute).
 
 A client just shed comes back at once if it does not honour the 1013's backoff, and
 each return costs a handshake and a token check before its HELLO is shed again.
@@ -58,6 +63,10 @@ WINDOW = 0.2
 # Calm (mean lateness under half of shed_lag, no heartbeat backlog) for this long
 # before a shed class is served again.
 CALM_FOR = 1.0
+# A step down this soon after a step up is a relapse: the calm it takes doubles, up to
+# MAX_CALM_FOR. A step down later than that starts over from CALM_FOR.
+RELAPSE_WITHIN = 10.0
+MAX_CALM_FOR = 30.0
 # How long the classes held, read from every session (19,000 ranks: milliseconds of a
 # loop already late), are taken as they were: they change slower than one window.
 HELD_FOR = 1.0
@@ -87,6 +96,10 @@ class Shedder:
         # Every class but the best is shed, and the node was overloaded still.
         self.saturated = False
         self._steps: list[int] = []  # the levels stepped down from, to go back up
+        # How long the loop must be calm before the next step up (see the module), and
+        # when the last step up was.
+        self.calm_for = CALM_FOR
+        self._stepped_up_at = -math.inf
 
     @property
     def active(self) -> bool:
@@ -115,7 +128,7 @@ class Shedder:
                 calm_since = None
             elif calm_since is None:
                 calm_since = now
-            elif now - calm_since >= CALM_FOR and self._steps:
+            elif now - calm_since >= self.calm_for and self._steps:
                 calm_since = now
                 self.step_up()
 
@@ -131,12 +144,15 @@ class Shedder:
                 self.saturated = True
                 log.warning("overloaded: refusing new handshakes", lag_ms=round(lag * 1000))
             return
+        relapse = self.clock() - self._stepped_up_at < RELAPSE_WITHIN
+        self.calm_for = min(2 * self.calm_for, MAX_CALM_FOR) if relapse else CALM_FOR
         self._steps.append(self.shed_from)
         self.shed_from = max(worse)
         log.warning(
             "overloaded: shedding sessions",
             shed=shed_classes(self.shed_from),
             lag_ms=round(lag * 1000),
+            calm_for_s=self.calm_for,
         )
 
     def held(self) -> set[int]:
@@ -149,6 +165,7 @@ class Shedder:
     def step_up(self) -> None:
         """Serve the class shed last again (and new handshakes)."""
         self.saturated = False
+        self._stepped_up_at = self.clock()
         self.shed_from = self._steps.pop()
         if self.active:
             log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
