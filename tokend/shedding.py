@@ -28,13 +28,15 @@ A node that must shed again soon after it served a class again (within
 serving it and shedding it, each swing a second of lateness for every session
 (load_tests/overload.py: the shedding ended and began again every 2-5 s for a minute).
 
-A client just shed comes back at once if it does not honour the 1013's backoff, and
-each return costs a handshake and a token check before its HELLO is shed again.
-:class:`Penalties` refuses it sooner for ``shed_penalty`` seconds: by source address
-with HTTP 503 and Retry-After before the WebSocket handshake, and by ``sub`` with 1013
-at HELLO before the Ed25519 verify (the ``sub`` read from the unverified payload; only
-the shed of a verified session adds a penalty, so a forged ``sub`` refuses only its
-sender). A penalty ends early once its class is served again.
+While the node sheds, a HELLO's claims are checked before its signature: one of a
+shed class is refused without an Ed25519 verify (``Session._hello``). A client just
+shed comes back at once if it does not honour the 1013's backoff, and each return costs
+a handshake and that check before its HELLO is shed again. :class:`Penalties` refuses
+it sooner for ``shed_penalty`` seconds: by source address with HTTP 503 and Retry-After
+before the WebSocket handshake, and by ``sub`` with 1013 at HELLO before the token is
+checked (the ``sub`` read from the unverified payload; only the shed of a session whose
+signature was checked adds a ``sub`` penalty, so a forged ``sub`` refuses only its
+sender, by its own address). A penalty ends early once its class is served again.
 
 The decision is an input of the session core (``Session.receive(frame, shed_from)``);
 this module only decides where ``shed_from`` stands.
@@ -123,7 +125,7 @@ class Shedder:
             late, samples, window_end = 0.0, 0, now + WINDOW
             if lag > self.shed_lag or self.backlogged():
                 calm_since = None
-                self.step_down(lag)
+                self.step_down(lag, steps_for(lag, self.shed_lag))
             elif lag > self.shed_lag / 2:
                 calm_since = None
             elif calm_since is None:
@@ -132,13 +134,14 @@ class Shedder:
                 calm_since = now
                 self.step_up()
 
-    def step_down(self, lag: float) -> None:
-        """Shed the worst-ranked class held that is not shed yet, unless it is the best."""
+    def step_down(self, lag: float, steps: int = 1) -> None:
+        """Shed the ``steps`` worst-ranked classes held that are not shed yet, never the
+        best one."""
         held = self.held()
         if not held:
             return
         best = min(held)
-        worse = [rank for rank in held if best < rank < self.shed_from]
+        worse = sorted((rank for rank in held if best < rank < self.shed_from), reverse=True)
         if not worse:
             if self.active and not self.saturated:
                 self.saturated = True
@@ -146,8 +149,9 @@ class Shedder:
             return
         relapse = self.clock() - self._stepped_up_at < RELAPSE_WITHIN
         self.calm_for = min(2 * self.calm_for, MAX_CALM_FOR) if relapse else CALM_FOR
-        self._steps.append(self.shed_from)
-        self.shed_from = max(worse)
+        for rank in worse[:steps]:
+            self._steps.append(self.shed_from)
+            self.shed_from = rank
         log.warning(
             "overloaded: shedding sessions",
             shed=shed_classes(self.shed_from),
@@ -171,6 +175,14 @@ class Shedder:
             log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
         else:
             log.info("shedding ended")
+
+
+def steps_for(lag: float, shed_lag: float) -> int:
+    """How many classes one window sheds: one, and one more for each doubling of the
+    lateness past ``shed_lag``. A flood or a connect storm that just began makes the loop
+    many times later than that: the classes it takes to get back under are shed in one
+    window, not in as many windows, each of which every session waits out."""
+    return 1 + max(0, int(math.log2(lag / shed_lag))) if lag > shed_lag > 0 else 1
 
 
 # Penalised clients held at which the expired entries are swept out (then twice the
@@ -198,14 +210,16 @@ class Penalties:
         self.by_sub: dict[str, tuple[float, int]] = {}
         self._prune_at = PRUNE_AT
 
-    def add(self, ip: str | None, sub: str, prio: int) -> None:
-        """A verified session of ``sub`` from ``ip`` was shed (close 1013)."""
+    def add(self, ip: str | None, sub: str | None, prio: int) -> None:
+        """A session from ``ip`` was shed (close 1013); ``sub`` when its token was
+        verified (None: a HELLO shed before its signature was checked)."""
         if not self.seconds:
             return
         entry = (self.clock() + self.seconds, serving_rank(prio, warned=False))
         if ip is not None:
             self.by_ip[ip] = entry
-        self.by_sub[sub] = entry
+        if sub is not None:
+            self.by_sub[sub] = entry
         if len(self.by_ip) + len(self.by_sub) >= self._prune_at:
             self._prune()
 
