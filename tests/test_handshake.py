@@ -23,6 +23,7 @@ from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 
+from tokend import handshake
 from tokend import protocol as p
 from tokend.connection import TokendProtocol
 from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse, switch_protocols
@@ -446,3 +447,92 @@ def test_a_request_with_one_byte_changed_comes_to_the_same_outcome(
     data = bytearray(request_bytes() + HELLO_FRAME)
     data[position] = byte
     assert_same(bytes(data), cuts)
+
+
+# Heads known by all but their key (tokend.handshake._Known)
+
+_KEYS = st.binary(min_size=16, max_size=16).map(lambda raw: base64.b64encode(raw).decode())
+
+
+def _with_key(data: bytes, key: str) -> bytes:
+    return data.replace(KEY.encode(), key.encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(sorted(VALID)),
+    keys=st.lists(_KEYS, min_size=2, max_size=3),
+    cuts=st.lists(st.integers(0, 400), max_size=3),
+)
+def test_a_head_known_but_for_its_key_comes_to_the_same_outcome(
+    name: str, keys: list[str], cuts: list[int]
+) -> None:
+    """The same head again with other keys, each answered from the head parsed first:
+    the same outcome as websockets' parse of those very bytes (its request with that
+    key, the 101's accept key of that key)."""
+    for key in keys:
+        outcome = assert_same(_with_key(VALID[name], key) + HELLO_FRAME, cuts)
+        if outcome.request is not None and outcome.status == 101:
+            assert [v for n, v in outcome.request[3] if n.lower() == "sec-websocket-key"] == [key]
+
+
+def test_a_known_head_is_not_parsed_again() -> None:
+    """The second request of a shape (another key) comes from the table, not from the
+    parser: the common clients' resume storm parses each shape once."""
+    handshake._known.heads.clear()
+    first = parse(_with_key(VALID["browser-like"], "A" * 22 + "=="))
+    assert first is not None and len(handshake._known.heads) == 1
+    parsed = []
+    original = handshake._parse
+    handshake._parse = lambda head: parsed.append(head) or original(head)  # type: ignore[assignment]
+    try:
+        second = parse(_with_key(VALID["browser-like"], "B" * 22 + "=="))
+    finally:
+        handshake._parse = original  # type: ignore[assignment]
+    assert parsed == [] and second is not None
+    assert second.headers["Sec-WebSocket-Key"] == "B" * 22 + "=="
+    assert first.headers["Sec-WebSocket-Key"] == "A" * 22 + "=="  # not changed
+    assert second.headers.get_all("Upgrade") is first.headers.get_all("Upgrade")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "A" * 24,  # no padding: not the base64 of 16 bytes
+        "A" * 21 + "===",
+        "A" * 22 + "== ",  # whitespace websockets strips
+        "A" * 22 + "==A",  # longer
+        "A" * 21 + "-==",  # not the base64 alphabet ("-" of content-length)
+        "A" * 20 + "\x01\x02==",  # control characters
+    ],
+)
+def test_a_head_whose_key_is_not_clients_form_is_parsed_as_before(key: str) -> None:
+    """A key other than 24 characters of base64 ending "==" is never taken from the
+    table: the head is parsed (or handed to websockets) as any other."""
+    parse(VALID["tokend client"])  # the shape is known
+    data = _with_key(VALID["tokend client"], key)
+    assert handshake._Known._split(data) is None
+    assert_same(data + HELLO_FRAME)
+
+
+def test_two_key_lines_are_not_remembered() -> None:
+    """Only a head with one Sec-WebSocket-Key line (spelt so) is remembered: with two,
+    the key's position would not say which value the table's request changes."""
+    handshake._known.heads.clear()
+    data = request_bytes([*HEADERS, ("Sec-WebSocket-Key", KEY)])
+    assert parse(data) is not None
+    assert handshake._known.heads == {}
+    data = request_bytes([*HEADERS, ("sec-websocket-key", KEY)])
+    assert parse(data) is not None
+    assert handshake._known.heads == {}
+    assert_same(data)
+
+
+def test_the_table_of_known_heads_is_bounded() -> None:
+    """A peer sending ever new shapes only empties the table: it never holds more than
+    KNOWN_HEADS heads."""
+    handshake._known.heads.clear()
+    for n in range(3 * handshake.KNOWN_HEADS):
+        assert parse(request_bytes([*HEADERS, ("X-N", str(n))])) is not None
+        assert len(handshake._known.heads) <= handshake.KNOWN_HEADS
+    assert_same(request_bytes([*HEADERS, ("X-N", "1")]))

@@ -93,17 +93,34 @@ def _only_crlf(data: bytes) -> bool:
 
 def parse(head: bytes) -> Request | None:
     """The ``Request`` websockets' parser would make of ``head`` (the bytes up to and
-    including the blank line), or None when it is not certain to be the same."""
+    including the blank line), or None when it is not certain to be the same.
+
+    A head that differs from one parsed before only in its Sec-WebSocket-Key's value
+    (see :class:`_Known`) is not parsed again: its ``Request`` is the earlier one's
+    with the new key.
+    """
+    known = _known.get(head)
+    if known is not None:
+        return known
+    request = _parse(head)
+    if request is not None:
+        _known.remember(head, request)
+    return request
+
+
+def _parse(head: bytes) -> Request | None:
+    # bytes.find rather than ``in``: ``in`` tries the operand as an int first, and the
+    # TypeError it clears costs more than the search (CPython 3.11).
     if (
         len(head) > MAX_HEAD_LENGTH
         or not head.isascii()  # obs-text in a value: rare, websockets' to decode
         or _CONTROL.search(head.replace(b"\r\n", b""))
-        or b" \r\n" in head  # whitespace websockets strips from a value's end
-        or b"\t\r\n" in head
+        or head.find(b" \r\n") >= 0  # whitespace websockets strips from a value's end
+        or head.find(b"\t\r\n") >= 0
     ):
         return None
     lowered = head.lower()
-    if b"content-length" in lowered or b"transfer-encoding" in lowered:
+    if lowered.find(b"content-length") >= 0 or lowered.find(b"transfer-encoding") >= 0:
         return None  # a body, which websockets refuses (or a value naming one: rare)
     parser = RequestParser()
     try:
@@ -124,6 +141,82 @@ def parse(head: bytes) -> Request | None:
     for name, value in fields:
         parsed.set_insecure(name.decode(), value.decode())
     return Request(url.decode(), parsed, method.decode(), protocol)
+
+
+# The key's header line as clients write it, and a key as RFC 6455 4.1 has clients make
+# it: the base64 of 16 bytes (24 characters, the last two "=").
+_KEY_LINE = b"\r\nSec-WebSocket-Key: "
+_KEY_NAME = "Sec-WebSocket-Key"
+_KEY = re.compile(rb"[A-Za-z0-9+/]{22}==")
+_KEY_LENGTH = 24
+# Heads remembered (each a few hundred bytes): the clients of a node send a handful of
+# shapes; a peer that sends many more only empties the table (then they are parsed).
+KNOWN_HEADS = 64
+
+
+class _Known:
+    """Heads parsed before, by their bytes but the Sec-WebSocket-Key's value: a resume
+    storm's requests differ in nothing else (docs/performance.md, "Resume").
+
+    The same bytes with a key of another 24 characters of base64 parse the same way
+    whatever the parser: those characters are token characters (RFC 9110 5.6.2) and
+    none is whitespace, a control character, a letter of "content-length" or
+    "transfer-encoding" (which have a "-") or a CR or LF, so the head's lines, every
+    check of :func:`_parse` and websockets' own parse come out as they did, but for
+    that header's value. Taken only when the head has one Sec-WebSocket-Key line,
+    spelt so; tests/test_handshake.py holds a known head's ``Request`` equal to
+    websockets' parse.
+    """
+
+    __slots__ = ("heads",)
+
+    def __init__(self) -> None:
+        # The head without its key's value -> (the Request parsed, its key's position
+        # among the headers).
+        self.heads: dict[bytes, tuple[Request, int]] = {}
+
+    @staticmethod
+    def _split(head: bytes) -> tuple[bytes, str] | None:
+        """The head without its key's value, and the key; None if it has no key line
+        as clients write it, or a key not made as RFC 6455 says."""
+        start = head.find(_KEY_LINE)
+        if start < 0:
+            return None
+        start += len(_KEY_LINE)
+        end = start + _KEY_LENGTH
+        key = head[start:end]
+        if head[end : end + 2] != b"\r\n" or not _KEY.fullmatch(key):
+            return None
+        return head[:start] + head[end:], key.decode()
+
+    def get(self, head: bytes) -> Request | None:
+        split = self._split(head)
+        if split is None:
+            return None
+        template, key = split
+        known = self.heads.get(template)
+        if known is None:
+            return None
+        request, index = known
+        headers = request.headers.copy()  # its value lists are shared: none is changed
+        headers._dict[_KEY_NAME.lower()] = [key]
+        headers._list[index] = (_KEY_NAME, key)
+        return Request(request.path, headers, request.method, request.protocol)
+
+    def remember(self, head: bytes, request: Request) -> None:
+        split = self._split(head)
+        if split is None or len(request.headers.get_all(_KEY_NAME)) != 1:
+            return
+        names = [name for name, _ in request.headers.raw_items()]
+        if names.count(_KEY_NAME) != 1:
+            return
+        heads = self.heads
+        if len(heads) >= KNOWN_HEADS:
+            heads.clear()
+        heads[split[0]] = (request, names.index(_KEY_NAME))
+
+
+_known = _Known()
 
 
 def hand_over(ws: ServerProtocol, request: Request) -> None:
