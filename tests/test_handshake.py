@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.server import ServerProtocol
 
 from tokend import handshake
 from tokend import protocol as p
@@ -536,3 +537,53 @@ def test_the_table_of_known_heads_is_bounded() -> None:
         assert parse(request_bytes([*HEADERS, ("X-N", str(n))])) is not None
         assert len(handshake._known.heads) <= handshake.KNOWN_HEADS
     assert_same(request_bytes([*HEADERS, ("X-N", "1")]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(sorted(VALID)),
+    key=_KEYS,
+    origin=st.sampled_from([None, "https://a.example", "https://b.example"]),
+    origins=st.sampled_from([None, ["https://a.example", None], ["https://a.example"]]),
+)
+def test_a_known_heads_origin_is_checked_against_each_connections_origins(
+    name: str, key: str, origin: str | None, origins: Origins
+) -> None:
+    """What switch_protocols keeps of a known head (its Origin among the rest) is checked
+    against the origins of each connection, as websockets checks them."""
+    data = _with_key(VALID[name], key)
+    if origin is not None:
+        data = data.replace(b"\r\n\r\n", f"\r\nOrigin: {origin}\r\n\r\n".encode(), 1)
+    parse(data)
+    request = parse(data)
+    if request is not None and b"Sec-WebSocket-Key: " in data:
+        assert type(request.headers).__name__ == "_KnownHeaders"
+    assert_same(data + HELLO_FRAME, origins=origins)
+
+
+class _Eager(TokendProtocol):
+    """TokendProtocol with websockets' parser started at once, as ServerProtocol does."""
+
+    parse = ServerProtocol.parse
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.sampled_from([*VALID.values(), *INVALID.values()]) | st.binary(max_size=300),
+    cuts=st.lists(st.integers(0, 400), max_size=4),
+    eof=st.booleans(),
+)
+def test_websockets_parser_entered_at_the_first_bytes_reads_as_started_at_once(
+    data: bytes, cuts: list[int], eof: bool
+) -> None:
+    """TokendProtocol.parse enters websockets' parser at the first bytes (or EOF), not
+    in Protocol.__init__: the same request, response, frames and EOF as started at once."""
+    chunks = cut(data + HELLO_FRAME, cuts)
+    late = by_websockets(chunks, eof)
+    global _ws
+    made = _ws
+    _ws = lambda origins=None: _Eager(origins=origins, max_size=16384)  # noqa: E731
+    try:
+        assert by_websockets(chunks, eof) == late
+    finally:
+        _ws = made

@@ -25,7 +25,7 @@ import ssl
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
@@ -123,6 +123,14 @@ class Gate(Protocol):
 
 class TokendProtocol(ServerProtocol):
     """websockets' server protocol, offering subprotocol ``tokend.v1`` only."""
+
+    def parse(self) -> Generator[None]:
+        """websockets' parser (the request, then frames), entered at the first bytes
+        rather than at once: ``Protocol.__init__`` starts it, and most connections' requests
+        are parsed by tokend.handshake, whose ``hand_over`` drops it for the frame
+        parser. Dropped here it has one level to unwind, not websockets' four."""
+        yield
+        yield from super().parse()
 
     def select_subprotocol(self, subprotocols: Sequence[Subprotocol]) -> Subprotocol | None:
         """``tokend.v1`` if offered; no header is accepted; only others is HTTP 400."""

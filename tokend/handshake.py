@@ -22,6 +22,10 @@ shapes clients send: one ``Connection: Upgrade``, ``Upgrade: websocket``, a key 
 by :func:`switch_protocols` byte for byte as ``accept`` and ``send_response`` write
 it, and the protocol left as they leave it. tests/test_handshake.py holds the two
 equal.
+
+A resume storm's requests differ only in their Sec-WebSocket-Key: a head parsed once
+is remembered (:class:`_Known`) with what :func:`switch_protocols` found of it, and
+the same head with another client's key is neither parsed nor checked again.
 """
 
 from __future__ import annotations
@@ -29,15 +33,17 @@ from __future__ import annotations
 import base64
 import binascii
 import email.utils
+import hashlib
 import re
 import time
+from typing import NamedTuple
 
 from websockets.datastructures import Headers
 from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS, Request
 from websockets.protocol import Protocol, State
 from websockets.server import ServerProtocol
 from websockets.typing import Origin, Subprotocol
-from websockets.utils import accept_key
+from websockets.utils import GUID
 
 from tokend import protocol as p
 from tokend.http_request import HTTPError, RequestParser
@@ -171,9 +177,9 @@ class _Known:
     __slots__ = ("heads",)
 
     def __init__(self) -> None:
-        # The head without its key's value -> (the Request parsed, its key's position
-        # among the headers).
-        self.heads: dict[bytes, tuple[Request, int]] = {}
+        # The head without its key's value -> the Request parsed, its key's position
+        # among the headers, and whether (and how) switch_protocols answers it.
+        self.heads: dict[bytes, tuple[Request, int, _Switch | None]] = {}
 
     @staticmethod
     def _split(head: bytes) -> tuple[bytes, str] | None:
@@ -197,10 +203,16 @@ class _Known:
         known = self.heads.get(template)
         if known is None:
             return None
-        request, index = known
-        headers = request.headers.copy()  # its value lists are shared: none is changed
+        request, index, switch = known
+        # A copy of the first's headers but the key (the value lists are shared: no one
+        # changes a request's), with what switch_protocols found of them.
+        first = request.headers
+        headers = _KnownHeaders.__new__(_KnownHeaders)  # Headers.__init__ parses its arguments
+        headers._dict = first._dict.copy()
         headers._dict[_KEY_NAME.lower()] = [key]
+        headers._list = first._list.copy()
         headers._list[index] = (_KEY_NAME, key)
+        headers.switch = switch
         return Request(request.path, headers, request.method, request.protocol)
 
     def remember(self, head: bytes, request: Request) -> None:
@@ -213,7 +225,19 @@ class _Known:
         heads = self.heads
         if len(heads) >= KNOWN_HEADS:
             heads.clear()
-        heads[split[0]] = (request, names.index(_KEY_NAME))
+        heads[split[0]] = (request, names.index(_KEY_NAME), _switchable(request))
+
+
+class _KnownHeaders(Headers):
+    """The headers of a head known but for its key: with :func:`_switchable`'s answer
+    for the head first parsed, which is this one's (the same bytes, a key as valid)."""
+
+    __slots__ = ("switch",)
+
+    switch: _Switch | None
+
+    def copy(self) -> Headers:
+        return Headers(self)  # a plain copy: the answer is this request's alone
 
 
 _known = _Known()
@@ -237,13 +261,53 @@ def switch_protocols(ws: ServerProtocol, request: Request) -> bool:
     would, when certain they would accept it; False (nothing done): call them instead.
 
     Certain: the protocol is as tokend makes it (no extensions offered, no debug log),
-    and the request is GET HTTP/1.1 with one of each header websockets checks, each in
-    a spelling its parsers read as accepted, the Origin one ``origins`` names exactly.
+    the request is one :func:`_switchable` takes, and its Origin one ``origins`` names
+    exactly. A head known but for its key (:class:`_Known`) was found switchable or not
+    when first parsed: its key, a client's, is 16 bytes of base64 as that one's was.
     """
-    if ws.debug or ws.available_extensions is not None or ws.state is not State.CONNECTING:
+    if ws.debug or ws.available_extensions is not None or ws.state is not _CONNECTING:
         return False
+    headers = request.headers
+    switch = headers.switch if type(headers) is _KnownHeaders else _switchable(request)
+    if switch is None:
+        return False
+    origin, subprotocol = switch
+    if ws.origins is not None and origin not in ws.origins:
+        return False  # websockets refuses it, or a pattern of its own matches it
+    ws.accept_called = True
+    ws.origin = origin
+    ws.extensions = []
+    if subprotocol:
+        ws.subprotocol = _SUBPROTOCOL
+        chosen = _CHOSEN
+    else:
+        ws.subprotocol = None
+        chosen = b""
+    key = headers.get_all("Sec-WebSocket-Key")[0]
+    ws.writes.append(
+        b"HTTP/1.1 101 Switching Protocols\r\nDate: %s\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Accept: %s\r\n%s\r\n"
+        % (_date(), _accept_key(key), chosen)
+    )
+    ws.state = _OPEN
+    ws.logger.info("connection open")
+    return True
+
+
+class _Switch(NamedTuple):
+    """What :func:`switch_protocols` takes from a request it can answer."""
+
+    origin: Origin | None
+    subprotocol: bool  # tokend.v1 was offered (else no subprotocol header)
+
+
+def _switchable(request: Request) -> _Switch | None:
+    """Whether ``request`` is one ``ServerProtocol.accept`` certainly takes with tokend's
+    protocol (whatever its ``origins``): GET HTTP/1.1 with one of each header websockets
+    checks, each in a spelling its parsers read as accepted, a key of 16 bytes; None if
+    not. Reads nothing but the request."""
     if request.method != "GET" or request.protocol != "HTTP/1.1":
-        return False
+        return None
     headers = request.headers
     connection = headers.get_all("Connection")
     upgrade = headers.get_all("Upgrade")
@@ -260,33 +324,26 @@ def switch_protocols(ws: ServerProtocol, request: Request) -> bool:
         or len(origins) > 1
         or subprotocols not in ([], [p.SUBPROTOCOL])
     ):
-        return False
-    origin = Origin(origins[0]) if origins else None
-    if ws.origins is not None and origin not in ws.origins:
-        return False  # websockets refuses it, or a pattern of its own matches it
-    key = keys[0]
+        return None
     try:
-        if len(base64.b64decode(key.encode(), validate=True)) != 16:
-            return False
+        if len(base64.b64decode(keys[0].encode(), validate=True)) != 16:
+            return None
     except binascii.Error:
-        return False
-    ws.accept_called = True
-    ws.origin = origin
-    ws.extensions = []
-    if subprotocols:
-        ws.subprotocol = Subprotocol(p.SUBPROTOCOL)
-        chosen = b"Sec-WebSocket-Protocol: " + p.SUBPROTOCOL.encode() + b"\r\n"
-    else:
-        ws.subprotocol = None
-        chosen = b""
-    ws.writes.append(
-        b"HTTP/1.1 101 Switching Protocols\r\nDate: %s\r\nUpgrade: websocket\r\n"
-        b"Connection: Upgrade\r\nSec-WebSocket-Accept: %s\r\n%s\r\n"
-        % (_date(), accept_key(key).encode(), chosen)
-    )
-    ws.state = State.OPEN
-    ws.logger.info("connection open")
-    return True
+        return None
+    return _Switch(Origin(origins[0]) if origins else None, bool(subprotocols))
+
+
+def _accept_key(key: str) -> bytes:
+    """``websockets.utils.accept_key`` (RFC 6455 4.2.2: the base64 of the SHA-1 of the key
+    and the GUID) as the bytes the 101 carries."""
+    return binascii.b2a_base64(hashlib.sha1(key.encode() + _GUID).digest(), newline=False)
+
+
+# Enum members read once: an Enum class's attribute costs a __getattr__ hook (3.11).
+_CONNECTING, _OPEN = State.CONNECTING, State.OPEN
+_SUBPROTOCOL = Subprotocol(p.SUBPROTOCOL)
+_CHOSEN = b"Sec-WebSocket-Protocol: " + p.SUBPROTOCOL.encode() + b"\r\n"
+_GUID = GUID.encode()
 
 
 _dated: tuple[int, bytes] = (0, b"")
