@@ -12,7 +12,9 @@ common shape, a table of malformed ones, and hypothesis' variations of both.
 from __future__ import annotations
 
 import base64
+import logging
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -587,3 +589,24 @@ def test_websockets_parser_entered_at_the_first_bytes_reads_as_started_at_once(
         assert by_websockets(chunks, eof) == late
     finally:
         _ws = made
+
+
+@pytest.mark.parametrize("origins", [None, ["https://a.example", None]])
+@pytest.mark.parametrize("logger", [None, logging.getLogger("websockets.server")])
+def test_tokend_protocol_is_made_as_websockets_constructor_makes_it(
+    origins: Origins, logger: logging.Logger | None
+) -> None:
+    """TokendProtocol.__init__ sets what ServerProtocol.__init__ sets for these arguments
+    (a websockets release that adds or changes one fails here), but for the id, a UUID4
+    made when read; its parser is websockets' own, waiting for the first bytes."""
+    kwargs: dict[str, Any] = {"origins": origins, "max_size": 16384}
+    if logger is not None:
+        kwargs["logger"] = logger
+    ours = TokendProtocol(**kwargs)
+    theirs = ServerProtocol(**kwargs)
+    mine, made = dict(vars(ours)), dict(vars(theirs))
+    assert "id" not in mine and isinstance(made.pop("id"), uuid.UUID)
+    assert vars(mine.pop("reader")) == vars(made.pop("reader"))
+    assert mine.pop("parser").gi_frame is not None and made.pop("parser").gi_frame is not None
+    assert mine == made
+    assert isinstance(ours.id, uuid.UUID) and ours.id == ours.id
