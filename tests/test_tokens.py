@@ -26,6 +26,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from tokend import config
+from tokend import tokens as tokens_module
 from tokend.config import Settings
 from tokend.tokens import (
     KID_PATTERN,
@@ -763,3 +764,23 @@ def test_a_checked_tokens_tid_is_its_jti(service: TokenService) -> None:
         assert isinstance(tid, uuid.UUID) and str(tid) == jti
         assert tid == uuid.UUID(jti) and hash(tid) == hash(uuid.UUID(jti))
         assert str(copy.copy(tid)) == jti and str(pickle.loads(pickle.dumps(tid))) == jti
+
+
+@hsettings(max_examples=500, deadline=None)
+@given(st.text(alphabet="ABCXYZabcxyz0189-_+/=.é ", max_size=40))
+def test_a_segment_decodes_as_urlsafe_b64decode_decodes_it(segment: str) -> None:
+    """tokens._b64decode reads a segment (padding added) as base64.urlsafe_b64decode does:
+    the same bytes, or a ValueError (binascii.Error is one) where it raises."""
+    padded = segment + "=" * (-len(segment) % 4)
+    try:
+        expected: bytes | type[Exception] = base64.urlsafe_b64decode(padded)
+    except ValueError as exc:
+        expected = type(exc)
+    try:
+        got: bytes | type[Exception] = tokens_module._b64decode(segment)
+    except ValueError as exc:
+        got = type(exc)
+    if isinstance(expected, bytes):
+        assert got == expected
+    else:
+        assert isinstance(got, type) and issubclass(got, ValueError)

@@ -12,7 +12,6 @@ and the node refreshes the :class:`KeyRing` from the directory on a timer.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import bisect
 import calendar
@@ -680,7 +679,13 @@ _CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[
 
 
 def _b64decode(segment: str) -> bytes:
-    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+    """base64url without padding (RFC 7515 2), read as ``base64.urlsafe_b64decode`` reads
+    it, without its two Python calls: one segment per resume."""
+    padded = (segment + "=" * (-len(segment) % 4)).encode("ascii")
+    return binascii.a2b_base64(padded.translate(_FROM_URLSAFE))
+
+
+_FROM_URLSAFE = bytes.maketrans(b"-_", b"+/")
 
 
 def _json_segment(segment: str) -> dict[str, Any]:
