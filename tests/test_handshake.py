@@ -12,7 +12,9 @@ common shape, a table of malformed ones, and hypothesis' variations of both.
 from __future__ import annotations
 
 import base64
+import logging
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,9 @@ from hypothesis import strategies as st
 from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.server import ServerProtocol
 
+from tokend import handshake
 from tokend import protocol as p
 from tokend.connection import TokendProtocol
 from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse, switch_protocols
@@ -446,3 +450,163 @@ def test_a_request_with_one_byte_changed_comes_to_the_same_outcome(
     data = bytearray(request_bytes() + HELLO_FRAME)
     data[position] = byte
     assert_same(bytes(data), cuts)
+
+
+# Heads known by all but their key (tokend.handshake._Known)
+
+_KEYS = st.binary(min_size=16, max_size=16).map(lambda raw: base64.b64encode(raw).decode())
+
+
+def _with_key(data: bytes, key: str) -> bytes:
+    return data.replace(KEY.encode(), key.encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(sorted(VALID)),
+    keys=st.lists(_KEYS, min_size=2, max_size=3),
+    cuts=st.lists(st.integers(0, 400), max_size=3),
+)
+def test_a_head_known_but_for_its_key_comes_to_the_same_outcome(
+    name: str, keys: list[str], cuts: list[int]
+) -> None:
+    """The same head again with other keys, each answered from the head parsed first:
+    the same outcome as websockets' parse of those very bytes (its request with that
+    key, the 101's accept key of that key)."""
+    for key in keys:
+        outcome = assert_same(_with_key(VALID[name], key) + HELLO_FRAME, cuts)
+        if outcome.request is not None and outcome.status == 101:
+            assert [v for n, v in outcome.request[3] if n.lower() == "sec-websocket-key"] == [key]
+
+
+def test_a_known_head_is_not_parsed_again() -> None:
+    """The second request of a shape (another key) comes from the table, not from the
+    parser: the common clients' resume storm parses each shape once."""
+    handshake._known.heads.clear()
+    first = parse(_with_key(VALID["browser-like"], "A" * 22 + "=="))
+    assert first is not None and len(handshake._known.heads) == 1
+    parsed = []
+    original = handshake._parse
+    handshake._parse = lambda head: parsed.append(head) or original(head)  # type: ignore[assignment]
+    try:
+        second = parse(_with_key(VALID["browser-like"], "B" * 22 + "=="))
+    finally:
+        handshake._parse = original  # type: ignore[assignment]
+    assert parsed == [] and second is not None
+    assert second.headers["Sec-WebSocket-Key"] == "B" * 22 + "=="
+    assert first.headers["Sec-WebSocket-Key"] == "A" * 22 + "=="  # not changed
+    assert second.headers.get_all("Upgrade") is first.headers.get_all("Upgrade")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "A" * 24,  # no padding: not the base64 of 16 bytes
+        "A" * 21 + "===",
+        "A" * 22 + "== ",  # whitespace websockets strips
+        "A" * 22 + "==A",  # longer
+        "A" * 21 + "-==",  # not the base64 alphabet ("-" of content-length)
+        "A" * 20 + "\x01\x02==",  # control characters
+    ],
+)
+def test_a_head_whose_key_is_not_clients_form_is_parsed_as_before(key: str) -> None:
+    """A key other than 24 characters of base64 ending "==" is never taken from the
+    table: the head is parsed (or handed to websockets) as any other."""
+    parse(VALID["tokend client"])  # the shape is known
+    data = _with_key(VALID["tokend client"], key)
+    assert handshake._Known._split(data) is None
+    assert_same(data + HELLO_FRAME)
+
+
+def test_two_key_lines_are_not_remembered() -> None:
+    """Only a head with one Sec-WebSocket-Key line (spelt so) is remembered: with two,
+    the key's position would not say which value the table's request changes."""
+    handshake._known.heads.clear()
+    data = request_bytes([*HEADERS, ("Sec-WebSocket-Key", KEY)])
+    assert parse(data) is not None
+    assert handshake._known.heads == {}
+    data = request_bytes([*HEADERS, ("sec-websocket-key", KEY)])
+    assert parse(data) is not None
+    assert handshake._known.heads == {}
+    assert_same(data)
+
+
+def test_the_table_of_known_heads_is_bounded() -> None:
+    """A peer sending ever new shapes only empties the table: it never holds more than
+    KNOWN_HEADS heads."""
+    handshake._known.heads.clear()
+    for n in range(3 * handshake.KNOWN_HEADS):
+        assert parse(request_bytes([*HEADERS, ("X-N", str(n))])) is not None
+        assert len(handshake._known.heads) <= handshake.KNOWN_HEADS
+    assert_same(request_bytes([*HEADERS, ("X-N", "1")]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(sorted(VALID)),
+    key=_KEYS,
+    origin=st.sampled_from([None, "https://a.example", "https://b.example"]),
+    origins=st.sampled_from([None, ["https://a.example", None], ["https://a.example"]]),
+)
+def test_a_known_heads_origin_is_checked_against_each_connections_origins(
+    name: str, key: str, origin: str | None, origins: Origins
+) -> None:
+    """What switch_protocols keeps of a known head (its Origin among the rest) is checked
+    against the origins of each connection, as websockets checks them."""
+    data = _with_key(VALID[name], key)
+    if origin is not None:
+        data = data.replace(b"\r\n\r\n", f"\r\nOrigin: {origin}\r\n\r\n".encode(), 1)
+    parse(data)
+    request = parse(data)
+    if request is not None and b"Sec-WebSocket-Key: " in data:
+        assert type(request.headers).__name__ == "_KnownHeaders"
+    assert_same(data + HELLO_FRAME, origins=origins)
+
+
+class _Eager(TokendProtocol):
+    """TokendProtocol with websockets' parser started at once, as ServerProtocol does."""
+
+    parse = ServerProtocol.parse
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.sampled_from([*VALID.values(), *INVALID.values()]) | st.binary(max_size=300),
+    cuts=st.lists(st.integers(0, 400), max_size=4),
+    eof=st.booleans(),
+)
+def test_websockets_parser_entered_at_the_first_bytes_reads_as_started_at_once(
+    data: bytes, cuts: list[int], eof: bool
+) -> None:
+    """TokendProtocol.parse enters websockets' parser at the first bytes (or EOF), not
+    in Protocol.__init__: the same request, response, frames and EOF as started at once."""
+    chunks = cut(data + HELLO_FRAME, cuts)
+    late = by_websockets(chunks, eof)
+    global _ws
+    made = _ws
+    _ws = lambda origins=None: _Eager(origins=origins, max_size=16384)  # noqa: E731
+    try:
+        assert by_websockets(chunks, eof) == late
+    finally:
+        _ws = made
+
+
+@pytest.mark.parametrize("origins", [None, ["https://a.example", None]])
+@pytest.mark.parametrize("logger", [None, logging.getLogger("websockets.server")])
+def test_tokend_protocol_is_made_as_websockets_constructor_makes_it(
+    origins: Origins, logger: logging.Logger | None
+) -> None:
+    """TokendProtocol.__init__ sets what ServerProtocol.__init__ sets for these arguments
+    (a websockets release that adds or changes one fails here), but for the id, a UUID4
+    made when read; its parser is websockets' own, waiting for the first bytes."""
+    kwargs: dict[str, Any] = {"origins": origins, "max_size": 16384}
+    if logger is not None:
+        kwargs["logger"] = logger
+    ours = TokendProtocol(**kwargs)
+    theirs = ServerProtocol(**kwargs)
+    mine, made = dict(vars(ours)), dict(vars(theirs))
+    assert "id" not in mine and isinstance(made.pop("id"), uuid.UUID)
+    assert vars(mine.pop("reader")) == vars(made.pop("reader"))
+    assert mine.pop("parser").gi_frame is not None and made.pop("parser").gi_frame is not None
+    assert mine == made
+    assert isinstance(ours.id, uuid.UUID) and ours.id == ours.id

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import hashlib
 import hmac
 import json
 import math
 import multiprocessing
+import pickle
 import stat
 import time
 import uuid
@@ -24,6 +26,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from tokend import config
+from tokend import tokens as tokens_module
 from tokend.config import Settings
 from tokend.tokens import (
     KID_PATTERN,
@@ -726,3 +729,58 @@ def _fuzz_service() -> TokenService:
         )
         _FUZZ.append(TokenService(settings_, KeyRing.open(settings_.resolved_keys_dir)))
     return _FUZZ[0]
+
+
+# --- the check without the signature (a resume): the same refusals ----------------------------
+
+
+@pytest.mark.parametrize("junk", ["=", "+", "/", " ", "\x00", "é", "\u0663", "\ud7ff", ".."])
+@pytest.mark.parametrize("segment", [0, 1, 2])
+def test_a_character_outside_base64url_is_malformed_with_or_without_the_signature(
+    service: TokenService, junk: str, segment: int
+) -> None:
+    """Each segment is base64url only (RFC 7515 2), whether or not the signature is
+    verified: padding, the standard alphabet's + and /, whitespace, non-ASCII letters
+    and digits, an empty segment are all malformed."""
+    parts = service.mint("alice").split(".")
+    parts[segment] = parts[segment][:5] + junk + parts[segment][5:]
+    token = ".".join(parts)
+    for signature in (True, False):
+        with pytest.raises(TokenError) as info:
+            service.check(token, time.time(), signature=signature)
+        assert info.value.reason == "malformed", (junk, segment, signature)
+    parts[segment] = ""
+    with pytest.raises(TokenError, match="malformed"):
+        service.check(".".join(parts), time.time(), signature=False)
+
+
+def test_a_checked_tokens_tid_is_its_jti(service: TokenService) -> None:
+    """The tid of a checked token is the UUID of its jti, and writes as the jti did
+    (tokens.Tid keeps the text); equal and hashed as a plain UUID, copied with it."""
+    token = service.mint("alice")
+    jti = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "==="))["jti"]
+    for signature in (True, False):
+        tid = service.check(token, time.time(), signature=signature)[0].tid
+        assert isinstance(tid, uuid.UUID) and str(tid) == jti
+        assert tid == uuid.UUID(jti) and hash(tid) == hash(uuid.UUID(jti))
+        assert str(copy.copy(tid)) == jti and str(pickle.loads(pickle.dumps(tid))) == jti
+
+
+@hsettings(max_examples=500, deadline=None)
+@given(st.text(alphabet="ABCXYZabcxyz0189-_+/=.é ", max_size=40))
+def test_a_segment_decodes_as_urlsafe_b64decode_decodes_it(segment: str) -> None:
+    """tokens._b64decode reads a segment (padding added) as base64.urlsafe_b64decode does:
+    the same bytes, or a ValueError (binascii.Error is one) where it raises."""
+    padded = segment + "=" * (-len(segment) % 4)
+    try:
+        expected: bytes | type[Exception] = base64.urlsafe_b64decode(padded)
+    except ValueError as exc:
+        expected = type(exc)
+    try:
+        got: bytes | type[Exception] = tokens_module._b64decode(segment)
+    except ValueError as exc:
+        got = type(exc)
+    if isinstance(expected, bytes):
+        assert got == expected
+    else:
+        assert isinstance(got, type) and issubclass(got, ValueError)

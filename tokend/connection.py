@@ -20,12 +20,14 @@ this module imports neither the node nor the store.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+import uuid
+from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
@@ -33,10 +35,10 @@ from websockets.exceptions import NegotiationError
 from websockets.frames import Frame, Opcode, apply_mask
 from websockets.http11 import Request
 from websockets.protocol import Protocol as WebSocketProtocol
-from websockets.protocol import State
+from websockets.protocol import Side, State
 from websockets.server import ServerProtocol
 from websockets.streams import StreamReader
-from websockets.typing import Subprotocol
+from websockets.typing import Origin, Subprotocol
 
 from tokend import plain_answer, proxy_protocol, tls
 from tokend import protocol as p
@@ -123,6 +125,58 @@ class Gate(Protocol):
 
 class TokendProtocol(ServerProtocol):
     """websockets' server protocol, offering subprotocol ``tokend.v1`` only."""
+
+    def __init__(
+        self,
+        *,
+        origins: Sequence[str | None] | None = None,
+        max_size: int | None = 2**20,
+        logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+    ) -> None:
+        """``ServerProtocol.__init__`` for these arguments (no extensions, state
+        CONNECTING), its attributes set here but for ``id``, a UUID4 for websockets'
+        own logs, a fifth of what the constructor cost (made when read: :attr:`id`).
+        tests/test_handshake.py holds the attributes equal to the constructor's."""
+        if logger is None:
+            logger = _ws_logger
+        self.logger = logger
+        self.debug = logger.isEnabledFor(logging.DEBUG)
+        self.side = Side.SERVER
+        self._state = State.CONNECTING
+        self.max_message_size, self.max_fragment_size = max_size, None
+        self.current_size = None
+        self.expect_continuation_frame = False
+        self.origin = None
+        self.extensions = []
+        self.subprotocol = None
+        self.close_rcvd = None
+        self.close_sent = None
+        self.close_rcvd_then_sent = None
+        self.handshake_exc = None
+        self.eof_sent = False
+        self.reader = StreamReader()
+        self.events = []
+        self.writes = []
+        self.parser = self.parse()
+        next(self.parser)
+        self.parser_exc = None
+        self.origins = cast("Sequence[Origin | None] | None", origins)
+        self.available_extensions = None
+        self.available_subprotocols = None
+        self.accept_called = False
+
+    @functools.cached_property
+    def id(self) -> uuid.UUID:
+        """websockets' identifier of the connection, for its logs."""
+        return uuid.uuid4()
+
+    def parse(self) -> Generator[None]:
+        """websockets' parser (the request, then frames), entered at the first bytes
+        rather than at once: ``Protocol.__init__`` starts it, and most connections' requests
+        are parsed by tokend.handshake, whose ``hand_over`` drops it for the frame
+        parser. Dropped here it has one level to unwind, not websockets' four."""
+        yield
+        yield from super().parse()
 
     def select_subprotocol(self, subprotocols: Sequence[Subprotocol]) -> Subprotocol | None:
         """``tokend.v1`` if offered; no header is accepted; only others is HTTP 400."""

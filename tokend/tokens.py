@@ -12,7 +12,6 @@ and the node refreshes the :class:`KeyRing` from the directory on a timer.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import bisect
 import calendar
@@ -81,6 +80,26 @@ class TokenError(Exception):
     def expired(self) -> bool:
         """Close with 4502 (token expired) rather than 4501 (invalid token)."""
         return self.reason == "expired"
+
+
+class Tid(uuid.UUID):
+    """A token's jti, a UUID that keeps the canonical text it came as (what ``str``
+    of a UUID writes): ``str`` answers that instead of formatting 128 bits again, which
+    costs more than the rest of a UUID's use. A session's tid goes into its log fields
+    and the store's keys and arguments several times a resume (docs/performance.md,
+    "Resume"). Equal to, and hashed as, the ``uuid.UUID`` of the same value."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        object.__setattr__(self, "_text", text)  # a UUID refuses setattr
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __reduce__(self) -> tuple[type[Tid], tuple[str]]:
+        return Tid, (self._text,)  # copied or pickled with its text (UUID's keeps int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,7 +592,14 @@ class TokenService:
         ring and published, and every claim is checked as for a verified token.
         """
         segments = token.split(".")
-        if len(segments) != 3 or not all(map(_B64URL.fullmatch, segments)):
+        # Three segments of base64url characters, at least one each: what is left of
+        # the token once they and its two dots are deleted must be nothing.
+        if (
+            len(segments) != 3
+            or not all(segments)
+            or not token.isascii()
+            or token.encode("ascii").translate(None, _B64URL_AND_DOT)
+        ):
             raise TokenError("malformed")
         key, raw_key = self._header_key(segments[0], now)
         if signature:
@@ -646,11 +672,20 @@ def store_digest(data: bytes) -> str:
     return _b64url(hashlib.sha256(data).digest()[:16])
 
 
-_B64URL = re.compile(r"[A-Za-z0-9_-]+")
+_B64URL_AND_DOT = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_."
+# A UUID as str() writes it (RFC 9562 4: lower-case hex, hyphenated 8-4-4-4-12): the
+# only jti taken, so that the same tid has one spelling everywhere.
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def _b64decode(segment: str) -> bytes:
-    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+    """base64url without padding (RFC 7515 2), read as ``base64.urlsafe_b64decode`` reads
+    it, without its two Python calls: one segment per resume."""
+    padded = (segment + "=" * (-len(segment) % 4)).encode("ascii")
+    return binascii.a2b_base64(padded.translate(_FROM_URLSAFE))
+
+
+_FROM_URLSAFE = bytes.maketrans(b"-_", b"+/")
 
 
 def _json_segment(segment: str) -> dict[str, Any]:
@@ -665,12 +700,9 @@ def _json_segment(segment: str) -> dict[str, Any]:
 
 def _claims(payload: dict[str, Any]) -> Claims:
     jti, sub, prio = payload["jti"], payload["sub"], payload.get("prio", DEFAULT_PRIO)
-    try:
-        tid = uuid.UUID(jti) if isinstance(jti, str) else None
-    except ValueError:
-        tid = None
-    if tid is None or str(tid) != jti:
+    if not isinstance(jti, str) or not _CANONICAL_UUID.fullmatch(jti):
         raise TokenError("bad_jti")
+    tid = Tid(jti)
     if not isinstance(sub, str) or not sub or len(sub) > 256:
         raise TokenError("bad_sub")
     if isinstance(prio, bool) or not isinstance(prio, int) or prio not in PRIO_RANGE:
