@@ -33,7 +33,13 @@ from tokend.answers import (
     HelloOutcome,
 )
 from tokend.clocks import RANKS, serving_rank
-from tokend.protocol import encode_plain_ack, heartbeat_fields, heartbeat_proof_holds
+from tokend.protocol import (
+    HeartbeatMacKey,
+    encode_plain_ack,
+    heartbeat_fields,
+    heartbeat_mac_key,
+    heartbeat_proof_holds,
+)
 from tokend.tokens import Claims, TokenError
 
 # Tombstone -> close code, for a HELLO or heartbeat on a session that ended.
@@ -175,6 +181,7 @@ class Session:
         "key",
         "last_beat",
         "last_seq",
+        "mac_key",
         "phase",
         "released",
         "resumed",
@@ -199,6 +206,8 @@ class Session:
         self.claims: Claims | None = None
         self.tid_bytes = b""
         self.key = b""  # the session key, made at HELLO; WELCOME carries it
+        # The key made ready for the heartbeats' macs, at the first (heartbeat_mac_key).
+        self.mac_key: HeartbeatMacKey | None = None
         self.shown_proof: bytes | None = None  # the HELLO's resume proof, until the answer
         # The HELLO's token digest for the store, and the token while its signature is
         # unchecked (see _hello), until the answer.
@@ -291,7 +300,10 @@ class Session:
         if shed_from < RANKS and not cadenced and self.rank >= shed_from:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
         # Spec 0x03: the mac first (constant time), then the tid, then the seq.
-        if not heartbeat_proof_holds(data, self.key):
+        mac_key = self.mac_key
+        if mac_key is None:
+            mac_key = self.mac_key = heartbeat_mac_key(self.key)
+        if not heartbeat_proof_holds(data, mac_key):
             return self._close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
         tid, seq, exp_ms = heartbeat_fields(data)
         if tid != self.tid_bytes:
