@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import hiredis
 import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import Connection
@@ -273,6 +274,34 @@ async def test_hellos_fail_together_when_redis_is_gone(
             )
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("replayed", "restore", "token"),
+    [((), (), ""), ((False, True, False), (), ""), ((), ("1|2|3|4||süb",) * 3, ""), ((), (), "dg")],
+)
+def test_a_heartbeat_batch_is_written_as_hiredis_would_pack_it(
+    settings: Settings, replayed: tuple[bool, ...], restore: tuple[str, ...], token: str
+) -> None:
+    """heartbeat.lua's batch on one Redis is written by the store itself (RESP), each
+    session a group of its own: byte for byte the command hiredis packs, lengths counted
+    in UTF-8 bytes (a key prefix, a node name, a sub that are not ASCII)."""
+    unicode = replace(settings, key_prefix="tökend")
+    store = Store(open_client("redis://127.0.0.1:1/0", unicode), unicode, "nødé")
+    store.wall_clock = lambda: 1_000.0
+    assert store._wire is not None
+    batch = [store.heartbeat_request(uuid.uuid4(), f"nødé/{n}") for n in range(3)]
+    batch[1] = batch[1]._replace(conn="plain/1", token=token)
+    keys: list[str] = []
+    args: list[Any] = [*store._common, *store._heartbeat_args]
+    for i, (tid, conn, shard, request_token) in enumerate(batch):
+        hash_prefix, tomb_prefix = store._session_prefixes[shard]
+        keys += [*store._shard_keys[shard], hash_prefix + tid, tomb_prefix + tid]
+        args += [1, tid, conn, "1" if replayed and replayed[i] else "0"]
+        args += [restore[i] if restore else "", request_token]
+    command = ("EVALSHA", HEARTBEAT.sha, len(keys), *keys, *args)
+    packed = store._wire.pack(batch, replayed, restore, store._given_up_at())
+    assert packed == hiredis.pack_command(command)
 
 
 async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(
