@@ -61,6 +61,9 @@ WRITE_LOW = 8 * 1024
 # Seconds to wait for the client's part of the closing handshake before dropping it.
 CLOSE_TIMEOUT = 2.0
 _HEARTBEAT_TYPE = p.FrameType.HEARTBEAT.value
+# As a module global: on Python 3.11 an Enum class's attribute is read through
+# EnumType.__getattr__'s hook (~1,100 instructions), once per heartbeat here.
+_ASK_HEARTBEAT = Ask.HEARTBEAT
 # The first two bytes of a client's heartbeat as one whole WebSocket frame (RFC 6455
 # 5.2): FIN and opcode 2 (binary); MASK set and payload length 50. Then the 4-byte
 # masking key and the 50 masked bytes: 56 in all. See Connection.data_received.
@@ -682,7 +685,7 @@ class SessionLink:
             if sample is not None:
                 sample.decode_ended()
             outcome = session.receive_heartbeat(data, hub.shedder.shed_from)
-            if sample is not None and outcome is Ask.HEARTBEAT:
+            if sample is not None and outcome is _ASK_HEARTBEAT:
                 sample.verify_ended()
                 self.sample = sample
         else:
@@ -700,7 +703,7 @@ class SessionLink:
                 self.connection.close_with(session.close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED))
                 return
             outcome = session.receive(frame, hub.shedder.shed_from)
-        if outcome is Ask.HEARTBEAT:
+        if outcome is _ASK_HEARTBEAT:
             hub.submit_heartbeat(self)
             if len(session.unanswered) >= READ_PAUSE_AT:
                 self.connection.pause_reading()

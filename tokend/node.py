@@ -171,8 +171,13 @@ class HeartbeatBatcher(Batcher[Peer]):
         # A peer whose heartbeats are in a flight already is submitted again when that
         # flush answers (see flush): one flight per peer at a time.
         if not peer.session.storing:
-            self.waiting[peer] = None
-            self._wake.set()
+            waiting = self.waiting
+            if not waiting:
+                # The wake is set whenever peers wait: a lane clears it only to take them
+                # all at once (_take, which sets it again for those it leaves), so only the
+                # first of them sets it (one call less per heartbeat).
+                self._wake.set()
+            waiting[peer] = None
 
     def forget(self, peer: Peer) -> None:
         super().forget(peer)
