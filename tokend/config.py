@@ -119,6 +119,17 @@ class Settings:
     sweep_interval: float = _setting(
         0.1, "how often each node sweeps for due WARN/EXPIRED transitions"
     )
+    gc_interval: float = _setting(
+        1.0,
+        "seconds between the serving process's garbage collections of the objects made "
+        "since the last one (each pass as short as they are few); 0: CPython's own "
+        "schedule, whose whole passes stall the loop for every session's objects",
+    )
+    gc_full_interval: float = _setting(
+        600.0,
+        "seconds between collections of every object (a pause of about 10 us a session) "
+        "when gc_interval is set: cycles among objects that outlived a pass",
+    )
     issuer: str = _setting("tokend", "iss claim issued and required")
     audience: str = _setting("tokend", "aud claim issued and required")
     leeway: float = _setting(5.0, "clock skew tolerated when checking exp, iat and nbf")
@@ -311,6 +322,7 @@ _DURATIONS = (
     "hello_timeout",
     "redis_timeout",
     "sweep_interval",
+    "gc_full_interval",
     "send_timeout",
     "key_publish_delay",
     "durable_timeout",
@@ -402,6 +414,8 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name}: must not be negative (0 turns it off)")
     if not 1 <= settings.backlog <= 65535:
         raise ConfigError("backlog: must be 1..65535")
+    if settings.gc_interval < 0:
+        raise ConfigError("gc_interval: must not be negative (0: CPython's own schedule)")
     if settings.shed_lag < 0:
         raise ConfigError("shed_lag: must not be negative (0 turns shedding off)")
     if settings.shed_penalty < 0:

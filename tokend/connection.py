@@ -421,6 +421,16 @@ class Connection(asyncio.Protocol):
                 self.log.info("connection dropped")
             self.gate.node.detach(link)
         self.gate.closed(self)
+        # No cycle outlives the connection: with the link's way back to it, the parser's
+        # frame and the parser's error (whose traceback holds the frame of the parser
+        # that raised it) gone, each holding websockets' protocol, its objects are freed
+        # as soon as the last reference goes, not by the cyclic collector, whose whole
+        # passes stall a busy node's loop (docs/performance.md, "The garbage
+        # collector"). Whatever the node still asks of the link (an answer in flight)
+        # finds the session closed and writes nothing.
+        self.link = None
+        self.ws.parser.close()
+        self.ws.parser_exc = None
 
     def pause_writing(self) -> None:
         """The client reads slower than we write: read nothing more from it (no more

@@ -97,6 +97,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.gc_seconds = Histogram(
+            "tokend_gc_pass_seconds",
+            "One garbage collection pass of the serving process (tokend.collector): of the "
+            "objects made since the last (recent) or of every object (whole).",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._stage_children = [self.stage_seconds.labels(stage) for stage in STAGES]
         self.stage_windows = {stage: Window() for stage in STAGES}
         self._stage_window_list = [self.stage_windows[stage] for stage in STAGES]

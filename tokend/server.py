@@ -11,7 +11,6 @@ dashboard). On SIGTERM the node drains (:mod:`tokend.drain`, docs/operations.md)
 from __future__ import annotations
 
 import asyncio
-import gc
 import signal
 from collections import Counter
 
@@ -20,6 +19,7 @@ import structlog
 from tokend import activation
 from tokend.admin import AdminServer
 from tokend.admission import Admission
+from tokend.collector import Collector
 from tokend.config import Settings
 from tokend.connection import Connection
 from tokend.drain import AcceptQueue, Drain
@@ -177,9 +177,12 @@ async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> 
     except BaseException:
         await app.stop()  # the embedded Redis, if it had started
         raise
-    # Start-up objects live as long as the process: keep them out of every GC pass.
-    gc.collect()
-    gc.freeze()
+    # Garbage collected on the node's schedule, start-up objects out of every pass.
+    collector = Collector(
+        settings.gc_interval, settings.gc_full_interval, app.node.metrics.gc_seconds
+    )
+    collector.start()
+    app.node.background.spawn(collector.run(lambda: app.node.running), "collector")
     stopping, hurry = asyncio.Event(), asyncio.Event()
 
     def signalled() -> None:
