@@ -215,6 +215,13 @@ def test_ack_layout_without_token() -> None:
     assert len(data) == 20 == p.ACK_HEAD_LENGTH
 
 
+@pytest.mark.parametrize(("seq", "exp_ms"), [(5, 6), (0x0102030405060708, 2**64 - 1), (1, 0)])
+def test_the_flagless_ack_is_the_codecs(seq: int, exp_ms: int) -> None:
+    """encode_ok_ack (the struct's own method, the common ACK) writes what encode does."""
+    assert p.encode_ok_ack(seq, exp_ms) == encode(HeartbeatAck(seq, exp_ms))
+    assert p.encode_ok_ack(seq, exp_ms) == p.encode_plain_ack(seq, exp_ms, False)
+
+
 def test_bye_layout() -> None:
     assert encode(Bye()) == b"\x05"
 

@@ -8,6 +8,7 @@ integer is unsigned big-endian, every time is Unix epoch milliseconds.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import struct
 from dataclasses import dataclass
@@ -332,6 +333,13 @@ def encode_plain_ack(seq: int, exp_ms: int, was_warn: bool) -> bytes:
         return _ACK_HEAD.pack(_ACK_TYPE, ACK_WAS_WARN if was_warn else 0, seq, exp_ms, 0)
     except struct.error as exc:
         raise ProtocolError(f"cannot encode HeartbeatAck: {exc}") from None
+
+
+# encode_plain_ack(seq, exp_ms, False), the common ACK, with no Python frame: the struct's
+# own method with the type and flags bound, the token length (0) as two pad bytes. A
+# client's seq and the store's exp_ms are 8-byte integers (out of range: struct.error).
+_OK_ACK = struct.Struct(">BBQQ2x")
+encode_ok_ack = functools.partial(_OK_ACK.pack, _ACK_TYPE, 0)
 
 
 def encode_ack(

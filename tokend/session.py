@@ -35,6 +35,7 @@ from tokend.answers import (
 from tokend.clocks import RANKS, serving_rank
 from tokend.protocol import (
     HeartbeatMacKey,
+    encode_ok_ack,
     encode_plain_ack,
     heartbeat_fields,
     heartbeat_mac_key,
@@ -452,8 +453,10 @@ class Session:
             if renewed or client_exp_ms != exp_ms or exp_ms != token_exp_ms:
                 acks.append(self._token_ack(seq, renewed, was_warn))
                 token_exp_ms = exp_ms
-            else:
+            elif was_warn:
                 acks.append(encode_plain_ack(seq, exp_ms, was_warn))
+            else:
+                acks.append(encode_ok_ack(seq, exp_ms))
             renewed = was_warn = False
         return acks
 
