@@ -143,6 +143,31 @@ async def test_direct_calls_give_back_what_they_do_not_keep_of_a_small_pool(
         await client.aclose()
 
 
+async def test_a_direct_call_on_a_connection_redis_closed_is_made_once_more(
+    redis_server: RedisProcess, settings: Settings
+) -> None:
+    """Redis closed the kept connection while it was idle (a restart, a timeout, CLIENT
+    KILL): the next call finds out on it, and is made again on a new one."""
+    client = open_client(redis_server.url, settings)
+    direct = DirectCalls.usable(client)
+    assert direct is not None
+    try:
+        key = f"{settings.key_prefix}:direct"
+        assert await direct.call("SET", key, "1") == "OK"
+        assert (
+            await direct.call_packed(
+                b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key.encode()), key.encode())
+            )
+            == "1"
+        )
+        [kept] = direct.idle
+        assert await client.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert await direct.call("INCR", key) == 2
+        assert direct.idle == [kept] and kept.is_connected  # connected again
+    finally:
+        await client.aclose()
+
+
 async def test_the_session_hash_is_a_listpack_with_its_digests_in_22_characters(
     store: Store, redis: Redis
 ) -> None:

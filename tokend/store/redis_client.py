@@ -162,10 +162,13 @@ class DirectCalls:
         try:
             if not connection.is_connected:
                 await connection.connect()
-            await connection.send_packed_command(
-                connection.pack_command(*command) if packed is None else packed,
-                check_health=False,
-            )
+            # Written to the connection's stream itself: send_packed_command wraps the
+            # write in asyncio.wait_for(socket_timeout), a task and a timer per call (~40,000
+            # instructions a batch); the caller's deadline bounds the write as the read.
+            writer = connection._writer
+            assert writer is not None  # connected
+            writer.writelines(connection.pack_command(*command) if packed is None else [packed])
+            await writer.drain()
             # No timeout of its own: the caller's deadline bounds the call.
             return await connection.read_response(timeout=math.inf)
         except rexc.ResponseError:
