@@ -308,25 +308,35 @@ async def test_hellos_fail_together_when_redis_is_gone(
 def test_a_heartbeat_batch_is_written_as_hiredis_would_pack_it(
     settings: Settings, replayed: tuple[bool, ...], restore: tuple[str, ...], token: str
 ) -> None:
-    """heartbeat.lua's batch on one Redis is written by the store itself (RESP), each
-    session a group of its own: byte for byte the command hiredis packs, lengths counted
+    """heartbeat.lua's batch on one Redis is written by the store itself (RESP), its
+    sessions in groups by shard: byte for byte the command hiredis packs, lengths counted
     in UTF-8 bytes (a key prefix, a node name, a sub that are not ASCII)."""
     unicode = replace(settings, key_prefix="tökend")
     store = Store(open_client("redis://127.0.0.1:1/0", unicode), unicode, "nødé")
     store.wall_clock = lambda: 1_000.0
     assert store._wire is not None
-    batch = [store.heartbeat_request(uuid.uuid4(), f"nødé/{n}") for n in range(3)]
+    tids = [uuid.uuid4() for _ in range(40)]  # more than the 16 shards: groups of several
+    batch = [store.heartbeat_request(tid, f"nødé/{n}") for n, tid in enumerate(tids)]
     batch[1] = batch[1]._replace(conn="plain/1", token=token)
+    replayed = tuple(n % 3 == 1 for n in range(len(batch))) if replayed else ()
+    restore = tuple(f"{restore[0]}{n}" for n in range(len(batch))) if restore else ()
+    packed, order = store._wire.pack(batch, replayed, restore, store._given_up_at())
+    # The command, written out: groups by shard, in the order of their shards.
+    assert sorted(order) == list(range(len(batch)))
+    assert [batch[i].shard for i in order] == sorted(r.shard for r in batch)
     keys: list[str] = []
     args: list[Any] = [*store._common, *store._heartbeat_args]
-    for i, (tid, conn, shard, request_token) in enumerate(batch):
-        hash_prefix, tomb_prefix = store._session_prefixes[shard]
-        keys += [*store._shard_keys[shard], hash_prefix + tid, tomb_prefix + tid]
-        args += [1, tid, conn, "1" if replayed and replayed[i] else "0"]
-        args += [restore[i] if restore else "", request_token]
-    command = ("EVALSHA", HEARTBEAT.sha, len(keys), *keys, *args)
-    packed = store._wire.pack(batch, replayed, restore, store._given_up_at())
-    assert packed == hiredis.pack_command(command)
+    for shard in sorted({r.shard for r in batch}):
+        members = [i for i in order if batch[i].shard == shard]
+        keys += store._shard_keys[shard]
+        args.append(len(members))
+        for i in members:
+            tid, conn, _, request_token = batch[i]
+            hash_prefix, tomb_prefix = store._session_prefixes[shard]
+            keys += [hash_prefix + tid, tomb_prefix + tid]
+            args += [tid, conn, "1" if replayed and replayed[i] else "0"]
+            args += [restore[i] if restore else "", request_token]
+    assert packed == hiredis.pack_command(("EVALSHA", HEARTBEAT.sha, len(keys), *keys, *args))
 
 
 async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(

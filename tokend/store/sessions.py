@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import structlog
@@ -255,8 +256,12 @@ class Store(ScriptRunner):
         each value written once into its group's keys and arguments."""
         wire = self._wire
         if wire is not None:
-            packed = wire.pack(batch, replayed, restore, self._given_up_at())
+            packed, order = wire.pack(batch, replayed, restore, self._given_up_at())
             replies = await self._direct_call(HEARTBEAT, packed)
+            # Back in the batch's order: replies[j] is batch[order[j]]'s.
+            if len(replies) > 1:
+                replies = itemgetter(*sorted(range(len(order)), key=order.__getitem__))(replies)
+            # heartbeat.lua's common reply, an integer, is an answer as it is.
             return [r if type(r) is int else _heartbeat_answer(r) for r in replies]
         prefixes = self._session_prefixes
         shard_keys = self._shard_keys
@@ -448,23 +453,22 @@ class _HeartbeatWire:
     an array of bulk strings) rather than argument by argument by hiredis' packer (about
     1,500 instructions an argument, seven a heartbeat: bench/hotpath_profile.py).
 
-    Each session is a group of its own (its shard's two keys, then its own; a count of
-    1, then its five arguments: see ``for_each_session`` in lua/_prelude.lua), so the
-    replies come in the batch's order and nothing is grouped or put back in order; what
-    a session adds is two string formats of parts made here once per shard.
+    The sessions go in groups by shard (``for_each_session`` in lua/_prelude.lua), in
+    the order of their shards: a group per session would cost Redis ~3,400 instructions
+    more a heartbeat. What a session adds is two string formats of parts made here once
+    per shard.
     """
 
     def __init__(self, store: Store) -> None:
         keys = store.keys
-        # Per shard: its deadline set and stream, then the head of a session hash key
-        # (the tid follows), and the tombstone key's head.
+        # Per shard: its deadline set and stream; the head of a session hash key (the
+        # tid follows), and the tombstone key's head.
+        self.shards = ["".join(map(_bulk, keys.shard_keys(shard))) for shard in range(SHARDS)]
         self.heads: list[str] = []
         self.mids: list[str] = []
         for shard in range(SHARDS):
             hash_prefix, tomb_prefix = keys.session_prefixes(shard)
-            self.heads.append(
-                "".join(map(_bulk, keys.shard_keys(shard))) + _bulk_head(hash_prefix, TID_TEXT)
-            )
+            self.heads.append(_bulk_head(hash_prefix, TID_TEXT))
             self.mids.append("\r\n" + _bulk_head(tomb_prefix, TID_TEXT))
         self.evalsha = "$7\r\nEVALSHA\r\n" + _bulk(HEARTBEAT.sha)
         self.prelude = "".join(map(_bulk, store._prelude_args))
@@ -476,18 +480,22 @@ class _HeartbeatWire:
         replayed: Sequence[bool],
         restore: Sequence[str],
         given_up_at: str,
-    ) -> bytes:
-        """The command for ``batch`` (see Store._beat), its deadline ``given_up_at``."""
+    ) -> tuple[bytes, list[int]]:
+        """The command for ``batch`` (see Store._beat), its deadline ``given_up_at``; and
+        the positions in ``batch`` of the sessions in the order it names them (that of
+        the script's replies)."""
         count = len(batch)
-        parts = [f"*{13 + 10 * count}\r\n", self.evalsha, _bulk(str(4 * count))]
-        args = [self.prelude, _bulk(given_up_at), self.fixed]
+        # Per shard: its sessions' keys, arguments and positions in the batch.
+        keys: list[list[str]] = [[] for _ in range(SHARDS)]
+        args: list[list[str]] = [[] for _ in range(SHARDS)]
+        places: list[list[int]] = [[] for _ in range(SHARDS)]
         heads, mids = self.heads, self.mids
         for i, (tid, conn, shard, token) in enumerate(batch):
-            parts.append(f"{heads[shard]}{tid}{mids[shard]}{tid}\r\n")
+            keys[shard].append(f"{heads[shard]}{tid}{mids[shard]}{tid}\r\n")
+            places[shard].append(i)
             if token or restore or (replayed and replayed[i]):
-                args.append(
-                    _ONE_SESSION
-                    + _bulk(tid)
+                args[shard].append(
+                    _bulk(tid)
                     + _bulk(conn)
                     + _bulk("1" if replayed and replayed[i] else "0")
                     + _bulk(restore[i] if restore else "")
@@ -495,9 +503,26 @@ class _HeartbeatWire:
                 )
             else:  # the common case: not replayed, nothing to restore, no token
                 size = len(conn) if conn.isascii() else len(conn.encode())
-                args.append(f"{_SESSION_HEAD}{tid}\r\n${size}\r\n{conn}{_PLAIN_END}")
-        parts += args
-        return "".join(parts).encode()
+                args[shard].append(f"${TID_TEXT}\r\n{tid}\r\n${size}\r\n{conn}{_PLAIN_END}")
+        key_parts: list[str] = []
+        arg_parts = [self.prelude, _bulk(given_up_at), self.fixed]
+        order: list[int] = []
+        groups = 0
+        for shard, members in enumerate(places):
+            if members:
+                groups += 1
+                size = len(members)
+                key_parts.append(self.shards[shard])
+                key_parts += keys[shard]
+                arg_parts.append(_COUNTS[size] if size < _COUNTED else _bulk(str(size)))
+                arg_parts += args[shard]
+                order += members
+        key_count = 2 * (groups + count)  # a group's shard keys, a session's two
+        # EVALSHA, its sha, the key count, the keys; the prelude's 5 and the fixed 5
+        # arguments, a count a group, 5 a session.
+        head = f"*{3 + key_count + 10 + groups + 5 * count}\r\n"
+        packed = "".join([head, self.evalsha, _bulk(str(key_count)), *key_parts, *arg_parts])
+        return packed.encode(), order
 
 
 def _bulk(text: str) -> str:
@@ -513,9 +538,9 @@ def _bulk_head(start: str, more: int) -> str:
 
 # A tid's canonical text (str(uuid.UUID)) is this long, in ASCII.
 TID_TEXT = 36
-_ONE_SESSION = _bulk("1")  # a group's count: one session
-# A session's arguments but its tid's text and its conn: the common case's.
-_SESSION_HEAD = f"{_ONE_SESSION}${TID_TEXT}\r\n"
+# A group's count of sessions, written once (up to a batch's usual size).
+_COUNTED = 1024
+_COUNTS = [_bulk(str(n)) for n in range(_COUNTED)]
 _PLAIN_END = "\r\n" + _bulk("0") + _bulk("") + _bulk("")  # not replayed, no restore, no token
 
 
