@@ -98,8 +98,7 @@ end
 -- call, grouped by shard. KEYS, per group: the shard's deadline set and event stream, then
 -- (session hash, tombstone) per session of that shard. ARGV, after the script's `fixed` first
 -- arguments: per group, its number of sessions, then `width` arguments per session. On
--- a Cluster a call has one group (one slot); on one Redis, a whole batch's groups (a
--- heartbeat batch there gives each session a group of its own: tokend.store.sessions).
+-- a Cluster a call has one group (one slot); on one Redis, a whole batch's groups.
 -- Calls fn(session hash, tombstone, the session's arguments...) for each session, with
 -- DUE and STREAM set to its shard's keys (emit and finish use them), and returns what
 -- fn returned, in order.
