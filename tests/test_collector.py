@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from testkit.clients import RawClient
+from testkit.pure import FakeClock
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.collector import NEVER, Collector
@@ -25,14 +26,6 @@ from tokend.connection import Connection, SessionLink, TokendProtocol
 from tokend.server import App
 from tokend.session import Session
 from tokend.tokens import TokenService
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Cycle:

@@ -37,7 +37,16 @@ from tokend.clocks import RANKS, serving_rank
 from tokend.config import Settings
 from tokend.server import App
 from tokend.session import OVERLOADED, Ask, Close, Session
-from tokend.shedding import CALM_FOR, HELD_FOR, WINDOW, Shedder, unverified_sub
+from tokend.shedding import (
+    CALM_FOR,
+    HELD_FOR,
+    MAX_CALM_FOR,
+    RELAPSE_WITHIN,
+    WINDOW,
+    Shedder,
+    steps_for,
+    unverified_sub,
+)
 from tokend.tokens import TokenService
 
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
@@ -130,6 +139,42 @@ def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
     assert high.receive(hello, shed_from) is Ask.START
 
 
+def test_while_shedding_a_fresh_login_is_ranked_before_its_signature_is_checked(
+    host: Host, tokens: TokenService
+) -> None:
+    """A connect storm meets a node that sheds already: a fresh login (no resume proof)
+    of a shed class is refused 1013 without an Ed25519 verify, forged or not; one that
+    is served is verified at once (a forgery: 4501), and is not penalised by sub."""
+    shed_from = serving_rank(4, False)
+    checked: list[bool] = []
+    check = host.check
+
+    def recording(token: str, signature: bool) -> tuple[object, str]:
+        checked.append(signature)
+        return check(token, signature)
+
+    host.check = recording  # type: ignore[method-assign,assignment]
+    low = Session(host, CADENCE, "node-a/1", time.monotonic)
+    assert low.receive(p.Hello(tokens.mint("bob", prio=4)), shed_from) == SHED
+    assert checked == [False] and not low.verified
+    checked.clear()
+    high = Session(host, CADENCE, "node-a/2", time.monotonic)
+    assert high.receive(p.Hello(tokens.mint("carol", prio=5)), shed_from) is Ask.START
+    assert checked == [False, True] and high.verified
+    checked.clear()
+    head, _, signature = tokens.mint("carol", prio=5).rpartition(".")
+    forged = f"{head}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
+    refused = Session(host, CADENCE, "node-a/3", time.monotonic)
+    closed = refused.receive(p.Hello(forged), shed_from)
+    assert closed == Close(p.CloseCode.INVALID_TOKEN, "bad_signature")
+    assert checked == [False, True]
+    # Not shedding: verified at once, as always.
+    checked.clear()
+    calm = Session(host, CADENCE, "node-a/4", time.monotonic)
+    assert calm.receive(p.Hello(tokens.mint("dave", prio=4))) is Ask.START
+    assert checked == [True]
+
+
 class Held:
     """The ranks a node holds, and whether heartbeats are backlogged."""
 
@@ -161,6 +206,44 @@ def test_steps_go_down_the_ranks_held_but_never_to_the_best_and_back_up() -> Non
         shedder.step_up()
         assert shedder.shed_from == expected and not shedder.saturated
     assert not shedder.active
+
+
+def test_a_relapse_doubles_the_calm_before_the_next_step_up_and_a_new_episode_resets_it() -> None:
+    """Shedding again within RELAPSE_WITHIN of a step up is the same flood: the node
+    waits twice as long before it serves the class again (up to MAX_CALM_FOR); an
+    overload that comes later starts from CALM_FOR."""
+    held = Held(serving_rank(9, False), serving_rank(0, False))
+    clock = FakeClock()
+    shedder = Shedder(0.01, lambda: held.ranks, lambda: held.backlog, clock)
+    shedder.step_down(lag=0.05)
+    assert shedder.calm_for == CALM_FOR
+    waits = []
+    for _ in range(7):
+        clock.now += shedder.calm_for
+        shedder.step_up()
+        clock.now += RELAPSE_WITHIN / 2
+        shedder.step_down(lag=0.05)
+        waits.append(shedder.calm_for)
+    assert waits == [2.0, 4.0, 8.0, 16.0, MAX_CALM_FOR, MAX_CALM_FOR, MAX_CALM_FOR]
+    clock.now += shedder.calm_for
+    shedder.step_up()
+    clock.now += RELAPSE_WITHIN
+    shedder.step_down(lag=0.05)
+    assert shedder.calm_for == CALM_FOR
+
+
+def test_a_loop_far_later_than_shed_lag_sheds_a_class_per_doubling_in_one_step() -> None:
+    lags = (0.0, 0.01, 0.015, 0.02, 0.039, 0.04, 0.3)
+    assert [steps_for(lag, 0.01) for lag in lags] == [1, 1, 1, 2, 2, 3, 5]
+    held = Held(*(serving_rank(prio, False) for prio in (9, 7, 5, 3, 0)))
+    shedder = held.shedder()
+    shedder.step_down(lag=0.04, steps=steps_for(0.04, 0.01))  # three classes at once
+    assert shedder.shed_from == serving_rank(5, False)
+    shedder.step_down(lag=1.0, steps=10)  # never the best
+    assert shedder.shed_from == serving_rank(7, False)
+    for expected in (serving_rank(5, False), serving_rank(3, False), serving_rank(0, False)):
+        shedder.step_up()  # back up one class at a time
+        assert shedder.shed_from == expected
 
 
 def test_the_classes_held_are_read_from_the_sessions_once_per_held_for() -> None:
@@ -236,7 +319,7 @@ async def test_a_heartbeat_backlog_makes_the_node_shed() -> None:
 PENALTY_S = 60.0
 SHED_PRIO, BEST_PRIO = 0, 9
 # Loopback addresses of the clients (tokend caps nothing per address here).
-SHED_FROM, OTHER = "127.0.0.2", "127.0.0.3"
+SHED_FROM, OTHER, FORGER = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 
 
 @pytest.fixture
@@ -263,6 +346,34 @@ async def hello_closed(port: int, token: str, source: str) -> tuple[int | None, 
     return closed.code, closed.reason
 
 
+async def shed_at_a_heartbeat(app: App, token: str, source: str) -> tuple[int | None, str]:
+    """A session of ``token`` from ``source``, WELCOMEd while its class is served, then
+    shed at a heartbeat faster than the cadence: the close the server answers it with."""
+    shedder = app.node.shedder
+    shedder.step_up()
+    async with RawClient.connect(app.port, source=source) as client:
+        await client.hello(token)
+        await client.heartbeat()
+        shedder.step_down(lag=1.0)
+        await client.send(client.heartbeat_bytes())
+        closed = await client.expect_close()
+    return closed.code, closed.reason
+
+
+async def test_a_hello_shed_before_its_signature_penalises_its_address_not_its_sub(
+    shedding: App, tokens: TokenService
+) -> None:
+    """A fresh login of a shed prio is shed before its signature is checked: its
+    address is refused 503 for the penalty (the sender's own), its sub is not (the
+    token may be a forgery naming someone else's)."""
+    port = shedding.port
+    shed = (p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+    assert await hello_closed(port, tokens.mint("shed-me", prio=SHED_PRIO), SHED_FROM) == shed
+    assert (await refused_status(port, SHED_FROM))[0] == 503
+    async with RawClient.connect(port, source=OTHER) as client:
+        assert (await client.hello(tokens.mint("shed-me", prio=BEST_PRIO))).tid
+
+
 async def refused_status(port: int, source: str) -> tuple[int, str | None]:
     """A handshake from ``source`` the server refuses: its status and Retry-After."""
     with pytest.raises(InvalidStatus) as refused:
@@ -283,12 +394,13 @@ async def test_a_shed_client_is_refused_before_its_handshake_and_its_token_check
     make_settings: Callable[..., Settings],
     tmp_path: Path,
 ) -> None:
-    """Shed at HELLO (a verified token of a shed prio): from its address the next
-    handshake gets 503 with Retry-After; from anywhere its sub's next HELLO gets 1013
-    before the signature is checked (a forged token of that sub: 1013, not 4501)."""
+    """Shed at a heartbeat (a session of a shed prio, flooding): from its address the
+    next handshake gets 503 with Retry-After; from anywhere its sub's next HELLO gets
+    1013 before the token is checked (a forged token of that sub: 1013, not 4501)."""
     port = shedding.port
     shed = (p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
-    assert await hello_closed(port, tokens.mint("shed-me", prio=SHED_PRIO), SHED_FROM) == shed
+    token = tokens.mint("shed-me", prio=SHED_PRIO)
+    assert await shed_at_a_heartbeat(shedding, token, SHED_FROM) == shed
     status, retry_after = await refused_status(port, SHED_FROM)
     assert status == 503 and retry_after is not None and 1 <= int(retry_after) <= PENALTY_S
     forged = stranger_tokens(make_settings, tmp_path).mint("shed-me", prio=BEST_PRIO)
@@ -319,15 +431,21 @@ async def test_a_forged_sub_does_not_penalise_its_victim(
     make_settings: Callable[..., Settings],
     tmp_path: Path,
 ) -> None:
-    """A forgery naming the victim's sub at a shed prio is refused by its token check
-    (4501), not shed: only a verified session's shed adds a penalty."""
+    """A forgery naming the victim's sub at a shed prio: of an unknown key, refused by
+    its token check (4501); of a known key with a forged signature, shed before the
+    signature is checked (1013, no verify spent on it). Neither adds a penalty by sub:
+    only the shed of a session whose signature was checked does."""
     port = shedding.port
-    forged = stranger_tokens(make_settings, tmp_path).mint("victim", prio=SHED_PRIO)
-    assert (await hello_closed(port, forged, SHED_FROM))[0] == p.CloseCode.INVALID_TOKEN
-    async with RawClient.connect(port, source=OTHER) as victim:
-        assert (await victim.hello(tokens.mint("victim", prio=BEST_PRIO))).tid
+    stranger = stranger_tokens(make_settings, tmp_path).mint("victim", prio=SHED_PRIO)
+    assert (await hello_closed(port, stranger, SHED_FROM))[0] == p.CloseCode.INVALID_TOKEN
     async with RawClient.connect(port, source=SHED_FROM) as again:  # nor its sender's address
         assert (await again.hello(tokens.mint("someone", prio=BEST_PRIO))).tid
+    head, _, signature = tokens.mint("victim", prio=SHED_PRIO).rpartition(".")
+    forged = f"{head}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
+    shed = (p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+    assert await hello_closed(port, forged, FORGER) == shed
+    async with RawClient.connect(port, source=OTHER) as victim:
+        assert (await victim.hello(tokens.mint("victim", prio=BEST_PRIO))).tid
 
 
 def test_the_unverified_sub_is_read_from_the_payload_or_not_at_all(

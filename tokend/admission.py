@@ -134,11 +134,14 @@ class Admission:
         return self.certificate.context if self.certificate is not None else None
 
     def shed(self, connection: Connection) -> None:
-        """The node shed this connection's verified session (close 1013): its client is
-        refused for ``shed_penalty``, by address and by ``sub``."""
+        """The node shed this connection's session (close 1013): its client is refused
+        for ``shed_penalty`` by address, and by ``sub`` if its token's signature was
+        checked (a HELLO shed before it was is not: a forgery naming another's ``sub``
+        must not get that client refused; its own address is the forger's)."""
         session = connection.session
         assert session is not None and session.claims is not None
-        self.penalties.add(connection.ip, session.claims.sub, session.claims.prio)
+        sub = session.claims.sub if session.verified else None
+        self.penalties.add(connection.ip, sub, session.claims.prio)
 
     def refuses_hello(self, token: str) -> bool:
         """Whether a HELLO is refused (1013) before its token is checked: its ``sub`` was

@@ -335,7 +335,11 @@ class Session:
         verified in full at once: it pays no second round trip (docs/security.md, "A
         resume skips the signature of a token the store knows").
         """
-        signature = hello.proof is None
+        fresh = hello.proof is None
+        # While the node sheds load, a fresh login too has its claims checked first: one
+        # ranked among the shed is refused before its signature costs anything (the
+        # connect storm that meets a node already late), one served is verified at once.
+        signature = fresh and shed_from >= RANKS
         self.unverified = None if signature else hello.token
         try:
             claims, self.token_digest = self.host.check(hello.token, signature)
@@ -346,6 +350,10 @@ class Session:
         # A HELLO counts as a heartbeat: the session would be ACTIVE.
         if serving_rank(claims.prio, warned=False) >= shed_from:
             return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+        if fresh and not signature:
+            refused = self._verify()
+            if refused is not None:
+                return refused
         if self.host.sub_is_full(claims):
             # Told to a token whose signature verified only: it tells of others' sessions.
             return self._verify() or self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
@@ -356,6 +364,12 @@ class Session:
         self.shown_proof = hello.proof
         self.phase = Phase.STARTING
         return Ask.START
+
+    @property
+    def verified(self) -> bool:
+        """Whether the claims are those of a token whose signature was checked (or that
+        the store knows): not so for a HELLO refused before its signature was."""
+        return self.claims is not None and self.unverified is None
 
     def _refused(self, exc: TokenError) -> Close | None:
         code = p.CloseCode.TOKEN_EXPIRED if exc.expired else p.CloseCode.INVALID_TOKEN

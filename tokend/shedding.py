@@ -22,14 +22,21 @@ class but the best is shed and the node is still overloaded, new handshakes get 
 503 with Retry-After too (the token, and so its ``prio``, comes only after the
 handshake; answering 503 costs less than a handshake and a token check). After calm
 windows for :data:`CALM_FOR`, the last class shed is served again, and so on back up.
+A node that must shed again soon after it served a class again (within
+:data:`RELAPSE_WITHIN`) waits twice as long before the next step up, up to
+:data:`MAX_CALM_FOR`: a flood that outlasts the calm no longer swings the node between
+serving it and shedding it, each swing a second of lateness for every session
+(load_tests/overload.py: the shedding ended and began again every 2-5 s for a minute).
 
-A client just shed comes back at once if it does not honour the 1013's backoff, and
-each return costs a handshake and a token check before its HELLO is shed again.
-:class:`Penalties` refuses it sooner for ``shed_penalty`` seconds: by source address
-with HTTP 503 and Retry-After before the WebSocket handshake, and by ``sub`` with 1013
-at HELLO before the Ed25519 verify (the ``sub`` read from the unverified payload; only
-the shed of a verified session adds a penalty, so a forged ``sub`` refuses only its
-sender). A penalty ends early once its class is served again.
+While the node sheds, a HELLO's claims are checked before its signature: one of a
+shed class is refused without an Ed25519 verify (``Session._hello``). A client just
+shed comes back at once if it does not honour the 1013's backoff, and each return costs
+a handshake and that check before its HELLO is shed again. :class:`Penalties` refuses
+it sooner for ``shed_penalty`` seconds: by source address with HTTP 503 and Retry-After
+before the WebSocket handshake, and by ``sub`` with 1013 at HELLO before the token is
+checked (the ``sub`` read from the unverified payload; only the shed of a session whose
+signature was checked adds a ``sub`` penalty, so a forged ``sub`` refuses only its
+sender, by its own address). A penalty ends early once its class is served again.
 
 The decision is an input of the session core (``Session.receive(frame, shed_from)``);
 this module only decides where ``shed_from`` stands.
@@ -58,6 +65,10 @@ WINDOW = 0.2
 # Calm (mean lateness under half of shed_lag, no heartbeat backlog) for this long
 # before a shed class is served again.
 CALM_FOR = 1.0
+# A step down this soon after a step up is a relapse: the calm it takes doubles, up to
+# MAX_CALM_FOR. A step down later than that starts over from CALM_FOR.
+RELAPSE_WITHIN = 10.0
+MAX_CALM_FOR = 30.0
 # How long the classes held, read from every session (19,000 ranks: milliseconds of a
 # loop already late), are taken as they were: they change slower than one window.
 HELD_FOR = 1.0
@@ -87,6 +98,10 @@ class Shedder:
         # Every class but the best is shed, and the node was overloaded still.
         self.saturated = False
         self._steps: list[int] = []  # the levels stepped down from, to go back up
+        # How long the loop must be calm before the next step up (see the module), and
+        # when the last step up was.
+        self.calm_for = CALM_FOR
+        self._stepped_up_at = -math.inf
 
     @property
     def active(self) -> bool:
@@ -110,33 +125,38 @@ class Shedder:
             late, samples, window_end = 0.0, 0, now + WINDOW
             if lag > self.shed_lag or self.backlogged():
                 calm_since = None
-                self.step_down(lag)
+                self.step_down(lag, steps_for(lag, self.shed_lag))
             elif lag > self.shed_lag / 2:
                 calm_since = None
             elif calm_since is None:
                 calm_since = now
-            elif now - calm_since >= CALM_FOR and self._steps:
+            elif now - calm_since >= self.calm_for and self._steps:
                 calm_since = now
                 self.step_up()
 
-    def step_down(self, lag: float) -> None:
-        """Shed the worst-ranked class held that is not shed yet, unless it is the best."""
+    def step_down(self, lag: float, steps: int = 1) -> None:
+        """Shed the ``steps`` worst-ranked classes held that are not shed yet, never the
+        best one."""
         held = self.held()
         if not held:
             return
         best = min(held)
-        worse = [rank for rank in held if best < rank < self.shed_from]
+        worse = sorted((rank for rank in held if best < rank < self.shed_from), reverse=True)
         if not worse:
             if self.active and not self.saturated:
                 self.saturated = True
                 log.warning("overloaded: refusing new handshakes", lag_ms=round(lag * 1000))
             return
-        self._steps.append(self.shed_from)
-        self.shed_from = max(worse)
+        relapse = self.clock() - self._stepped_up_at < RELAPSE_WITHIN
+        self.calm_for = min(2 * self.calm_for, MAX_CALM_FOR) if relapse else CALM_FOR
+        for rank in worse[:steps]:
+            self._steps.append(self.shed_from)
+            self.shed_from = rank
         log.warning(
             "overloaded: shedding sessions",
             shed=shed_classes(self.shed_from),
             lag_ms=round(lag * 1000),
+            calm_for_s=self.calm_for,
         )
 
     def held(self) -> set[int]:
@@ -149,11 +169,20 @@ class Shedder:
     def step_up(self) -> None:
         """Serve the class shed last again (and new handshakes)."""
         self.saturated = False
+        self._stepped_up_at = self.clock()
         self.shed_from = self._steps.pop()
         if self.active:
             log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
         else:
             log.info("shedding ended")
+
+
+def steps_for(lag: float, shed_lag: float) -> int:
+    """How many classes one window sheds: one, and one more for each doubling of the
+    lateness past ``shed_lag``. A flood or a connect storm that just began makes the loop
+    many times later than that: the classes it takes to get back under are shed in one
+    window, not in as many windows, each of which every session waits out."""
+    return 1 + max(0, int(math.log2(lag / shed_lag))) if lag > shed_lag > 0 else 1
 
 
 # Penalised clients held at which the expired entries are swept out (then twice the
@@ -181,14 +210,16 @@ class Penalties:
         self.by_sub: dict[str, tuple[float, int]] = {}
         self._prune_at = PRUNE_AT
 
-    def add(self, ip: str | None, sub: str, prio: int) -> None:
-        """A verified session of ``sub`` from ``ip`` was shed (close 1013)."""
+    def add(self, ip: str | None, sub: str | None, prio: int) -> None:
+        """A session from ``ip`` was shed (close 1013); ``sub`` when its token was
+        verified (None: a HELLO shed before its signature was checked)."""
         if not self.seconds:
             return
         entry = (self.clock() + self.seconds, serving_rank(prio, warned=False))
         if ip is not None:
             self.by_ip[ip] = entry
-        self.by_sub[sub] = entry
+        if sub is not None:
+            self.by_sub[sub] = entry
         if len(self.by_ip) + len(self.by_sub) >= self._prune_at:
             self._prune()
 
