@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -324,6 +325,38 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     assert batcher.pending == 1 and batcher.is_waiting(waiter)
     await batcher.flush()
     assert [ack.seq for ack in waiter.calls[-1][1]] == [2]
+
+
+async def test_running_lanes_answer_every_heartbeat_however_they_come(
+    host: Host, store: Store
+) -> None:
+    """The lanes' wake is set by the first heartbeat to wait (not by each): heartbeats
+    that come while others wait, while a flush is out, or more than a flush takes, are
+    all answered, and nothing is left waiting."""
+    waiters = await started(host, store, [f"w{n}" for n in range(7)])
+    batcher = HeartbeatBatcher(store, batch_size=2)
+    node = SimpleNamespace(running=True)
+    lanes = asyncio.create_task(batcher.run(node, lanes=2))  # type: ignore[arg-type]
+    try:
+        for rounds in range(1, 4):
+            for n, waiter in enumerate(waiters):
+                waiter.beat()
+                batcher.submit(waiter)
+                if n % 3 == 2:
+                    await asyncio.sleep(0)  # a lane may start a flush among them
+            await eventually(
+                lambda rounds=rounds: all(
+                    sum(len(acks) for what, acks in w.calls if what == "stored") == rounds
+                    for w in waiters
+                ),
+                what="every heartbeat answered",
+            )
+            assert batcher.pending == 0
+    finally:
+        node.running = False
+        lanes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lanes
 
 
 async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(

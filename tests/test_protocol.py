@@ -29,6 +29,7 @@ from tokend.protocol import (
     decode,
     encode,
     heartbeat_fields,
+    heartbeat_mac_key,
     heartbeat_proof_holds,
     is_heartbeat,
     make_heartbeat,
@@ -212,6 +213,13 @@ def test_ack_layout_without_token() -> None:
     data = encode(HeartbeatAck(5, 6))
     assert data == b"\x04\x00" + (5).to_bytes(8, "big") + (6).to_bytes(8, "big") + b"\x00\x00"
     assert len(data) == 20 == p.ACK_HEAD_LENGTH
+
+
+@pytest.mark.parametrize(("seq", "exp_ms"), [(5, 6), (0x0102030405060708, 2**64 - 1), (1, 0)])
+def test_the_flagless_ack_is_the_codecs(seq: int, exp_ms: int) -> None:
+    """encode_ok_ack (the struct's own method, the common ACK) writes what encode does."""
+    assert p.encode_ok_ack(seq, exp_ms) == encode(HeartbeatAck(seq, exp_ms))
+    assert p.encode_ok_ack(seq, exp_ms) == p.encode_plain_ack(seq, exp_ms, False)
 
 
 def test_bye_layout() -> None:
@@ -414,10 +422,23 @@ def test_heartbeat_mac_matches_an_independent_hmac() -> None:
     assert data[34:] == expected
 
 
+@pytest.mark.parametrize("key_length", [0, 16, 32, 64, 65, 200])
+def test_a_mac_key_checks_many_heartbeats_as_hmac_would(key_length: int) -> None:
+    """The session's mac key is made once and checks each of its heartbeats (its hashes
+    are copied, never spent), with any key length HMAC takes (RFC 2104)."""
+    key = bytes(range(key_length))
+    mac_key = heartbeat_mac_key(key)
+    for seq in (1, 2, 3):
+        data = encode(make_heartbeat(key, TID, seq, 7))
+        assert data[34:] == hmac.new(key, data[:34], hashlib.sha256).digest()[:16]
+        assert heartbeat_proof_holds(data, mac_key)
+        assert not heartbeat_proof_holds(data[:-1] + bytes([data[-1] ^ 1]), mac_key)
+
+
 def proof_holds(hb: Heartbeat, key: bytes) -> bool:
     """The server's check of a heartbeat's mac, on its bytes as they come."""
     data = encode(hb)
-    return is_heartbeat(data) and heartbeat_proof_holds(data, key)
+    return is_heartbeat(data) and heartbeat_proof_holds(data, heartbeat_mac_key(key))
 
 
 def test_a_heartbeat_is_read_in_place_as_decode_reads_it() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import hiredis
 import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import Connection
@@ -138,6 +139,31 @@ async def test_direct_calls_give_back_what_they_do_not_keep_of_a_small_pool(
         assert len(direct.idle) == 1
         # Three at once through the pool: they find three connections.
         assert await asyncio.gather(*(client.blpop([key], 0.2) for _ in range(3))) == [None] * 3
+    finally:
+        await client.aclose()
+
+
+async def test_a_direct_call_on_a_connection_redis_closed_is_made_once_more(
+    redis_server: RedisProcess, settings: Settings
+) -> None:
+    """Redis closed the kept connection while it was idle (a restart, a timeout, CLIENT
+    KILL): the next call finds out on it, and is made again on a new one."""
+    client = open_client(redis_server.url, settings)
+    direct = DirectCalls.usable(client)
+    assert direct is not None
+    try:
+        key = f"{settings.key_prefix}:direct"
+        assert await direct.call("SET", key, "1") == "OK"
+        assert (
+            await direct.call_packed(
+                b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key.encode()), key.encode())
+            )
+            == "1"
+        )
+        [kept] = direct.idle
+        assert await client.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert await direct.call("INCR", key) == 2
+        assert direct.idle == [kept] and kept.is_connected  # connected again
     finally:
         await client.aclose()
 
@@ -273,6 +299,44 @@ async def test_hellos_fail_together_when_redis_is_gone(
             )
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("replayed", "restore", "token"),
+    [((), (), ""), ((False, True, False), (), ""), ((), ("1|2|3|4||süb",) * 3, ""), ((), (), "dg")],
+)
+def test_a_heartbeat_batch_is_written_as_hiredis_would_pack_it(
+    settings: Settings, replayed: tuple[bool, ...], restore: tuple[str, ...], token: str
+) -> None:
+    """heartbeat.lua's batch on one Redis is written by the store itself (RESP), its
+    sessions in groups by shard: byte for byte the command hiredis packs, lengths counted
+    in UTF-8 bytes (a key prefix, a node name, a sub that are not ASCII)."""
+    unicode = replace(settings, key_prefix="tökend")
+    store = Store(open_client("redis://127.0.0.1:1/0", unicode), unicode, "nødé")
+    store.wall_clock = lambda: 1_000.0
+    assert store._wire is not None
+    tids = [uuid.uuid4() for _ in range(40)]  # more than the 16 shards: groups of several
+    batch = [store.heartbeat_request(tid, f"nødé/{n}") for n, tid in enumerate(tids)]
+    batch[1] = batch[1]._replace(conn="plain/1", token=token)
+    replayed = tuple(n % 3 == 1 for n in range(len(batch))) if replayed else ()
+    restore = tuple(f"{restore[0]}{n}" for n in range(len(batch))) if restore else ()
+    packed, order = store._wire.pack(batch, replayed, restore, store._given_up_at())
+    # The command, written out: groups by shard, in the order of their shards.
+    assert sorted(order) == list(range(len(batch)))
+    assert [batch[i].shard for i in order] == sorted(r.shard for r in batch)
+    keys: list[str] = []
+    args: list[Any] = [*store._common, *store._heartbeat_args]
+    for shard in sorted({r.shard for r in batch}):
+        members = [i for i in order if batch[i].shard == shard]
+        keys += store._shard_keys[shard]
+        args.append(len(members))
+        for i in members:
+            tid, conn, _, request_token = batch[i]
+            hash_prefix, tomb_prefix = store._session_prefixes[shard]
+            keys += [hash_prefix + tid, tomb_prefix + tid]
+            args += [tid, conn, "1" if replayed and replayed[i] else "0"]
+            args += [restore[i] if restore else "", request_token]
+    assert packed == hiredis.pack_command(("EVALSHA", HEARTBEAT.sha, len(keys), *keys, *args))
 
 
 async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(

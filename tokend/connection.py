@@ -45,6 +45,7 @@ from tokend import protocol as p
 from tokend.answers import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.handshake import Head, hand_over, switch_protocols
 from tokend.http_answer import HttpAnswer
+from tokend.metrics import STAGE_SAMPLE_EVERY
 from tokend.peer import Hub
 from tokend.session import OVERLOADED, Ask, Close, Phase, Session, TokenBucket
 from tokend.stage_sample import StageSample
@@ -63,11 +64,15 @@ WRITE_LOW = 8 * 1024
 # Seconds to wait for the client's part of the closing handshake before dropping it.
 CLOSE_TIMEOUT = 2.0
 _HEARTBEAT_TYPE = p.FrameType.HEARTBEAT.value
+# As a module global: on Python 3.11 an Enum class's attribute is read through
+# EnumType.__getattr__'s hook (~1,100 instructions), once per heartbeat here.
+_ASK_HEARTBEAT = Ask.HEARTBEAT
 # The first two bytes of a client's heartbeat as one whole WebSocket frame (RFC 6455
 # 5.2): FIN and opcode 2 (binary); MASK set and payload length 50. Then the 4-byte
 # masking key and the 50 masked bytes: 56 in all. See Connection.data_received.
 HEARTBEAT_FRAME_HEAD = (0x82, 0x80 | p.HEARTBEAT_LENGTH)
 HEARTBEAT_FRAME_LENGTH = 2 + 4 + p.HEARTBEAT_LENGTH
+_HEARTBEAT_BYTE_0, _HEARTBEAT_BYTE_1 = HEARTBEAT_FRAME_HEAD
 # Heartbeats of one connection verified and not yet answered at which its reading
 # pauses until the store answers: a client keeps one out at a time, and one that sends
 # faster than the store answers is held back as TCP holds back a slow reader.
@@ -316,8 +321,8 @@ class Connection(asyncio.Protocol):
             self.aligned
             and link is not None
             and len(data) == HEARTBEAT_FRAME_LENGTH
-            and data[0] == HEARTBEAT_FRAME_HEAD[0]
-            and data[1] == HEARTBEAT_FRAME_HEAD[1]
+            and data[0] == _HEARTBEAT_BYTE_0
+            and data[1] == _HEARTBEAT_BYTE_1
         ):
             try:
                 link.message(apply_mask(data[6:], data[2:6]))
@@ -740,13 +745,20 @@ class SessionLink:
         to the session as it came (Session.receive_heartbeat); any other, decoded."""
         session = self.session
         hub = self.hub
-        sample = StageSample() if hub.metrics.sampling() else None
+        # One message in STAGE_SAMPLE_EVERY has its stages timed (counted down in place).
+        metrics = hub.metrics
+        metrics.until_sample -= 1
+        if metrics.until_sample:
+            sample = None
+        else:
+            metrics.until_sample = STAGE_SAMPLE_EVERY
+            sample = StageSample()
         # p.is_heartbeat(data), inlined: one call less per heartbeat.
         if len(data) == p.HEARTBEAT_LENGTH and data[0] == _HEARTBEAT_TYPE and not data[1]:
             if sample is not None:
                 sample.decode_ended()
             outcome = session.receive_heartbeat(data, hub.shedder.shed_from)
-            if sample is not None and outcome is Ask.HEARTBEAT:
+            if sample is not None and outcome is _ASK_HEARTBEAT:
                 sample.verify_ended()
                 self.sample = sample
         else:
@@ -764,7 +776,7 @@ class SessionLink:
                 self.connection.close_with(session.close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED))
                 return
             outcome = session.receive(frame, hub.shedder.shed_from)
-        if outcome is Ask.HEARTBEAT:
+        if outcome is _ASK_HEARTBEAT:
             hub.submit_heartbeat(self)
             if len(session.unanswered) >= READ_PAUSE_AT:
                 self.connection.pause_reading()
@@ -843,7 +855,9 @@ class SessionLink:
                     connection.log.info("session recovered")
                 renewed = answer.renewed
             metrics = self.hub.metrics
-            metrics.acked(len(out), renewed)
+            metrics.acked_heartbeats += len(out)
+            if renewed:
+                metrics.renewals += 1
             if sample is not None:
                 sample.send_ended(metrics)
                 self.sample = None

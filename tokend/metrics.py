@@ -110,7 +110,9 @@ class Metrics:
         self._stage_window_list = [self.stage_windows[stage] for stage in STAGES]
         self.redis_windows: dict[str, Window] = {}
         self.acked_heartbeats = 0
-        self._until_sample = STAGE_SAMPLE_EVERY
+        # Messages until the next one sampled for the stage timings (SessionLink.message
+        # counts it down in place: one call less per heartbeat).
+        self.until_sample = STAGE_SAMPLE_EVERY
         self.renewals = 0
         self.expiries: Counter[str] = Counter()
         self.close_codes: Counter[int] = Counter()
@@ -128,20 +130,6 @@ class Metrics:
         self.sessions_by_state: Callable[[], dict[str, int]] = dict
         self.connections: Callable[[], int] = int
         self.registry.register(_LiveCollector(self))
-
-    def sampling(self) -> bool:
-        """True for the one message in :data:`STAGE_SAMPLE_EVERY` whose stages are timed."""
-        self._until_sample -= 1
-        if self._until_sample:
-            return False
-        self._until_sample = STAGE_SAMPLE_EVERY
-        return True
-
-    def acked(self, heartbeats: int, renewed: bool) -> None:
-        """Heartbeats acknowledged (one renewed, if ``renewed``)."""
-        self.acked_heartbeats += heartbeats
-        if renewed:
-            self.renewals += 1
 
     def stages(self, marks: Sequence[float]) -> None:
         """A sampled heartbeat's ``time.perf_counter()`` readings: received, decoded,

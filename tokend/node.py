@@ -20,7 +20,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Coroutine, Sequence
 from typing import Any, Generic, TypeVar, cast
 
@@ -166,13 +166,22 @@ class HeartbeatBatcher(Batcher[Peer]):
         # Peers with heartbeats acknowledged during an outage, not yet stored.
         self.unstored: dict[Peer, None] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
+        # Work for a lane came (a heartbeat to wait, a kick) since a lane last took some.
+        self.due = False
+        # The lanes waiting for work, each on its own future: one is woken at a time (an
+        # event would wake all of them, and all but one would find nothing to take).
+        self.idle: deque[asyncio.Future[None]] = deque()
 
     def submit(self, peer: Peer) -> None:
         # A peer whose heartbeats are in a flight already is submitted again when that
         # flush answers (see flush): one flight per peer at a time.
         if not peer.session.storing:
-            self.waiting[peer] = None
-            self._wake.set()
+            waiting = self.waiting
+            if not waiting:
+                # Only the first of those that wait calls a lane: a lane takes them all at
+                # once (_take, which calls another for those it leaves).
+                self._call_lane()
+            waiting[peer] = None
 
     def forget(self, peer: Peer) -> None:
         super().forget(peer)
@@ -180,7 +189,29 @@ class HeartbeatBatcher(Batcher[Peer]):
 
     def kick(self) -> None:
         if self.unstored:
-            self._wake.set()
+            self._call_lane()
+
+    def _call_lane(self) -> None:
+        """Work is due: wake one idle lane; with none idle, a busy one takes it when its
+        flush ends."""
+        self.due = True
+        idle = self.idle
+        while idle:
+            lane = idle.pop()
+            if not lane.done():  # not cancelled (the node stops)
+                lane.set_result(None)
+                return
+
+    async def _lane(self, node: Node) -> None:
+        loop = asyncio.get_running_loop()
+        while node.running:
+            if not self.due:
+                woken = loop.create_future()
+                self.idle.append(woken)
+                await woken
+                continue
+            self.due = False
+            await self.flush()
 
     @property
     def unstored_peers(self) -> int:
@@ -197,7 +228,7 @@ class HeartbeatBatcher(Batcher[Peer]):
                 self.waiting,
                 key=lambda peer: peer.session.batch_rank,
             )
-            self._wake.set()  # the rest go in the next flush
+            self._call_lane()  # the rest go in the next flush
             for peer in taken:
                 del self.waiting[peer]
         for peer in taken:

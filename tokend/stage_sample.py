@@ -1,10 +1,10 @@
 """One heartbeat timed through its stages, for the stage histogram and the dashboard.
 
 One message in :data:`tokend.metrics.STAGE_SAMPLE_EVERY` is sampled
-(``Metrics.sampling``); a sampled heartbeat's link takes a :class:`StageSample` and
+(``Metrics.until_sample``); a sampled heartbeat's link takes a :class:`StageSample` and
 marks the end of each stage of :data:`tokend.metrics.STAGES` as its heartbeat passes
 it: decoded and verified (the session's), stored (the node's batch flush), sent (its
-ACK written). The other heartbeats pay for none of it but the sampling call.
+ACK written). The other heartbeats pay for none of it but the count.
 """
 
 from __future__ import annotations

@@ -130,8 +130,12 @@ class ScriptRunner:
     @property
     def _common(self) -> list[str]:
         """ARGV[1..5] of every script: the prelude's, then this request's deadline."""
-        given_up_at = int(self.wall_clock() * 1000) + self.given_up_after_ms
-        return [*self._prelude_args, str(given_up_at)]
+        return [*self._prelude_args, self._given_up_at()]
+
+    def _given_up_at(self) -> str:
+        """ARGV[5]: the time (ms, this node's clock) after which Redis is to do nothing
+        of this request (see lua/_prelude.lua)."""
+        return str(int(self.wall_clock() * 1000) + self.given_up_after_ms)
 
     async def _timed(
         self, name: str, make: Callable[[], Awaitable[T]], timeout: float | None = None

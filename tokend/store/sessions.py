@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import structlog
@@ -126,6 +127,8 @@ class Store(ScriptRunner):
             self.grace_ms,
             self.expire_ms,
         ]
+        # heartbeat.lua's batches, written as Redis reads them, on one Redis.
+        self._wire = _HeartbeatWire(self) if self._direct is not None else None
         # Whether this node knows the token as revoked (tokend.revocations sets it): such a
         # HELLO is refused without asking Redis, which a failover may have made forget it.
         self.known_revoked: Callable[[str], bool] = _never
@@ -248,8 +251,18 @@ class Store(ScriptRunner):
     async def _beat(
         self, batch: Sequence[HeartbeatRequest], replayed: Sequence[bool], restore: Sequence[str]
     ) -> list[HeartbeatReply]:
-        """One heartbeat.lua round trip for ``batch``: its sessions grouped by shard as they
-        are read, each value written once into its group's keys and arguments."""
+        """One heartbeat.lua round trip for ``batch``: on one Redis, written as Redis reads
+        it (:class:`_HeartbeatWire`); else its sessions grouped by shard as they are read,
+        each value written once into its group's keys and arguments."""
+        wire = self._wire
+        if wire is not None:
+            packed, order = wire.pack(batch, replayed, restore, self._given_up_at())
+            replies = await self._direct_call(HEARTBEAT, packed)
+            # Back in the batch's order: replies[j] is batch[order[j]]'s.
+            if len(replies) > 1:
+                replies = itemgetter(*sorted(range(len(order)), key=order.__getitem__))(replies)
+            # heartbeat.lua's common reply, an integer, is an answer as it is.
+            return [r if type(r) is int else _heartbeat_answer(r) for r in replies]
         prefixes = self._session_prefixes
         shard_keys = self._shard_keys
         groups: dict[int, _Group] = {}
@@ -334,12 +347,20 @@ class Store(ScriptRunner):
     async def _eval_direct(self, script: Script, keys: list[str], args: list[Any]) -> list[Any]:
         """One batch script call on one Redis, through :class:`DirectCalls` (no pool, no
         pipeline): what ``_eval_many`` does for one call, NOSCRIPT and errors alike."""
+        command = ("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
+        return await self._direct_call(script, None, command)
+
+    async def _direct_call(
+        self, script: Script, packed: bytes | None, command: tuple[Any, ...] = ()
+    ) -> list[Any]:
+        """A batch script's call through :class:`DirectCalls`, written already (``packed``)
+        or not (``command``)."""
         direct = self._direct
         assert direct is not None
-        command = ("EVALSHA", script.sha, len(keys), *keys, *self._common, *args)
         try:
             reply = await self._timed(
-                script.name, lambda: self._reloading(script, lambda: direct.call(*command))
+                script.name,
+                lambda: self._reloading(script, lambda: direct.call_packed(packed, command)),
             )
         except rexc.ResponseError as exc:
             raise RuntimeError(f"script failed: {exc}") from None
@@ -425,6 +446,102 @@ class Store(ScriptRunner):
             code=CloseCode.TOKEN_REVOKED,
             by=by,
         )
+
+
+class _HeartbeatWire:
+    """heartbeat.lua's EVALSHA for a batch on one Redis, written as Redis reads it (RESP:
+    an array of bulk strings) rather than argument by argument by hiredis' packer (about
+    1,500 instructions an argument, seven a heartbeat: bench/hotpath_profile.py).
+
+    The sessions go in groups by shard (``for_each_session`` in lua/_prelude.lua), in
+    the order of their shards: a group per session would cost Redis ~3,400 instructions
+    more a heartbeat. What a session adds is two string formats of parts made here once
+    per shard.
+    """
+
+    def __init__(self, store: Store) -> None:
+        keys = store.keys
+        # Per shard: its deadline set and stream; the head of a session hash key (the
+        # tid follows), and the tombstone key's head.
+        self.shards = ["".join(map(_bulk, keys.shard_keys(shard))) for shard in range(SHARDS)]
+        self.heads: list[str] = []
+        self.mids: list[str] = []
+        for shard in range(SHARDS):
+            hash_prefix, tomb_prefix = keys.session_prefixes(shard)
+            self.heads.append(_bulk_head(hash_prefix, TID_TEXT))
+            self.mids.append("\r\n" + _bulk_head(tomb_prefix, TID_TEXT))
+        self.evalsha = "$7\r\nEVALSHA\r\n" + _bulk(HEARTBEAT.sha)
+        self.prelude = "".join(map(_bulk, store._prelude_args))
+        self.fixed = "".join(_bulk(str(arg)) for arg in store._heartbeat_args)
+
+    def pack(
+        self,
+        batch: Sequence[HeartbeatRequest],
+        replayed: Sequence[bool],
+        restore: Sequence[str],
+        given_up_at: str,
+    ) -> tuple[bytes, list[int]]:
+        """The command for ``batch`` (see Store._beat), its deadline ``given_up_at``; and
+        the positions in ``batch`` of the sessions in the order it names them (that of
+        the script's replies)."""
+        count = len(batch)
+        # Per shard: its sessions' keys, arguments and positions in the batch.
+        keys: list[list[str]] = [[] for _ in range(SHARDS)]
+        args: list[list[str]] = [[] for _ in range(SHARDS)]
+        places: list[list[int]] = [[] for _ in range(SHARDS)]
+        heads, mids = self.heads, self.mids
+        for i, (tid, conn, shard, token) in enumerate(batch):
+            keys[shard].append(f"{heads[shard]}{tid}{mids[shard]}{tid}\r\n")
+            places[shard].append(i)
+            if token or restore or (replayed and replayed[i]):
+                args[shard].append(
+                    _bulk(tid)
+                    + _bulk(conn)
+                    + _bulk("1" if replayed and replayed[i] else "0")
+                    + _bulk(restore[i] if restore else "")
+                    + _bulk(token)
+                )
+            else:  # the common case: not replayed, nothing to restore, no token
+                size = len(conn) if conn.isascii() else len(conn.encode())
+                args[shard].append(f"${TID_TEXT}\r\n{tid}\r\n${size}\r\n{conn}{_PLAIN_END}")
+        key_parts: list[str] = []
+        arg_parts = [self.prelude, _bulk(given_up_at), self.fixed]
+        order: list[int] = []
+        groups = 0
+        for shard, members in enumerate(places):
+            if members:
+                groups += 1
+                size = len(members)
+                key_parts.append(self.shards[shard])
+                key_parts += keys[shard]
+                arg_parts.append(_COUNTS[size] if size < _COUNTED else _bulk(str(size)))
+                arg_parts += args[shard]
+                order += members
+        key_count = 2 * (groups + count)  # a group's shard keys, a session's two
+        # EVALSHA, its sha, the key count, the keys; the prelude's 5 and the fixed 5
+        # arguments, a count a group, 5 a session.
+        head = f"*{3 + key_count + 10 + groups + 5 * count}\r\n"
+        packed = "".join([head, self.evalsha, _bulk(str(key_count)), *key_parts, *arg_parts])
+        return packed.encode(), order
+
+
+def _bulk(text: str) -> str:
+    """``text`` as a RESP bulk string (its length in UTF-8 bytes)."""
+    return f"{_bulk_head(text, 0)}\r\n"
+
+
+def _bulk_head(start: str, more: int) -> str:
+    """A bulk string's head and its first part, ``start``: ``more`` characters (ASCII)
+    follow to end it."""
+    return f"${len(start.encode()) + more}\r\n{start}"
+
+
+# A tid's canonical text (str(uuid.UUID)) is this long, in ASCII.
+TID_TEXT = 36
+# A group's count of sessions, written once (up to a batch's usual size).
+_COUNTED = 1024
+_COUNTS = [_bulk(str(n)) for n in range(_COUNTED)]
+_PLAIN_END = "\r\n" + _bulk("0") + _bulk("") + _bulk("")  # not replayed, no restore, no token
 
 
 class _Group:
