@@ -109,6 +109,7 @@ class Metrics:
         self.stage_windows = {stage: Window() for stage in STAGES}
         self._stage_window_list = [self.stage_windows[stage] for stage in STAGES]
         self.redis_windows: dict[str, Window] = {}
+        self._redis_observed: dict[str, tuple[Histogram, Window]] = {}
         self.acked_heartbeats = 0
         # Messages until the next one sampled for the stage timings (SessionLink.message
         # counts it down in place: one call less per heartbeat).
@@ -142,11 +143,13 @@ class Metrics:
             window.samples.append(took)
 
     def redis_call(self, script: str, seconds: float) -> None:
-        self.redis_seconds.labels(script).observe(seconds)
-        window = self.redis_windows.get(script)
-        if window is None:
+        observed = self._redis_observed.get(script)
+        if observed is None:
+            # labels() takes a lock and builds a key: once per script, not once per call.
             window = self.redis_windows[script] = Window()
-        window.samples.append(seconds)
+            observed = self._redis_observed[script] = (self.redis_seconds.labels(script), window)
+        observed[0].observe(seconds)
+        observed[1].samples.append(seconds)
 
     def expired(self, reason: str) -> None:
         self.expiries[reason] += 1

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from redis import exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
 
 from tokend.store.redis_client import Client, initialized
 
@@ -55,11 +56,16 @@ class Deadline:
         self.redis = redis
         self.timeout = timeout
         self._in_flight = asyncio.Semaphore(concurrency)
+        # Only a Cluster client has a slot table to load before its commands: asked once
+        # here, not per call (an isinstance of RedisCluster goes through typing's protocol
+        # check, microseconds on every heartbeat flush).
+        self._cluster = isinstance(redis, RedisCluster)
 
     async def __call__(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         try:
             async with asyncio.timeout(timeout or self.timeout), self._in_flight:
-                await initialized(self.redis)
+                if self._cluster:
+                    await initialized(self.redis)
                 return await make()
         except UNAVAILABLE as exc:
             raise StoreUnavailable(type(exc).__name__) from None

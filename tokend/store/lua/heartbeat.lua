@@ -94,12 +94,14 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known, token)
       emit('TOKEN_RENEWED', tid, sub, now, conn)
     end
   end
-  redis.call('HSET', skey, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat)
   -- Same deadline as tokend.clocks.deadline(ACTIVE, now, exp).
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   if was_warn == 0 and renewed == 0 then
+    -- st is ACTIVE (the only other state is WARN) and exp, iat are unchanged: write hb alone.
+    redis.call('HSET', skey, 'hb', now)
     return exp -- the common answer, in one integer: stored, nothing else changed
   end
+  redis.call('HSET', skey, 'st', STATE.ACTIVE, 'hb', now, 'exp', exp, 'iat', iat)
   return {HEARTBEAT_OUTCOME.OK, was_warn, renewed, exp, iat}
 end
 
