@@ -10,7 +10,8 @@ phases and stops everything it started:
 
 * **hold** (always): every session heartbeats every ``--heartbeat`` seconds (default 30,
   the production cadence, staggered) for ``--duration`` seconds (default 600). Reports
-  unexpected closes, heartbeats sent and ACKed, ACK latency p50/p99/max, RSS of the
+  unexpected closes, heartbeats sent and ACKed, ACK latency p50/p99/max (goal p99 at most
+  50 ms: a goal missed is reported, on its own line, not failed on), RSS of the
   workers and of Redis (and per session), CPU of every process, Redis memory per
   session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
 * **reload** (``--reload``): with the sessions held and heartbeating, SIGHUP the
@@ -19,12 +20,13 @@ phases and stops everything it started:
   docs/operations.md) and wait for its outcome; every client closed with 1001
   resumes its session on a live worker. Reports the refused connects (goal 0), the
   resumes (the last one's time after the SIGHUP: goal within 60 s), ACK latency over the
-  window, the reload's duration and outcome, the connections each worker held, new
-  sessions, terminal closes and TOKEN_EXPIRED (each must be 0).
+  window (goal p99 at most 250 ms), the CPU of the machine and of the clients, the
+  reload's duration and outcome, the connections each worker held, new sessions,
+  terminal closes and TOKEN_EXPIRED (each must be 0).
 * **restart** (``--restart``): with the sessions held and heartbeating, SIGTERM the
   supervisor (its workers drain: 1001 spread over ``drain_period``) and start it again on
   the same data directory; every client resumes its session with the SDK's backoff.
-  Reports the time until the last resume (goal: within 60 s of the new start), the
+  Reports the time until the last resume (goal: within 120 s of the new start), the CPU, the
   resume rate, the refusals met (503), new sessions (must be 0), terminal closes (must
   be 0) and TOKEN_EXPIRED (must be 0).
 * **expire** (``--expire``): SIGKILL every client process at once; each session must get
@@ -89,7 +91,7 @@ from load_tests.common import (  # noqa: E402
 )
 from testkit.events import READ_CHUNK, read_events  # noqa: E402
 from testkit.net import http_request  # noqa: E402
-from testkit.procs import CpuMeter, fd_limit, proc_children, proc_rss  # noqa: E402
+from testkit.procs import CpuMeter, fd_limit, machine_cpu, proc_children, proc_rss  # noqa: E402
 from testkit.waiting import eventually  # noqa: E402
 from tokend.config import Settings  # noqa: E402
 from tokend.store.keyspace import Keyspace  # noqa: E402
@@ -103,7 +105,10 @@ RESTART_AFTER_S = 2.0
 STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
 # A reload of each worker, at most: a new one starts, the old one drains.
 RELOAD_TIMEOUT_PER_WORKER_S = 60.0
-RESUME_GOAL_S = 60.0
+RESUME_GOAL_S = 60.0  # a reload's last resume, after the SIGHUP
+RESTART_RESUME_GOAL_S = 120.0  # a whole restart's last resume, after the new start
+HOLD_ACK_P99_GOAL_MS = 50.0
+RELOAD_ACK_P99_GOAL_MS = 250.0
 RELOAD_DRAIN_PERIOD = Settings().reload_drain_period
 EXPIRY_LAG_GOAL_MS = 250
 # After the last deadline, how long the expire phase waits for stragglers.
@@ -196,6 +201,27 @@ def rss(roles: dict[str, int]) -> dict[str, int]:
         "tokend": sum(proc_rss(pid) for pid in serving),
         "redis": proc_rss(roles["redis"]) if "redis" in roles else 0,
     }
+
+
+class PhaseCpu:
+    """CPU use over a phase whose server processes come and go (a reload, a restart), as
+    a percentage of one core (the machine has ``os.cpu_count()`` of them): the whole
+    machine, the load generators, and the rest (tokend, Redis, anything else running)."""
+
+    def __init__(self, pool: ClientPool) -> None:
+        self.clients = CpuMeter({f"client-{i + 1}": pid for i, pid in enumerate(pool.pids)})
+        self.clients.start()
+        self.began = time.monotonic()
+        self.busy = machine_cpu()
+
+    def stop(self) -> dict[str, float]:
+        clients = sum(self.clients.stop().values())
+        machine = 100 * (machine_cpu() - self.busy) / max(time.monotonic() - self.began, 1e-9)
+        return {
+            "machine": round(machine, 1),
+            "clients (all)": round(clients, 1),
+            "server and the rest": round(machine - clients, 1),
+        }
 
 
 async def used_memory(redis: aioredis.Redis) -> int:
@@ -371,6 +397,7 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
     per_worker = await open_connections(admin_ports(server.log))
     logged_before = len(server.log.read_text(errors="replace").splitlines())
     signalled = time.time()
+    cpu = PhaseCpu(pool)
     os.kill(server.pid, signal.SIGHUP)
 
     def finished() -> dict[str, Any] | None:
@@ -387,6 +414,7 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
     figures = resumes(replies)
     last = figures.pop("last_resume")
     return {
+        "cpu_pct": cpu.stop(),
         "phases": reload_phases(server.log, logged_before, signalled),
         "timeline": timeline(replies, signalled),
         "began_ms": began_ms,
@@ -418,6 +446,7 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
     await asyncio.sleep(RESTART_AFTER_S)
     logged_before = len(server.log.read_text(errors="replace").splitlines())
     signalled = time.time()
+    cpu = PhaseCpu(pool)
     await asyncio.to_thread(server.stop, STOP_TIMEOUT_S)
     assert server.process is not None
     exit_code = server.process.returncode
@@ -431,6 +460,7 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
     figures = resumes(await task)
     last = figures.pop("last_resume") or started
     return {
+        "cpu_pct": cpu.stop(),
         "began_ms": began_ms,
         **figures,
         "supervisor_exit": exit_code,
@@ -645,7 +675,7 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
     if restart := figures.get("restart"):
         if restart["resumed"] != sessions:
             problems.append(f"{restart['resumed']} of {sessions} sessions resumed")
-        if restart["last_resume_after_start_s"] > RESUME_GOAL_S:
+        if restart["last_resume_after_start_s"] > RESTART_RESUME_GOAL_S:
             problems.append(f"last resume {restart['last_resume_after_start_s']} s after start")
         problems += sessions_lost("restart", restart)
     if expire := figures.get("expire"):
@@ -655,6 +685,20 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
         if expire["expiry_lag_ms"]["p99"] > EXPIRY_LAG_GOAL_MS:
             problems.append(f"expire: lag p99 {expire['expiry_lag_ms']['p99']} ms")
     return problems
+
+
+def latency_goals_missed(figures: dict[str, Any]) -> list[str]:
+    """The ACK latency goals missed: reported, not failed on (a tiny run on a busy machine
+    can miss them; the exit status is for what was lost)."""
+    missed = []
+    p99 = figures["hold"]["ack_latency"]["p99_ms"]
+    if p99 > HOLD_ACK_P99_GOAL_MS:
+        missed.append(f"hold ACK p99 {p99:.1f} ms > {HOLD_ACK_P99_GOAL_MS:g} ms")
+    if reloaded := figures.get("reload"):
+        p99 = reloaded["ack_latency"]["p99_ms"]
+        if p99 > RELOAD_ACK_P99_GOAL_MS:
+            missed.append(f"reload ACK p99 {p99:.0f} ms > {RELOAD_ACK_P99_GOAL_MS:g} ms")
+    return missed
 
 
 def report(figures: dict[str, Any], problems: list[str]) -> str:
@@ -693,6 +737,8 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
             f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
             f"                    steps (s after SIGHUP): {reloaded['phases']}",
+            f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): "
+            f"{reloaded['cpu_pct']}",
             "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / resumed): "
             + "; ".join(
                 f"{r['t']:+d} {r['acks']}/{r['slow']}/{r['max_ms']:g}/{r['resumed']}"
@@ -711,6 +757,8 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"                    refusals {restart['refusals'] or 'none'}; closes "
             f"{restart['closes']}; new sessions {restart['started_anew']}; terminal "
             f"{restart['terminal_closes'] or 'none'}; events {restart['events']}",
+            f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): "
+            f"{restart['cpu_pct']}",
         ]
     if expire := figures.get("expire"):
         lag, warn = expire["expiry_lag_ms"], expire["warn_lag_ms"]
@@ -723,6 +771,8 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f" / max {lag['max']:.0f} ms; WARN lag p50 {warn['p50']:.0f} / p99 "
             f"{warn['p99']:.0f} / max {warn['max']:.0f} ms",
         ]
+    missed = figures["latency_goals_missed"]
+    lines.append(f"latency goals:      {'missed: ' + '; '.join(missed) if missed else 'met'}")
     lines.append(f"result:             {'FAIL: ' + '; '.join(problems) if problems else 'PASS'}")
     return "\n".join(lines)
 
@@ -743,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - began, 1),
         "workdir": str(workdir),  # removed (unless --keep), with everything started in it
     }
+    figures["latency_goals_missed"] = latency_goals_missed(figures)
     problems = verdict(figures, args.sessions)
     return finish(figures, problems, report(figures, problems), args.json)
 

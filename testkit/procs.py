@@ -27,6 +27,13 @@ def proc_rss(pid: int) -> int:
     raise ProcessLookupError(f"no VmRSS for pid {pid}")
 
 
+def machine_cpu() -> float:
+    """CPU seconds the whole machine has been busy since boot, every core and process
+    (``/proc/stat``: all but idle and iowait)."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_children(pid: int) -> list[int]:
     """The live child processes of a process (empty if it has gone).
 

@@ -151,6 +151,10 @@ def test_soak_reload_smoke_run(tmp_path: Path):
     assert reloaded["closes"] == {"1001": 300} and reloaded["resumed"] == 300
     assert reloaded["live_at_end"] == 300 and reloaded["started_anew"] == 0
     assert reloaded["terminal_closes"] == {} and "TOKEN_EXPIRED" not in reloaded["events"]
+    # The machine's CPU over the reload, the load generators' part of it measured apart.
+    cpu = reloaded["cpu_pct"]
+    assert cpu["machine"] >= cpu["clients (all)"] > 0
+    assert "latency goals:" in figures["stdout"]
 
 
 def test_overload_smoke_run(tmp_path: Path):
