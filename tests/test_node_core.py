@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -307,18 +307,12 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
     batcher = HeartbeatBatcher(store, batch_size=10)
     waiter.beat()
     batcher.submit(waiter)
-    original = store.record_heartbeats
 
-    async def beat_meanwhile(
-        batch: Sequence[HeartbeatRequest],
-        replayed: Sequence[bool] = (),
-        known: Callable[[int], Known | None] | None = None,
-    ) -> list[HeartbeatReply]:
+    async def beat_meanwhile(tids: list[str]) -> None:
         waiter.beat()  # the client's next heartbeat lands while Redis works on the first
         batcher.submit(waiter)
-        return await original(batch, replayed, known)
 
-    store.record_heartbeats = beat_meanwhile  # type: ignore[method-assign]
+    original = before_each_round_trip(store, beat_meanwhile)
     await batcher.flush()
     store.record_heartbeats = original  # type: ignore[method-assign]
     assert [ack.seq for ack in waiter.calls[-1][1]] == [1]
@@ -357,6 +351,122 @@ async def test_running_lanes_answer_every_heartbeat_however_they_come(
         lanes.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await lanes
+
+
+@contextlib.asynccontextmanager
+async def running_lanes(batcher: HeartbeatBatcher, lanes: int = 2) -> AsyncIterator[None]:
+    node = SimpleNamespace(running=True)
+    task = asyncio.create_task(batcher.run(node, lanes=lanes))  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        node.running = False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def before_each_round_trip(
+    store: Store, do: Callable[[list[str]], Awaitable[None]]
+) -> Callable[..., Awaitable[list[HeartbeatReply]]]:
+    """Await ``do(tids)`` before each heartbeat round trip the store makes from now (the
+    batch's tids); returns the store's own record_heartbeats, to put back."""
+    original = store.record_heartbeats
+
+    async def wrapped(
+        batch: Sequence[HeartbeatRequest],
+        replayed: Sequence[bool] = (),
+        known: Callable[[int], Known | None] | None = None,
+    ) -> list[HeartbeatReply]:
+        await do([r.tid for r in batch])
+        return await original(batch, replayed, known)
+
+    store.record_heartbeats = wrapped  # type: ignore[method-assign]
+    return original
+
+
+def spied_round_trips(store: Store) -> list[tuple[float, list[str]]]:
+    """(loop time, tids) of each heartbeat round trip the store is asked for from now."""
+    asked: list[tuple[float, list[str]]] = []
+
+    async def spy(tids: list[str]) -> None:
+        asked.append((asyncio.get_running_loop().time(), tids))
+
+    before_each_round_trip(store, spy)
+    return asked
+
+
+async def test_a_heartbeat_that_finds_the_store_idle_waits_for_others_to_share_its_trip(
+    host: Host, store: Store
+) -> None:
+    """heartbeat_gather: the first heartbeat to wait with no round trip in flight is
+    flushed ``gather`` later, with every heartbeat that came meanwhile (one round trip)."""
+    waiters = await started(host, store, ["g-1", "g-2", "g-3"])
+    batcher = HeartbeatBatcher(store, batch_size=10, gather=0.05)
+    asked = spied_round_trips(store)
+    loop = asyncio.get_running_loop()
+
+    def beat(waiter: Waiter) -> None:
+        waiter.beat()
+        batcher.submit(waiter)
+
+    async with running_lanes(batcher):
+        first = loop.time()
+        beat(waiters[0])
+        beat(waiters[1])
+        # Timers run in the order they are due: this one always before the gather's.
+        loop.call_later(0.02, beat, waiters[2])
+        await eventually(lambda: all(w.calls[-1][0] == "stored" for w in waiters), what="ACKs")
+    [(at, tids)] = asked
+    assert tids == [w.heartbeat_request.tid for w in waiters]  # type: ignore[union-attr]
+    # call_later may fire within the loop's clock resolution before the time it was given.
+    assert at >= first + 0.05 - max(loop._clock_resolution, 0.001)  # type: ignore[attr-defined]
+
+
+async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
+    host: Host, store: Store
+) -> None:
+    """A flush's worth waiting goes at once, and so does a heartbeat that comes while a
+    round trip is in flight (the node is busy: batches form as it is). A gather of an
+    hour shows that neither waited for it."""
+    full, busy = (
+        await started(host, store, ["full-1", "full-2"]),
+        await started(host, store, ["busy-1", "busy-2"]),
+    )
+    batcher = HeartbeatBatcher(store, batch_size=2, gather=3600)
+    asked = spied_round_trips(store)
+    released = asyncio.Event()
+
+    async def held_while_unreleased(tids: list[str]) -> None:
+        if tids == [busy[0].heartbeat_request.tid]:  # type: ignore[union-attr]
+            await released.wait()
+
+    before_each_round_trip(store, held_while_unreleased)
+
+    def stored(waiter: Waiter) -> bool:
+        return waiter.calls[-1][0] == "stored"
+
+    async with running_lanes(batcher):
+        for waiter in full:
+            waiter.beat()
+            batcher.submit(waiter)
+        await eventually(lambda: all(map(stored, full)), what="the full flush answered")
+        busy[0].beat()
+        batcher.submit(busy[0])  # the store is idle: it would wait the hour...
+        in_flight = asyncio.create_task(batcher.flush())  # ...but is flushed here, and held
+        await eventually(lambda: batcher.in_flight == 1, what="a round trip in flight")
+        busy[1].beat()
+        batcher.submit(busy[1])
+        await eventually(lambda: stored(busy[1]), what="busy-2 answered at once")
+        assert not stored(busy[0])  # still held in flight
+        released.set()
+        await in_flight
+    assert stored(busy[0])
+    assert [tids for _, tids in asked] == [
+        [w.heartbeat_request.tid for w in full],  # type: ignore[union-attr]
+        [busy[1].heartbeat_request.tid],  # type: ignore[union-attr]
+        [busy[0].heartbeat_request.tid],  # type: ignore[union-attr]
+    ]
 
 
 async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(

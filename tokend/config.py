@@ -98,6 +98,12 @@ class Settings:
         "most heartbeats per Redis round trip; when more wait, higher prio first and WARN "
         "sessions last",
     )
+    heartbeat_gather: float = _setting(
+        0.002,
+        "seconds a heartbeat that finds no Redis round trip in flight waits for others to "
+        "share its round trip (a sparse load's heartbeats each paid one); 0: at once. Under "
+        "load a round trip is in flight and nothing waits",
+    )
     flush_lanes: int = _setting(
         4,
         "store round trips the heartbeat batcher keeps in flight at once: the node answers "
@@ -422,6 +428,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("shed_penalty: must not be negative (0: no penalty)")
     if settings.heartbeat_batch < 1:
         raise ConfigError("heartbeat_batch: must be at least 1")
+    if not 0 <= settings.heartbeat_gather <= 1:
+        raise ConfigError("heartbeat_gather: must be 0 to 1 seconds")
     if settings.flush_lanes < 1:
         raise ConfigError("flush_lanes: must be at least 1")
     if not -1 <= settings.admin_port <= 65535:

@@ -160,9 +160,14 @@ class HeartbeatBatcher(Batcher[Peer]):
     when it starts and once when it ends, with counts.
     """
 
-    def __init__(self, store: Store, batch_size: int) -> None:
+    def __init__(self, store: Store, batch_size: int, gather: float = 0.0) -> None:
         super().__init__(store)
         self.batch_size = batch_size
+        # Seconds a heartbeat that finds no round trip in flight waits for others to share
+        # its round trip (settings.heartbeat_gather): a round trip costs the node and Redis
+        # about as much for one heartbeat as for ten (docs/performance.md, "Gathering").
+        self.gather = gather
+        self.in_flight = 0  # store round trips of this batcher awaiting their answer
         # Peers with heartbeats acknowledged during an outage, not yet stored.
         self.unstored: dict[Peer, None] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
@@ -177,11 +182,18 @@ class HeartbeatBatcher(Batcher[Peer]):
         # flush answers (see flush): one flight per peer at a time.
         if not peer.session.storing:
             waiting = self.waiting
-            if not waiting:
-                # Only the first of those that wait calls a lane: a lane takes them all at
-                # once (_take, which calls another for those it leaves).
-                self._call_lane()
             waiting[peer] = None
+            count = len(waiting)
+            if count == 1:
+                # Only the first of those that wait calls a lane: a lane takes them all at
+                # once (_take, which calls another for those it leaves). While a round trip
+                # is in flight the node is busy enough to make batches as it is: at once.
+                if self.gather and not self.in_flight and self.batch_size > 1:
+                    asyncio.get_running_loop().call_later(self.gather, self._call_lane)
+                else:
+                    self._call_lane()
+            elif count == self.batch_size:
+                self._call_lane()  # a flush's worth waits for nothing more
 
     def forget(self, peer: Peer) -> None:
         super().forget(peer)
@@ -250,6 +262,7 @@ class HeartbeatBatcher(Batcher[Peer]):
         # Every peer here was attached (given its request) at WELCOME, before its heartbeats.
         requests = cast(list[HeartbeatRequest], [peer.heartbeat_request for peer in peers])
         replayed = [p in unstored for p in batch] + [True] * len(replays) if unstored else ()
+        self.in_flight += 1
         try:
             answers = await self.store.record_heartbeats(
                 requests, replayed, lambda i: peers[i].known()
@@ -267,6 +280,8 @@ class HeartbeatBatcher(Batcher[Peer]):
             for peer in batch:
                 peer.close(CloseCode.INTERNAL_ERROR, "internal_error")
             return
+        finally:
+            self.in_flight -= 1
         if self.held:
             log.warning("store back: heartbeats held stored", held=self.held, replayed=len(replays))
             self.held = 0
@@ -384,7 +399,9 @@ class Node:
         self.redis = redis
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
-        self.heartbeat_batcher = HeartbeatBatcher(self.store, settings.heartbeat_batch)
+        self.heartbeat_batcher = HeartbeatBatcher(
+            self.store, settings.heartbeat_batch, settings.heartbeat_gather
+        )
         self.release_batcher = ReleaseBatcher(self.store)
         self.hello_batcher = HelloBatcher(self.store, self.release_batcher)
         # The Hub's round trips, straight to the batchers (no call in between).
