@@ -165,7 +165,7 @@ class HeartbeatBatcher(Batcher[Peer]):
         self.batch_size = batch_size
         # Seconds a heartbeat that finds no round trip in flight waits for others to share
         # its round trip (settings.heartbeat_gather): a round trip costs the node and Redis
-        # about as much for one heartbeat as for ten (docs/performance.md, "Gathering").
+        # about as much for one heartbeat as for ten (docs/performance.md, "Gathering heartbeats").
         self.gather = gather
         self.in_flight = 0  # store round trips of this batcher awaiting their answer
         # Peers with heartbeats acknowledged during an outage, not yet stored.
