@@ -53,8 +53,9 @@ class Batcher(Generic[Item]):
     """Peers (or requests) waiting for one store round trip; the next starts when one
     ends.
 
-    A lone request waits for no timer, while a busy node sends large batches. An item
-    waits at most once (a dict keyed by it, in arrival order).
+    A lone request waits for no timer (but a heartbeat may: ``HeartbeatBatcher.gather``),
+    while a busy node sends large batches. An item waits at most once (a dict keyed by
+    it, in arrival order).
     """
 
     def __init__(self, store: Store) -> None:
@@ -152,7 +153,9 @@ class HeartbeatBatcher(Batcher[Peer]):
     A flush takes at most ``batch_size`` connections; when more wait (Redis or the
     node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
     :func:`tokend.clocks.serving_rank`)
-    and the rest wait for the next flush.
+    and the rest wait for the next flush. A heartbeat that finds no round trip in flight
+    waits up to ``gather`` seconds for others to share its trip; under load one is always
+    in flight, and nothing waits.
 
     While Redis is unavailable the heartbeats are acknowledged from what the session
     knows and kept in :attr:`unstored`; they are stored, marked as replayed (not
