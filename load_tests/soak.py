@@ -203,13 +203,18 @@ def rss(roles: dict[str, int]) -> dict[str, int]:
     }
 
 
+def client_roles(pool: ClientPool) -> dict[str, int]:
+    """The load-generator processes by role: client-1, client-2, ..."""
+    return {f"client-{i + 1}": pid for i, pid in enumerate(pool.pids)}
+
+
 class PhaseCpu:
     """CPU use over a phase whose server processes come and go (a reload, a restart), as
     a percentage of one core (the machine has ``os.cpu_count()`` of them): the whole
     machine, the load generators, and the rest (tokend, Redis, anything else running)."""
 
     def __init__(self, pool: ClientPool) -> None:
-        self.clients = CpuMeter({f"client-{i + 1}": pid for i, pid in enumerate(pool.pids)})
+        self.clients = CpuMeter(client_roles(pool))
         self.clients.start()
         self.began = time.monotonic()
         self.busy = machine_cpu()
@@ -238,7 +243,7 @@ async def hold(
     rss_open = rss(roles)
     redis_open = await used_memory(redis) - base
     meter = CpuMeter(
-        {**roles, **{f"client-{i + 1}": pid for i, pid in enumerate(pool.pids)}},
+        {**roles, **client_roles(pool)},
         own=frozenset({"supervisor", "tokend"}),  # their children are measured apart
     )
     meter.start()
@@ -701,6 +706,10 @@ def latency_goals_missed(figures: dict[str, Any]) -> list[str]:
     return missed
 
 
+def phase_cpu_line(cpu: dict[str, float]) -> str:
+    return f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): {cpu}"
+
+
 def report(figures: dict[str, Any], problems: list[str]) -> str:
     opened, hold = figures["open"], figures["hold"]
     lines = [
@@ -737,8 +746,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
             f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
             f"                    steps (s after SIGHUP): {reloaded['phases']}",
-            f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): "
-            f"{reloaded['cpu_pct']}",
+            phase_cpu_line(reloaded["cpu_pct"]),
             "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / resumed): "
             + "; ".join(
                 f"{r['t']:+d} {r['acks']}/{r['slow']}/{r['max_ms']:g}/{r['resumed']}"
@@ -757,8 +765,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"                    refusals {restart['refusals'] or 'none'}; closes "
             f"{restart['closes']}; new sessions {restart['started_anew']}; terminal "
             f"{restart['terminal_closes'] or 'none'}; events {restart['events']}",
-            f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): "
-            f"{restart['cpu_pct']}",
+            phase_cpu_line(restart["cpu_pct"]),
         ]
     if expire := figures.get("expire"):
         lag, warn = expire["expiry_lag_ms"], expire["warn_lag_ms"]
