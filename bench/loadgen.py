@@ -98,6 +98,9 @@ _ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 MAX_SAMPLES = 2_000_000
 SLOW_ACK_US = 250_000  # an ACK slower than this is counted in the soak's timeline
 SOAK_GRACE_S = 2.0  # after a soak, how long the last heartbeats' ACKs may take
+# A soak's probe of this process's own loop: a timer every LAG_TICK_S, and how late it
+# ran. An ACK's latency is taken when this loop reads it, so it includes this lateness.
+LAG_TICK_S = 0.05
 
 
 def cpu_seconds() -> float:
@@ -236,9 +239,11 @@ class Conn:
                 raise p.ProtocolError(f"expected WELCOME, got {type(frame).__name__}")
             self.key, self.tid, self.exp_ms = frame.session_key, frame.tid, frame.exp_ms
             self.mac = hmac.new(self.key, digestmod=hashlib.sha256)
-            codec = p.encode(p.make_heartbeat(self.key, self.tid, 1, self.exp_ms))
-            if self._heartbeat(1) != codec:
-                raise p.ProtocolError("load generator heartbeat differs from tokend.protocol")
+            if not self.gen.codec_checked:
+                codec = p.encode(p.make_heartbeat(self.key, self.tid, 1, self.exp_ms))
+                if self._heartbeat(1) != codec:
+                    raise p.ProtocolError("load generator heartbeat differs from tokend.protocol")
+                self.gen.codec_checked = True
         except p.ProtocolError as exc:
             self.ready.set_exception(exc)
             return
@@ -403,6 +408,8 @@ class Generator:
             if len(tokens) != job["count"]:
                 raise SystemExit(f"token file has too few tokens for {job}")
         self.conns = [Conn(self, t) for t in tokens]
+        # This process's heartbeat encoder held to tokend.protocol's, on its first WELCOME.
+        self.codec_checked = False
         # A local address of its own: its ephemeral ports are not shared with others.
         self.local_addr = (job["source"], 0) if job.get("source") else None
         ca_file = job.get("ca_file")
@@ -425,7 +432,8 @@ class Generator:
         self.started_anew = 0
         self.gave_up: Counter[str] = Counter()
         self.first_close: dict[str, float] = {}  # close code -> wall time it was first seen
-        # Soak: by wall-clock second, [ACKs, those slower than SLOW_ACK_US, slowest (us)].
+        # Soak: by wall-clock second, [ACKs, those slower than SLOW_ACK_US, slowest (us),
+        # this loop's lateness (us, the most of the second's LAG_TICK_S timers)].
         self.timeline: dict[int, list[int]] = {}
         self.reconnecting: set[asyncio.Task[None]] = set()
         self.running = 0
@@ -596,7 +604,9 @@ class Generator:
             for conn in self.conns:
                 if not conn.live:
                     self._reconnect(conn)
-        await asyncio.sleep(duration + min(interval, SOAK_GRACE_S))  # the last ACKs come in
+        ends = self.loop.time() + duration + min(interval, SOAK_GRACE_S)
+        self.probe_lag(self.loop.time(), ends)
+        await asyncio.sleep(ends - self.loop.time())  # the last ACKs come in
         self.soaking = False
         for task in list(self.reconnecting):
             task.cancel()
@@ -619,9 +629,22 @@ class Generator:
             "timeline": {str(k): v for k, v in self.timeline.items()},
         }
 
+    def second(self) -> list[int]:
+        """This wall-clock second's timeline entry."""
+        return self.timeline.setdefault(int(time.time()), [0, 0, 0, 0])
+
+    def probe_lag(self, due: float, until: float) -> None:
+        """Note how late this loop ran the timer due at ``due`` (loop time); the next,
+        until ``until``."""
+        now = self.loop.time()
+        entry = self.second()
+        entry[3] = max(entry[3], int((now - due) * 1_000_000))
+        if now < until:
+            self.loop.call_at(now + LAG_TICK_S, self.probe_lag, now + LAG_TICK_S, until)
+
     def ack_second(self, latency_us: int) -> None:
         """Count an ACK (and how slow it was) in this wall-clock second's entry."""
-        entry = self.timeline.setdefault(int(time.time()), [0, 0, 0])
+        entry = self.second()
         entry[0] += 1
         entry[1] += latency_us > SLOW_ACK_US
         entry[2] = max(entry[2], latency_us)

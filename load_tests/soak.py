@@ -308,23 +308,26 @@ TIMELINE_BUCKET_S = 5
 
 
 def timeline(replies: Sequence[dict[str, Any]], since: float) -> list[dict[str, Any]]:
-    """ACKs, those slower than 250 ms, the slowest, and resumes, in buckets of
-    :data:`TIMELINE_BUCKET_S` seconds from ``since`` (wall-clock): where a window's
-    slow ACKs and its resumes fall."""
+    """ACKs, those slower than 250 ms, the slowest, the load generators' own loop lag
+    (the most of any process: an ACK read late by a busy client counts as slow), and
+    resumes, in buckets of :data:`TIMELINE_BUCKET_S` seconds from ``since``
+    (wall-clock): where a window's slow ACKs and its resumes fall."""
     rows: dict[int, dict[str, Any]] = {}
 
     def row(at: float) -> dict[str, Any]:
         start = int((at - since) // TIMELINE_BUCKET_S) * TIMELINE_BUCKET_S
         return rows.setdefault(
-            start, {"t": start, "acks": 0, "slow": 0, "max_ms": 0.0, "resumed": 0}
+            start,
+            {"t": start, "acks": 0, "slow": 0, "max_ms": 0.0, "client_lag_ms": 0.0, "resumed": 0},
         )
 
     for reply in replies:
-        for second, (acks, slow, slowest_us) in reply["timeline"].items():
+        for second, (acks, slow, slowest_us, lag_us) in reply["timeline"].items():
             entry = row(int(second))
             entry["acks"] += acks
             entry["slow"] += slow
             entry["max_ms"] = max(entry["max_ms"], round(slowest_us / 1000, 1))
+            entry["client_lag_ms"] = max(entry["client_lag_ms"], round(lag_us / 1000, 1))
         for tenth, resumed in reply["resumed_at"].items():
             row(int(tenth) / 10)["resumed"] += resumed
     return [rows[t] for t in sorted(rows)]
@@ -747,9 +750,11 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
             f"                    steps (s after SIGHUP): {reloaded['phases']}",
             phase_cpu_line(reloaded["cpu_pct"]),
-            "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / resumed): "
+            "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / client loop "
+            "lag / resumed): "
             + "; ".join(
-                f"{r['t']:+d} {r['acks']}/{r['slow']}/{r['max_ms']:g}/{r['resumed']}"
+                f"{r['t']:+d} {r['acks']}/{r['slow']}/{r['max_ms']:g}/{r['client_lag_ms']:g}/"
+                f"{r['resumed']}"
                 for r in reloaded["timeline"]
             ),
         ]
