@@ -44,14 +44,32 @@ def heartbeat_figures(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "acks": sum(r["acks"] for r in replies),
         "closes": merged(replies, "closes"),
         "ack_latency": latency_summary([x for r in replies for x in r["latencies_us"]]),
+        "client_loop_lag": client_loop_lag(replies),
     }
 
 
-def latency_line(latency: dict[str, float]) -> str:
-    return (
+def client_loop_lag(replies: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """How late the load generators' own loops ran: p99 and max (ms) of the most each
+    process was late in each second. An ACK is timed when its client's loop reads it, so
+    a late client loop makes an ACK look that much slower."""
+    lags = sorted(entry[3] for r in replies for entry in r["timeline"].values())
+    if not lags:
+        return {"p99_ms": 0.0, "max_ms": 0.0}
+    return {"p99_ms": lags[int(0.99 * (len(lags) - 1))] / 1000, "max_ms": lags[-1] / 1000}
+
+
+def latency_line(latency: dict[str, float], client_lag: dict[str, float] | None = None) -> str:
+    """An ACK latency summary, and beside it how late the clients' loops ran, if given."""
+    line = (
         f"p50 {latency['p50_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms, "
         f"max {latency['max_ms']:.2f} ms"
     )
+    if client_lag:
+        line += (
+            f" (client loop lag p99 {client_lag['p99_ms']:.0f} ms, "
+            f"max {client_lag['max_ms']:.0f} ms)"
+        )
+    return line
 
 
 @contextlib.contextmanager

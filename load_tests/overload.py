@@ -306,7 +306,7 @@ def verdict(figures: dict[str, Any]) -> list[str]:
 def row(window: str, name: str, g: dict[str, Any]) -> str:
     return (
         f"{window:11} {name:9} {g['sent']:>8,} sent {g['acks']:>8,} ACKed  "
-        + common.latency_line(g["ack_latency"])
+        + common.latency_line(g["ack_latency"], g["client_loop_lag"])
     )
 
 

@@ -726,7 +726,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
         f"{figures['heartbeat_s']:g} s",
         f"unexpected closes:  {sum(hold['closes'].values())} {hold['closes'] or ''}".rstrip(),
         f"heartbeats:         {hold['sent']:,} sent, {hold['acks']:,} ACKed",
-        f"ACK latency:        {latency_line(hold['ack_latency'])}",
+        f"ACK latency:        {latency_line(hold['ack_latency'], hold['client_loop_lag'])}",
         f"RSS:                tokend {hold['rss_mb']['tokend']} MB "
         f"({hold['rss_per_session_b']['tokend']:,} B/session), Redis {hold['rss_mb']['redis']} "
         f"MB ({hold['rss_per_session_b']['redis']:,} B/session) after open; peak "
@@ -743,7 +743,8 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"{reloaded['last_resume_after_signal_s']} s after SIGHUP; peak "
             f"{reloaded['peak_resumes_per_s']:,}/s, mean {reloaded['mean_resumes_per_s']:,}/s",
             f"                    refused connects {reloaded['refused_connects']}; refusals "
-            f"{reloaded['refusals'] or 'none'}; ACK {latency_line(reloaded['ack_latency'])} "
+            f"{reloaded['refusals'] or 'none'}; ACK "
+            f"{latency_line(reloaded['ack_latency'], reloaded['client_loop_lag'])} "
             f"({reloaded['acks']:,} of {reloaded['sent']:,} ACKed)",
             f"                    closes {reloaded['closes']}; new sessions "
             f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
