@@ -41,7 +41,6 @@ from tokend.store.sessions import HelloRequest, Store
 from tokend.tokens import Claims, TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
-HELLO_BATCH = Settings().hello_batch
 
 
 class Host:
@@ -152,7 +151,7 @@ async def started(
 ) -> list[Waiter]:
     """Waiters whose sessions HELLO started, through one HelloBatcher flush (the sub of
     each is its name, unless ``subs`` says)."""
-    hellos = HelloBatcher(store, ReleaseBatcher(store), HELLO_BATCH)
+    hellos = HelloBatcher(store, ReleaseBatcher(store))
     waiters = [
         Waiter(host, store, name, prio, sub)
         for name, prio, sub in zip(names, prios or [5] * len(names), subs or names, strict=True)
@@ -176,37 +175,6 @@ async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: S
         assert waiter.session.claims is not None
         view = await store.queries.session(waiter.session.claims.tid)
         assert view is not None and view.conn == waiter.session.conn
-
-
-async def test_a_hello_batch_takes_at_most_hello_batch_the_oldest_first(
-    host: Host, store: Store
-) -> None:
-    """hello_batch bounds a round trip (a batch script holds Redis while it runs): five
-    HELLOs waiting with a batch of two go in three round trips, in the order they came,
-    one after another without another submit."""
-    round_trips: list[list[str]] = []
-    original = store.hellos
-
-    async def spy(batch: Sequence[HelloRequest]) -> list[HelloAnswer]:
-        round_trips.append([str(r.sub) for r in batch])
-        return await original(batch)
-
-    store.hellos = spy  # type: ignore[method-assign]
-    hellos = HelloBatcher(store, ReleaseBatcher(store), 2)
-    waiters = [Waiter(host, store, f"cap-{n}", 5, f"cap-{n}") for n in range(5)]
-    node = SimpleNamespace(running=True)
-    lane = asyncio.create_task(hellos.run(node))  # type: ignore[arg-type]
-    try:
-        for waiter in waiters:
-            waiter.hello()
-            hellos.submit(waiter)
-        await eventually(lambda: all(w.welcome is not None for w in waiters), what="WELCOMEs")
-    finally:
-        node.running = False
-        lane.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await lane
-    assert round_trips == [["cap-0", "cap-1"], ["cap-2", "cap-3"], ["cap-4"]]
 
 
 async def test_a_hello_after_its_own_connection_ended_resumes_without_a_proof(
@@ -236,7 +204,7 @@ async def reconnect_outcome(
     again = Waiter(host, store, "again", sub="again")
     again.token = first.token
     again.hello()
-    hellos = HelloBatcher(store, releases, HELLO_BATCH)
+    hellos = HelloBatcher(store, releases)
     hellos.submit(again)
     await hellos.flush()
     [(what, answer)] = again.calls
@@ -262,7 +230,7 @@ async def test_a_hello_whose_answer_was_lost_is_released_at_its_close(
     hello_timeout had closed the connection while the HELLO was out."""
     lost = AnswerLost(host, store, "lost")
     lost.hello()
-    hellos = HelloBatcher(store, ReleaseBatcher(store), HELLO_BATCH)
+    hellos = HelloBatcher(store, ReleaseBatcher(store))
     hellos.submit(lost)
     await hellos.flush()
     [(what, answer)] = lost.calls
@@ -293,7 +261,7 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
     client = open_client(settings.redis_url, settings)
     try:
         dead = Store(client, settings, "node-a")
-        hellos = HelloBatcher(dead, ReleaseBatcher(dead), HELLO_BATCH)
+        hellos = HelloBatcher(dead, ReleaseBatcher(dead))
         waiters = [Waiter(host, dead, f"g-{n}") for n in range(3)]
         for waiter in waiters:
             waiter.hello()

@@ -98,12 +98,6 @@ class Settings:
         "most heartbeats per Redis round trip; when more wait, higher prio first and WARN "
         "sessions last",
     )
-    hello_batch: int = _setting(
-        128,
-        "most HELLOs per Redis round trip, oldest first; the rest go in the next. A batch "
-        "script holds Redis, and so every node's heartbeats, while it runs: a resume costs it "
-        "~50 us, and a storm's unbounded batch of 1,000 held it for 50-100 ms",
-    )
     heartbeat_gather: float = _setting(
         0.002,
         "seconds a heartbeat that finds no Redis round trip in flight waits for others to "
@@ -436,8 +430,6 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("heartbeat_batch: must be at least 1")
     if not 0 <= settings.heartbeat_gather <= 1:
         raise ConfigError("heartbeat_gather: must be 0 to 1 seconds")
-    if settings.hello_batch < 1:
-        raise ConfigError("hello_batch: must be at least 1")
     if settings.flush_lanes < 1:
         raise ConfigError("flush_lanes: must be at least 1")
     if not -1 <= settings.admin_port <= 65535:

@@ -108,21 +108,12 @@ class HelloBatcher(Batcher[Peer]):
     the node goes on reading handshakes and HELLOs meanwhile.
     """
 
-    def __init__(self, store: Store, releases: ReleaseBatcher, batch_size: int) -> None:
+    def __init__(self, store: Store, releases: ReleaseBatcher) -> None:
         super().__init__(store)
         self.releases = releases
-        self.batch_size = batch_size
 
     async def flush(self) -> None:
-        waiting = self.waiting
-        if len(waiting) <= self.batch_size:
-            batch, self.waiting = list(waiting), {}
-        else:
-            # Oldest first; the rest go in the next round trip, right after this one.
-            batch = list(itertools.islice(waiting, self.batch_size))
-            for peer in batch:
-                del waiting[peer]
-            self._wake.set()
+        batch, self.waiting = list(self.waiting), {}
         await self.releases.settle()
         requests = []
         for peer in batch:
@@ -415,7 +406,7 @@ class Node:
             self.store, settings.heartbeat_batch, settings.heartbeat_gather
         )
         self.release_batcher = ReleaseBatcher(self.store)
-        self.hello_batcher = HelloBatcher(self.store, self.release_batcher, settings.hello_batch)
+        self.hello_batcher = HelloBatcher(self.store, self.release_batcher)
         # The Hub's round trips, straight to the batchers (no call in between).
         self.submit_hello = self.hello_batcher.submit
         self.forget_hello = self.hello_batcher.forget
