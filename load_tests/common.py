@@ -49,13 +49,10 @@ def heartbeat_figures(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def client_loop_lag(replies: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """How late the load generators' own loops ran: p99 and max (ms) of the most each
+    """How late the load generators' own loops ran: p50/p99/max (ms) of the most each
     process was late in each second. An ACK is timed when its client's loop reads it, so
     a late client loop makes an ACK look that much slower."""
-    lags = sorted(entry[3] for r in replies for entry in r["timeline"].values())
-    if not lags:
-        return {"p99_ms": 0.0, "max_ms": 0.0}
-    return {"p99_ms": lags[int(0.99 * (len(lags) - 1))] / 1000, "max_ms": lags[-1] / 1000}
+    return latency_summary([entry[3] for r in replies for entry in r["timeline"].values()])
 
 
 def latency_line(latency: dict[str, float], client_lag: dict[str, float] | None = None) -> str:
