@@ -12,23 +12,25 @@ phases and stops everything it started:
   the production cadence, staggered) for ``--duration`` seconds (default 600). Reports
   unexpected closes, heartbeats sent and ACKed, ACK latency p50/p99/max (goal p99 at most
   50 ms: a goal missed is reported, on its own line, not failed on), RSS of the
-  workers and of Redis (and per session), CPU of every process, Redis memory per
-  session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
+  workers and of Redis (and per session), CPU of every process and how long each waited
+  for a CPU (a process that waited most of the time was paced by the machine, not by its
+  own work), Redis memory per session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
 * **reload** (``--reload``): with the sessions held and heartbeating, SIGHUP the
   supervisor (a rolling reload: each worker replaced by a new one while the port stays
   open, the old ones drained together over ``--reload-drain-period``;
   docs/operations.md) and wait for its outcome; every client closed with 1001
   resumes its session on a live worker. Reports the refused connects (goal 0), the
   resumes (the last one's time after the SIGHUP: goal within 60 s), ACK latency over the
-  window (goal p99 at most 250 ms), the CPU of the machine and of the clients, the
-  reload's duration and outcome, the connections each worker held, new sessions,
-  terminal closes and TOKEN_EXPIRED (each must be 0).
+  window (goal p99 at most 250 ms), the CPU of the machine and of the clients and how
+  long the processes waited for a CPU, the reload's duration and outcome, the
+  connections each worker held, new sessions, terminal closes and TOKEN_EXPIRED (each
+  must be 0).
 * **restart** (``--restart``): with the sessions held and heartbeating, SIGTERM the
   supervisor (its workers drain: 1001 spread over ``drain_period``) and start it again on
   the same data directory; every client resumes its session with the SDK's backoff.
-  Reports the time until the last resume (goal: within 120 s of the new start), the CPU, the
-  resume rate, the refusals met (503), new sessions (must be 0), terminal closes (must
-  be 0) and TOKEN_EXPIRED (must be 0).
+  Reports the time until the last resume (goal: within 120 s of the new start), the CPU
+  and the waits for it, the resume rate, the refusals met (503), new sessions (must be
+  0), terminal closes (must be 0) and TOKEN_EXPIRED (must be 0).
 * **expire** (``--expire``): SIGKILL every client process at once; each session must get
   exactly one SESSION_WARN and one TOKEN_EXPIRED (counted on the event streams), with
   the TOKEN_EXPIRED lag against its deadline (last heartbeat + expire_after) p99 at
@@ -91,7 +93,14 @@ from load_tests.common import (  # noqa: E402
 )
 from testkit.events import READ_CHUNK, read_events  # noqa: E402
 from testkit.net import http_request  # noqa: E402
-from testkit.procs import CpuMeter, fd_limit, machine_cpu, proc_children, proc_rss  # noqa: E402
+from testkit.procs import (  # noqa: E402
+    CpuMeter,
+    WaitMeter,
+    fd_limit,
+    machine_cpu,
+    proc_children,
+    proc_rss,
+)
 from testkit.waiting import eventually  # noqa: E402
 from tokend.config import Settings  # noqa: E402
 from tokend.store.keyspace import Keyspace  # noqa: E402
@@ -208,25 +217,41 @@ def client_roles(pool: ClientPool) -> dict[str, int]:
     return {f"client-{i + 1}": pid for i, pid in enumerate(pool.pids)}
 
 
+def cpu_waits(waits: WaitMeter, server: dict[str, int], pool: ClientPool) -> dict[str, float]:
+    """The share of the window each server process (by role) and the load-generator
+    processes (their mean) waited for a CPU (:class:`testkit.procs.WaitMeter`)."""
+    shares = {role: waits.share(pid) for role, pid in server.items() if role != "supervisor"}
+    clients = [waits.share(pid) for pid in pool.pids]
+    return shares | {"clients (mean)": round(sum(clients) / max(1, len(clients)), 1)}
+
+
 class PhaseCpu:
     """CPU use over a phase whose server processes come and go (a reload, a restart), as
     a percentage of one core (the machine has ``os.cpu_count()`` of them): the whole
-    machine, the load generators, and the rest (tokend, Redis, anything else running)."""
+    machine, the load generators, and the rest (tokend, Redis, anything else running);
+    and how long the server's processes at its end and the load generators waited for a
+    CPU (:func:`cpu_waits`)."""
 
-    def __init__(self, pool: ClientPool) -> None:
+    def __init__(self, server: Child, workers: int, pool: ClientPool) -> None:
+        self.server = server
+        self.workers = workers
+        self.pool = pool
         self.clients = CpuMeter(client_roles(pool))
         self.clients.start()
+        self.waits = WaitMeter([*processes(server, workers).values(), *pool.pids])
         self.began = time.monotonic()
         self.busy = machine_cpu()
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The CPU use, and the waits for a CPU."""
         clients = sum(self.clients.stop().values())
         machine = 100 * (machine_cpu() - self.busy) / max(time.monotonic() - self.began, 1e-9)
+        waits = cpu_waits(self.waits, processes(self.server, self.workers), self.pool)
         return {
             "machine": round(machine, 1),
             "clients (all)": round(clients, 1),
             "server and the rest": round(machine - clients, 1),
-        }
+        }, waits
 
 
 async def used_memory(redis: aioredis.Redis) -> int:
@@ -247,6 +272,7 @@ async def hold(
         own=frozenset({"supervisor", "tokend"}),  # their children are measured apart
     )
     meter.start()
+    waits = WaitMeter([*roles.values(), *pool.pids])
     began_ms = int(time.time() * 1000)
     task = asyncio.ensure_future(
         pool.ask(
@@ -259,6 +285,7 @@ async def hold(
         peak = {k: max(v, rss(roles)[k]) for k, v in peak.items()}
     replies = task.result()
     cpu = meter.stop()
+    cpu_wait = cpu_waits(waits, roles, pool)
     events = Counter(e["type"] for e in await read_events(redis, KEY_PREFIX, began_ms))
     sessions = sum(r["connections"] for r in replies)
     clients_cpu = sum(v for k, v in cpu.items() if k.startswith("client-"))
@@ -271,6 +298,7 @@ async def hold(
         "redis_used_memory_per_session_b": round(redis_open / max(1, sessions)),
         "cpu_pct": {k: v for k, v in cpu.items() if not k.startswith("client-")}
         | {"clients (all)": round(clients_cpu, 1)},
+        "cpu_wait_pct": cpu_wait,
         "events": dict(events),
     }
 
@@ -405,7 +433,7 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
     per_worker = await open_connections(admin_ports(server.log))
     logged_before = len(server.log.read_text(errors="replace").splitlines())
     signalled = time.time()
-    cpu = PhaseCpu(pool)
+    cpu = PhaseCpu(server, args.workers, pool)
     os.kill(server.pid, signal.SIGHUP)
 
     def finished() -> dict[str, Any] | None:
@@ -421,8 +449,10 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
     replies = await task
     figures = resumes(replies)
     last = figures.pop("last_resume")
+    cpu_pct, cpu_wait = cpu.stop()
     return {
-        "cpu_pct": cpu.stop(),
+        "cpu_pct": cpu_pct,
+        "cpu_wait_pct": cpu_wait,
         "phases": reload_phases(server.log, logged_before, signalled),
         "timeline": timeline(replies, signalled),
         "began_ms": began_ms,
@@ -454,7 +484,7 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
     await asyncio.sleep(RESTART_AFTER_S)
     logged_before = len(server.log.read_text(errors="replace").splitlines())
     signalled = time.time()
-    cpu = PhaseCpu(pool)
+    cpu = PhaseCpu(server, args.workers, pool)
     await asyncio.to_thread(server.stop, STOP_TIMEOUT_S)
     assert server.process is not None
     exit_code = server.process.returncode
@@ -467,8 +497,10 @@ async def restart(args: argparse.Namespace, server: Child, pool: ClientPool) -> 
     listening = time.time()
     figures = resumes(await task)
     last = figures.pop("last_resume") or started
+    cpu_pct, cpu_wait = cpu.stop()
     return {
-        "cpu_pct": cpu.stop(),
+        "cpu_pct": cpu_pct,
+        "cpu_wait_pct": cpu_wait,
         "began_ms": began_ms,
         **figures,
         "supervisor_exit": exit_code,
@@ -709,8 +741,13 @@ def latency_goals_missed(figures: dict[str, Any]) -> list[str]:
     return missed
 
 
-def phase_cpu_line(cpu: dict[str, float]) -> str:
-    return f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): {cpu}"
+def phase_cpu_lines(phase: dict[str, Any]) -> list[str]:
+    return [
+        f"                    CPU (% of a core, of {100 * (os.cpu_count() or 1)}): "
+        f"{phase['cpu_pct']}",
+        f"                    waited for a CPU (% of the phase, or of their life in it): "
+        f"{phase['cpu_wait_pct']}",
+    ]
 
 
 def report(figures: dict[str, Any], problems: list[str]) -> str:
@@ -733,6 +770,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
         f"{hold['rss_peak_mb']}",
         f"Redis used_memory:  {hold['redis_used_memory_per_session_b']:,} B/session",
         f"CPU (% of a core):  {hold['cpu_pct']}",
+        f"waited for a CPU:   {hold['cpu_wait_pct']} (% of the hold)",
         f"events:             {hold['events']}",
     ]
     if reloaded := figures.get("reload"):
@@ -750,7 +788,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
             f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
             f"                    steps (s after SIGHUP): {reloaded['phases']}",
-            phase_cpu_line(reloaded["cpu_pct"]),
+            *phase_cpu_lines(reloaded),
             "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / client loop "
             "lag / resumed): "
             + "; ".join(
@@ -771,7 +809,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"                    refusals {restart['refusals'] or 'none'}; closes "
             f"{restart['closes']}; new sessions {restart['started_anew']}; terminal "
             f"{restart['terminal_closes'] or 'none'}; events {restart['events']}",
-            phase_cpu_line(restart["cpu_pct"]),
+            *phase_cpu_lines(restart),
         ]
     if expire := figures.get("expire"):
         lag, warn = expire["expiry_lag_ms"], expire["warn_lag_ms"]

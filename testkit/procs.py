@@ -1,5 +1,5 @@
-"""Processes seen from ``/proc``: their RSS, CPU time and children, CPU pinning, and
-stopping one for good."""
+"""Processes seen from ``/proc``: their RSS, CPU time, time waiting for a CPU and
+children, CPU pinning, and stopping one for good."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 
@@ -59,6 +59,46 @@ def proc_cpu(pid: int, *, children: bool = True) -> float:
         with contextlib.suppress(OSError):  # it may have exited meanwhile
             own += proc_cpu(child_pid)
     return own
+
+
+def proc_run_delay(pid: int) -> float:
+    """Seconds a live process's main thread has spent runnable but waiting for a CPU
+    (``/proc/<pid>/schedstat``, its second field: time on a run queue; Linux with
+    CONFIG_SCHED_INFO). On a saturated machine this is the time it had work to do and
+    the scheduler gave its core to another process."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
+def proc_started(pid: int) -> float:
+    """When a live process started: seconds since boot (``/proc/<pid>/stat``, starttime),
+    the clock of :func:`since_boot`."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def since_boot() -> float:
+    """Seconds since boot (CLOCK_BOOTTIME, the clock of a process's start time)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+class WaitMeter:
+    """How much of a window processes spent waiting for a CPU, as a percentage: of the
+    window, or of their life in it for those that started during it (a reload's new
+    workers, a restart's). A process with 90 % had work to do, and no core, nine tenths
+    of the time: the machine, not the process, set its pace."""
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        self.began = since_boot()
+        self.before: dict[int, float] = {}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                self.before[pid] = proc_run_delay(pid)
+
+    def share(self, pid: int) -> float:
+        """The percentage for a live process."""
+        since = max(self.began, proc_started(pid))
+        waited = proc_run_delay(pid) - self.before.get(pid, 0.0)
+        return round(100 * waited / max(since_boot() - since, 1e-9), 1)
 
 
 def proc_running(pid: int) -> bool:

@@ -1,12 +1,19 @@
-"""The shared wait (testkit.waiting): it must fail, or every test built on it passes
-whatever happens."""
+"""The test kit's own checks: the shared wait (testkit.waiting) must fail, or every test
+built on it passes whatever happens; the load tests' CPU-wait meter (testkit.procs) must
+tell waiting from sleeping."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from testkit.procs import WaitMeter
 from testkit.waiting import eventually, eventually_sync
 
 
@@ -38,3 +45,27 @@ def test_eventually_sync_has_the_same_contract() -> None:
     assert eventually_sync(lambda: next(calls) >= 2) is True
     with pytest.raises(TimeoutError, match=r"within 0.05 s: nothing \(last: None\)"):
         eventually_sync(lambda: None, 0.05, what="nothing")
+
+
+BURN = "import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end: pass"
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no /proc/<pid>/schedstat")
+def test_wait_meter_tells_a_process_that_waited_for_its_cpu_from_one_that_slept() -> None:
+    # Three processes burning one CPU each run a third of the time and wait two thirds (a
+    # meter reading CPU time instead would say a third); a sleeping one never waits.
+    sleeper = subprocess.Popen(["sleep", "3"])
+    burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(3)]
+    try:
+        cpu = {min(os.sched_getaffinity(0))}
+        for burner in burners:
+            os.sched_setaffinity(burner.pid, cpu)
+        meter = WaitMeter([sleeper.pid, *(b.pid for b in burners)])
+        time.sleep(1.0)  # the window measured
+        shares = [meter.share(b.pid) for b in burners]
+        assert all(45 < share <= 100 for share in shares), shares
+        assert meter.share(sleeper.pid) < 5
+    finally:
+        for process in (sleeper, *burners):
+            process.kill()
+            process.wait()
