@@ -37,8 +37,7 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   meanwhile with its close code (``load_tests/soak.py``). With ``reconnect``, a
   connection closed with a reconnectable code (or dropped) reconnects and resumes its
   session as the Python SDK does: the first reconnect after a 1001 spread over
-  ``going_away_window`` and the attempts after it backing off from that window, else
-  full-jitter backoff, Retry-After of an HTTP 503 honoured,
+  ``going_away_window``, then full-jitter backoff, Retry-After of an HTTP 503 honoured,
   and HELLO with the resume proof of the last WELCOME; the reply counts the resumes,
   the refusals met on the way (HTTP 503) and when each resume happened. With
   ``connect``, the connections not open yet connect the same way (a connect storm
@@ -130,11 +129,6 @@ def failure_name(exc: BaseException) -> str:
     if isinstance(exc, WSInvalidStatusError) and exc.response is not None:
         return f"http {exc.response.status}"
     return type(exc).__name__
-
-
-def is_going_away(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is the server's close 1001 (it drains, reloads or stops)."""
-    return isinstance(exc, Closed) and exc.code == p.CloseCode.GOING_AWAY
 
 
 def refusal_retry_after(exc: BaseException) -> float | None:
@@ -663,18 +657,13 @@ class Generator:
         if self.reconnect and self.soaking and retryable(exc):
             self._reconnect(conn, exc)
 
-    def delay(
-        self, conn: Conn, exc: BaseException | None, attempt: int, closed_at: int | None = None
-    ) -> float:
-        """The wait before reconnect attempt ``attempt`` after ``exc``, as the SDK's
-        (``closed_at``: the attempt a close 1001 ended, if one did)."""
+    def delay(self, conn: Conn, exc: BaseException | None, attempt: int) -> float:
+        """The wait before reconnect attempt ``attempt`` after ``exc``, as the SDK's."""
         asked = refusal_retry_after(exc) if exc is not None else None
         if asked is not None:
             return self.backoff.after_refusal(attempt, asked)
-        if closed_at is None and is_going_away(exc):
-            closed_at = attempt
-        if closed_at is not None:
-            return self.backoff.after_going_away(attempt, conn.spare, attempt - closed_at)
+        if isinstance(exc, Closed) and exc.code == p.CloseCode.GOING_AWAY:
+            return self.backoff.after_going_away(attempt, conn.spare)
         return self.backoff.delay(attempt)
 
     def _reconnect(self, conn: Conn, lost: BaseException | None = None) -> None:
@@ -687,11 +676,8 @@ class Generator:
     async def _resume(self, conn: Conn, lost: BaseException | None) -> None:
         """Reconnect with backoff until the session is resumed or the soak ends."""
         failure = lost
-        closed_at = None  # the attempt a close 1001 ended (the loss itself: 0)
         for attempt in itertools.count():
-            if closed_at is None and is_going_away(failure):
-                closed_at = attempt
-            await asyncio.sleep(self.delay(conn, failure, attempt, closed_at))
+            await asyncio.sleep(self.delay(conn, failure, attempt))
             try:
                 await self.open(conn)
             except Exception as exc:

@@ -20,8 +20,8 @@ session key of its last WELCOME, after a reconnectable code or a lost connection
 starts over with a new token after a terminal one. It waits before each attempt as the
 SDK does (:class:`tokend.client.backoff.Backoff`): the first reconnect after a 1001 (the
 server drains, reloads or stops) at a random time within ``--going-away-window`` seconds
-(default 5) and the attempts after it backing off from that window, an HTTP 503 or 429
-at least its Retry-After, anything else full-jitter backoff.
+(default 5), an HTTP 503 or 429 at least its Retry-After, anything else full-jitter
+backoff.
 
 Each user mints its token when it starts, with the server's signing keys, found
 like ``tokend issue`` finds them: from the ``TOKEND_*`` settings (``TOKEND_DATA_DIR``

@@ -133,32 +133,6 @@ async def test_every_export_is_declared(page: BrowserPage):
     assert sorted(exported) == sorted(declared)
 
 
-async def test_after_1001_the_backoff_doubles_from_the_window_as_the_python_sdk(page: BrowserPage):
-    """``Backoff.afterGoingAway`` with the bounds of tokend.client.backoff's (held by
-    tests/test_client_core.py): the window, doubled per attempt since the close, capped."""
-    waits = await page.eval(
-        """(() => {
-          const backoff = new tokend.Backoff({ base: 500, cap: 30000, goingAwayWindow: 5000 });
-          const draws = (attempt, since, limit = Infinity) =>
-            Array.from({ length: 2000 }, () => backoff.afterGoingAway(attempt, limit, since));
-          const second = draws(1, 1);
-          return {
-            first: Math.max(...draws(0, 0)),
-            second: [Math.max(...second), second.reduce((a, b) => a + b) / second.length],
-            capped: Math.max(...draws(3, 3)),
-            spare: Math.max(...draws(1, 1, 1000)),
-            ceiling: Math.max(...draws(6, 1, 1000)),
-          };
-        })()"""
-    )
-    assert 4900 < waits["first"] <= 5000
-    top, mean = waits["second"]
-    assert 9800 < top <= 10000 and 4600 < mean < 5400  # not base's 1,000 ms
-    assert 29000 < waits["capped"] <= 30000
-    assert waits["spare"] <= 2000  # from what the session can spare
-    assert waits["ceiling"] > 29000  # never below the attempt's own ceiling
-
-
 # The codec, byte for byte against tokend.protocol
 
 

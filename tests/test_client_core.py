@@ -744,42 +744,6 @@ def test_after_1001_the_wait_is_never_shorter_than_the_attempts_backoff(
     assert reconnecting(core).delay == 8.0  # attempt 5's ceiling, above the 1.5 s spare
 
 
-def test_after_1001_each_refused_attempt_backs_off_from_the_window_not_from_base(
-    core: ClientCore, clock: FakeClock
-):
-    # A server that said it was going away and then refuses is restarting: the attempts
-    # after the 1001 wait over the window doubled (1.5 s spare, 3, 6, then the 8 s cap),
-    # not over base's 1, 2, 4 s.
-    welcomed(core)
-    core.closed(Close(CloseCode.GOING_AWAY, ""))
-    waits = [reconnecting(core).delay]
-    for _ in range(3):
-        until_deadline(core, clock)
-        core.lost("refused")
-        waits.append(reconnecting(core).delay)
-    assert waits == [SPARE_S, 2 * SPARE_S, 4 * SPARE_S, 8.0]
-    # A connection that has a heartbeat ACKed ends that: the next loss backs off from base.
-    until_deadline(core, clock)
-    beat = welcomed(core)
-    core.receive(ack(beat.seq, core.exp))
-    core.closed(Close(CloseCode.INTERNAL_ERROR, ""))
-    assert reconnecting(core).delay == 0.5
-
-
-def test_a_1001_among_failed_attempts_backs_off_from_the_window_from_there(
-    core: ClientCore, clock: FakeClock
-):
-    for _ in range(2):
-        core.lost("refused")
-        until_deadline(core, clock)
-    hello_on_open(core)
-    core.closed(Close(CloseCode.GOING_AWAY, ""))  # attempt 2: before any WELCOME
-    assert reconnecting(core).delay == 5.0
-    until_deadline(core, clock)
-    core.lost("refused")
-    assert reconnecting(core).delay == 8.0  # the window doubled, at the cap
-
-
 def test_before_any_welcome_a_1001_spreads_over_the_whole_window(core: ClientCore):
     hello_on_open(core)
     core.closed(Close(CloseCode.GOING_AWAY, ""))
@@ -850,19 +814,6 @@ def test_after_going_away_the_wait_spreads_over_the_window_the_session_can_spare
     assert Backoff(going_away_window=0).after_going_away(0) <= 0.5
     with pytest.raises(ValueError):
         Backoff(going_away_window=-1)
-
-
-def test_after_going_away_each_attempt_since_the_close_doubles_the_window_up_to_cap():
-    backoff = Backoff(base=0.5, cap=30.0, going_away_window=5.0)
-    draws = [backoff.after_going_away(1, since_close=1) for _ in range(4000)]
-    assert all(0.0 <= d <= 10.0 for d in draws)  # not base's 1.0 s
-    assert 4.6 < sum(draws) / len(draws) < 5.4 and max(draws) > 9.8
-    assert max(backoff.after_going_away(3, since_close=3) for _ in range(1000)) <= 30.0  # cap
-    assert max(backoff.after_going_away(3, since_close=3) for _ in range(1000)) > 29.0
-    # From what the session can spare when that is shorter than the window ...
-    assert max(backoff.after_going_away(1, limit=1.0, since_close=1) for _ in range(1000)) <= 2.0
-    # ... and never below the attempt's own ceiling.
-    assert max(backoff.after_going_away(6, limit=1.0, since_close=1) for _ in range(1000)) > 29.0
 
 
 def test_a_refusal_with_retry_after_waits_at_least_that_long_jittered():

@@ -135,12 +135,8 @@ export declare class Backoff {
   ceiling(attempt: number): number;
   /** A random wait for attempt `attempt`, ms. */
   delay(attempt: number): number;
-  /**
-   * The wait before attempt `attempt` when a close 1001 came `sinceClose` attempts ago, ms:
-   * uniform over min(goingAwayWindow, limit), twice as long for each attempt since (at most
-   * cap), or over the attempt's ceiling if longer.
-   */
-  afterGoingAway(attempt: number, limit?: number, sinceClose?: number): number;
+  /** The wait after a close 1001, ms: uniform over min(goingAwayWindow, limit), or longer. */
+  afterGoingAway(attempt: number, limit?: number): number;
   /** The wait after an HTTP refusal with Retry-After (ms): at least that, jittered. */
   afterRefusal(attempt: number, retryAfter: number): number;
 }

@@ -15,8 +15,7 @@
  * exponential backoff and resumes with its newest token, proving with the session
  * key of its last WELCOME that it is the session's rightful client (spec "Resume
  * proof", revision 2; `options.storage` keeps token and key across a page reload).
- * After a 1001 the first reconnect is spread over a window (the attempts after it
- * back off from that window), and under Node with
+ * After a 1001 the first reconnect is spread over a window, and under Node with
  * `ws` an HTTP 503 or 429 with Retry-After is honoured. Any other close ends the
  * session with a {@link TokendError} naming the family.
  *
@@ -436,9 +435,8 @@ function retryAfterMs(value) {
  *
  * Two refusals are waited out longer, so that the clients of a restarting server
  * do not come back all at once: a close 1001 (the server drains, reloads or stops:
- * all its clients at once) waits `uniform(0, goingAwayWindow)`, and each attempt of
- * the same reconnect that fails after it waits over twice as long as the one before,
- * from that window rather than from `base` ({@link Backoff#afterGoingAway}); an HTTP 503 or 429 with Retry-After (seen only
+ * all its clients at once) waits `uniform(0, goingAwayWindow)`
+ * ({@link Backoff#afterGoingAway}); an HTTP 503 or 429 with Retry-After (seen only
  * under Node with `ws`) waits that long and more ({@link Backoff#afterRefusal}).
  */
 export class Backoff {
@@ -469,17 +467,11 @@ export class Backoff {
   }
 
   /**
-   * The wait before attempt `attempt` when a close 1001 came `sinceClose` attempts ago
-   * (0: the first reconnect after it), whatever ended the attempts since (but an answer
-   * with Retry-After), ms: uniform over `goingAwayWindow` (at most `limit`: what the
-   * session can spare), over twice as long for each attempt since (at most `cap`), or
-   * over the attempt's ceiling if longer. A server that said it was going away and
-   * then refuses the reconnect is restarting: trying sooner only adds refused connects.
+   * The wait after a close 1001, ms: uniform over `goingAwayWindow` (at most `limit`:
+   * what the session can spare), or over the attempt's ceiling if longer.
    */
-  afterGoingAway(attempt, limit = Infinity, sinceClose = 0) {
-    const window = Math.min(this.goingAwayWindow, limit) * 2 ** Math.min(sinceClose, 64);
-    const spread = sinceClose ? Math.min(this.cap, window) : window;
-    return Math.random() * Math.max(spread, this.ceiling(attempt));
+  afterGoingAway(attempt, limit = Infinity) {
+    return Math.random() * Math.max(Math.min(this.goingAwayWindow, limit), this.ceiling(attempt));
   }
 
   /**
@@ -797,7 +789,6 @@ export class Session {
 
   async _run() {
     let failures = 0; // attempts in a row that did not reach a heartbeat ACK
-    let closedAt = null; // the attempt a close 1001 ended, among those
     try {
       while (!this.ended) {
         const proof = await this._proof;
@@ -811,18 +802,14 @@ export class Session {
           this._finish(end.code, end.detail, end.error, end.reason);
           return;
         }
-        if (this._healthy) {
-          failures = 0;
-          closedAt = null;
-        }
-        if (end.code === CloseCode.GOING_AWAY && closedAt === null) closedAt = failures;
+        if (this._healthy) failures = 0;
         const limit = this.backoff.maxAttempts;
         if (limit !== null && failures >= limit) {
           const reason = `gave up after ${failures} reconnect attempts; last: ${end.detail}`;
           this._finish(end.code, reason, new RetriesExhausted(end.code, reason), end.reason);
           return;
         }
-        const delay = this._delay(end, failures, closedAt);
+        const delay = this._delay(end, failures);
         failures += 1;
         this.stats.reconnects += 1;
         this._emit('reconnecting', {
@@ -847,14 +834,11 @@ export class Session {
     }
   }
 
-  /**
-   * The wait before reconnect attempt `attempt` after `end`, ms ({@link Backoff});
-   * `closedAt`: the attempt a close 1001 ended, or null.
-   */
-  _delay(end, attempt, closedAt) {
+  /** The wait before reconnect attempt `attempt` after `end`, ms ({@link Backoff}). */
+  _delay(end, attempt) {
     if (end.retryAfter != null) return this.backoff.afterRefusal(attempt, end.retryAfter);
-    if (closedAt !== null) {
-      return this.backoff.afterGoingAway(attempt, this._spare, attempt - closedAt);
+    if (end.code === CloseCode.GOING_AWAY) {
+      return this.backoff.afterGoingAway(attempt, this._spare);
     }
     return this.backoff.delay(attempt);
   }

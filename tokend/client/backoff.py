@@ -28,9 +28,7 @@ class Backoff:
     clients of a restarting server do not come back all at once:
 
     - a close 1001 (the server drains, reloads or stops: all its clients at once)
-      waits ``uniform(0, going_away_window)``, and each attempt of the same reconnect
-      that fails after it waits over twice as long as the one before, from that window
-      rather than from ``base`` (:meth:`after_going_away`);
+      waits ``uniform(0, going_away_window)`` (:meth:`after_going_away`);
     - an HTTP 503 or 429 with ``Retry-After`` waits those seconds and more
       (:meth:`after_refusal`).
 
@@ -60,23 +58,10 @@ class Backoff:
         """A random wait for attempt ``attempt``, in seconds."""
         return self.draw(0.0, self.ceiling(attempt))
 
-    def after_going_away(
-        self, attempt: int, limit: float = float("inf"), since_close: int = 0
-    ) -> float:
-        """The wait before attempt ``attempt`` when a close 1001 came ``since_close``
-        attempts ago (0: the first reconnect after it), whatever ended the attempts since
-        (but an answer with ``Retry-After``: :meth:`after_refusal`): uniform over
-        ``going_away_window`` (at most ``limit``: what the session can spare), over twice
-        as long for each attempt since (at most ``cap``), or over the attempt's ceiling
-        if longer.
-
-        A server that said it was going away and then refuses the reconnect is
-        restarting: trying again sooner than its window only adds connects it refuses
-        (three a client where one or two do, with the defaults over a 30 s restart), and
-        the clients come back no sooner once it listens again."""
-        window = min(self.going_away_window, limit) * 2.0 ** min(since_close, 64)
-        spread = min(self.cap, window) if since_close else window
-        return self.draw(0.0, max(spread, self.ceiling(attempt)))
+    def after_going_away(self, attempt: int, limit: float = float("inf")) -> float:
+        """The wait after a close 1001: uniform over ``going_away_window`` (at most
+        ``limit``: what the session can spare), or over the attempt's ceiling if longer."""
+        return self.draw(0.0, max(min(self.going_away_window, limit), self.ceiling(attempt)))
 
     def after_refusal(self, attempt: int, retry_after: float) -> float:
         """The wait after an HTTP refusal that said ``Retry-After``: never sooner than its

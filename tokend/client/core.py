@@ -18,8 +18,8 @@ never retried); a link that stops answering (no ACK for ``warn_after``: dropped,
 reconnected); which closes reconnect and which end the session with which
 :mod:`~tokend.client.errors` family (§7); and how long to wait before the next
 attempt (:class:`~tokend.client.backoff.Backoff`: full jitter, the first reconnect after
-a 1001 spread over a window no longer than the session can spare and the attempts after
-it backing off from that window, an HTTP 503 or 429 waited out for its ``Retry-After``).
+a 1001 spread over a window no longer than the session can spare, an HTTP 503 or 429
+waited out for its ``Retry-After``).
 
 The shell's loop, in every :class:`Phase`: send what :meth:`ClientCore.take_outgoing`
 gives (frames, then perhaps a :class:`Disconnect`), hand out
@@ -226,7 +226,6 @@ class ClientCore:
         self._welcomed_once = False
         self._healthy = False  # this connection had a heartbeat ACKed
         self._failures = 0  # attempts in a row that did not reach a heartbeat ACK
-        self._closed_at: int | None = None  # the attempt a close 1001 ended, among those
         self._spare = float("inf")  # seconds a reconnect after 1001 may wait at most
         self._due = 0.0  # HELLO: the open timeout; OPEN: the next heartbeat; CLOSING, WAITING
         self._ack_timeout = 0.0  # silence after which the link counts as dead (warn_after)
@@ -525,10 +524,7 @@ class ClientCore:
         in a row; a connection that had a heartbeat ACKed starts the count again."""
         if self._healthy:
             self._failures = 0
-            self._closed_at = None
         self._healthy = False
-        if code == CloseCode.GOING_AWAY and self._closed_at is None:
-            self._closed_at = self._failures
         limit = self.backoff.max_attempts
         if limit is not None and self._failures >= limit:
             why = f"gave up after {self._failures} reconnect attempts; last: {detail}"
@@ -536,9 +532,8 @@ class ClientCore:
             return
         if asked is not None:
             delay = self.backoff.after_refusal(self._failures, asked)
-        elif self._closed_at is not None:
-            since = self._failures - self._closed_at
-            delay = self.backoff.after_going_away(self._failures, self._spare, since)
+        elif code == CloseCode.GOING_AWAY:
+            delay = self.backoff.after_going_away(self._failures, self._spare)
         else:
             delay = self.backoff.delay(self._failures)
         self._let_go(drop)
