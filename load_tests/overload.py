@@ -27,7 +27,8 @@ Phases: a baseline (every group but ``warn`` at the cadence, long enough for ``w
 to reach WARN) gives the unloaded p99; then the overload; then a recovery in which
 every client heartbeats at the cadence and resumes what was shed. Reported per group:
 heartbeats sent and ACKed, ACK p50/p99/max, refusals (1013 closes, HTTP 503 at the
-handshake), when the first 1013 came; the node's shedding steps (from its log); CPU;
+handshake), when the first 1013 came; the node's shedding steps (from its log); CPU and
+how long each process waited for one (a tail the scheduler makes is not the node's);
 TOKEN_EXPIRED (must be 0: no client that kept its cadence loses its session).
 
     python load_tests/overload.py                      # 14,000 sessions, ~5 minutes
@@ -66,7 +67,7 @@ from bench.common import (  # noqa: E402
 )
 from load_tests import common  # noqa: E402
 from testkit.events import read_events  # noqa: E402
-from testkit.procs import CpuMeter  # noqa: E402
+from testkit.procs import CpuMeter, WaitMeter  # noqa: E402
 
 P99_GOAL_RATIO = 4.0
 # Heartbeat intervals into the overload at which the WARN group starts flooding (5 s at
@@ -217,8 +218,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             figures["baseline"] = {
                 n: common.heartbeat_figures(r) for n, r in zip(soaking, baseline, strict=True)
             }
-            cpu = CpuMeter({"tokend": server.pid, **{f"{n}": groups[n].pids[0] for n in groups}})
+            roles = {"tokend": server.pid, **{f"{n}": groups[n].pids[0] for n in groups}}
+            cpu = CpuMeter(roles)
             cpu.start()
+            waits = WaitMeter(roles.values())
             start = time.time()
             whole = args.overload_for + args.recovery
             flood = {"reconnect": True, "flood": args.flood}
@@ -255,6 +258,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             )
             high_overload = await high
             figures["cpu_pct_overload"] = cpu.stop()
+            figures["cpu_wait_pct_overload"] = {n: waits.share(pid) for n, pid in roles.items()}
             high_recovery = await groups["high"].ask(
                 "soak", **soak_args(args, args.recovery, reconnect=True)
             )
@@ -323,6 +327,10 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
         ]
     lines.append(row("recovery", "high", figures["recovery"]["high"]))
     lines.append(f"CPU during the overload (% of a core): {figures['cpu_pct_overload']}")
+    lines.append(
+        "waited for a CPU during the overload (% of it; tokend's own process, the first of "
+        f"each group's): {figures['cpu_wait_pct_overload']}"
+    )
     lines.append("shedding:   " + ("\n            ".join(figures["shedding"]) or "none"))
     lines += [f"events:     {name:9} {events}" for name, events in figures["events"].items()]
     lines.append(f"result:     {'FAIL: ' + '; '.join(problems) if problems else 'PASS'}")
