@@ -114,6 +114,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overload-for", type=float, default=60.0, help="s (default 60)")
     parser.add_argument("--recovery", type=float, default=100.0, help="s (default 100)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs) instead of removing it"
+    )
     return parser.parse_args(argv)
 
 
@@ -340,7 +343,7 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     began = time.monotonic()
-    with common.scratch("tokend-overload-") as workdir:
+    with common.scratch("tokend-overload-", keep=args.keep) as workdir:
         figures = asyncio.run(run(args, workdir))
     figures |= {"wall_s": round(time.monotonic() - began, 1), "workdir": str(workdir)}
     problems = verdict(figures)
