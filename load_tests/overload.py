@@ -261,7 +261,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             )
             high_overload = await high
             figures["cpu_pct_overload"] = cpu.stop()
-            figures["cpu_wait_pct_overload"] = {n: waits.share(pid) for n, pid in roles.items()}
+            figures["cpu_wait_pct_overload"] = waits.shares(roles)
             high_recovery = await groups["high"].ask(
                 "soak", **soak_args(args, args.recovery, reconnect=True)
             )

@@ -220,8 +220,8 @@ def client_roles(pool: ClientPool) -> dict[str, int]:
 def cpu_waits(waits: WaitMeter, server: dict[str, int], pool: ClientPool) -> dict[str, float]:
     """The share of the window each server process (by role) and the load-generator
     processes (their mean) waited for a CPU (:class:`testkit.procs.WaitMeter`)."""
-    shares = {role: waits.share(pid) for role, pid in server.items() if role != "supervisor"}
-    clients = [waits.share(pid) for pid in pool.pids]
+    shares = waits.shares({role: pid for role, pid in server.items() if role != "supervisor"})
+    clients = waits.shares(client_roles(pool)).values()
     return shares | {"clients (mean)": round(sum(clients) / max(1, len(clients)), 1)}
 
 

@@ -10,7 +10,7 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 
 
@@ -99,6 +99,14 @@ class WaitMeter:
         since = max(self.began, proc_started(pid))
         waited = proc_run_delay(pid) - self.before.get(pid, 0.0)
         return round(100 * waited / max(since_boot() - since, 1e-9), 1)
+
+    def shares(self, roles: Mapping[str, int]) -> dict[str, float]:
+        """:meth:`share` of each process by role; one that has exited is left out."""
+        found = {}
+        for role, pid in roles.items():
+            with contextlib.suppress(OSError):
+                found[role] = self.share(pid)
+        return found
 
 
 def proc_running(pid: int) -> bool:

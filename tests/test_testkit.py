@@ -65,6 +65,9 @@ def test_wait_meter_tells_a_process_that_waited_for_its_cpu_from_one_that_slept(
         shares = [meter.share(b.pid) for b in burners]
         assert all(45 < share <= 100 for share in shares), shares
         assert meter.share(sleeper.pid) < 5
+        sleeper.kill()
+        sleeper.wait()
+        assert set(meter.shares({"sleeper": sleeper.pid, "burner": burners[0].pid})) == {"burner"}
     finally:
         for process in (sleeper, *burners):
             process.kill()
