@@ -125,6 +125,11 @@ def test_soak_restart_and_expire_smoke_run(tmp_path: Path):
     assert figures["returncode"] == 0, figures["stdout"]
     assert figures["client_processes"] == 3
     assert set(figures["hold"]["cpu_pct"]) >= {"supervisor", "worker-1", "worker-2", "redis"}
+    # How long each waited for a CPU: the hold's processes, then the restarted ones.
+    waits = {"worker-1", "worker-2", "redis", "clients (mean)"}
+    assert set(figures["hold"]["cpu_wait_pct"]) == waits
+    assert set(figures["restart"]["cpu_wait_pct"]) == waits
+    assert all(0 <= share <= 100 for share in figures["restart"]["cpu_wait_pct"].values())
     restart = figures["restart"]
     assert restart["supervisor_exit"] == 0 and restart["closes"] == {"1001": 60}
     assert restart["resumed"] == 60 and restart["started_anew"] == 0
@@ -154,6 +159,8 @@ def test_soak_reload_smoke_run(tmp_path: Path):
     # The machine's CPU over the reload, the load generators' part of it measured apart.
     cpu = reloaded["cpu_pct"]
     assert cpu["machine"] >= cpu["clients (all)"] > 0
+    # The waits for a CPU of the new workers (their life in the reload) and the clients'.
+    assert set(reloaded["cpu_wait_pct"]) == {"worker-1", "worker-2", "redis", "clients (mean)"}
     assert "latency goals:" in figures["stdout"]
 
 
@@ -173,3 +180,4 @@ def test_overload_smoke_run(tmp_path: Path):
     flood = figures["overload"]["low-flood"]
     assert flood["sent"] > figures["baseline"]["low-flood"]["sent"]  # flooded
     assert {"storm-mid", "storm-low"} <= figures["overload"].keys()
+    assert set(figures["cpu_wait_pct_overload"]) == set(figures["cpu_pct_overload"])
