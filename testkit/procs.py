@@ -34,6 +34,12 @@ def machine_cpu() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces
+    and parentheses): index 0 is the state, 11 and 12 utime and stime, 19 starttime."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def proc_children(pid: int) -> list[int]:
     """The live child processes of a process (empty if it has gone).
 
@@ -52,8 +58,7 @@ def proc_cpu(pid: int, *, children: bool = True) -> float:
 
     (The children count for ``tokend serve --workers N``, whose workers do the work.)
     """
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    after_name = stat.rpartition(")")[2].split()
+    after_name = _stat_fields(pid)
     own = (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
     for child_pid in proc_children(pid) if children else ():
         with contextlib.suppress(OSError):  # it may have exited meanwhile
@@ -72,8 +77,7 @@ def proc_run_delay(pid: int) -> float:
 def proc_started(pid: int) -> float:
     """When a live process started: seconds since boot (``/proc/<pid>/stat``, starttime),
     the clock of :func:`since_boot`."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return int(_stat_fields(pid)[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def since_boot() -> float:
@@ -112,8 +116,7 @@ class WaitMeter:
 def proc_running(pid: int) -> bool:
     """Whether a process's main thread is running or ready to run (state R), rather
     than asleep waiting for something (an event loop in epoll_wait is S)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rpartition(")")[2].split()[0] == "R"
+    return _stat_fields(pid)[0] == "R"
 
 
 def pin(pid: int, cpus: frozenset[int] | None) -> None:
