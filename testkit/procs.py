@@ -93,15 +93,21 @@ class WaitMeter:
 
     def __init__(self, pids: Iterable[int]) -> None:
         self.began = since_boot()
-        self.before: dict[int, float] = {}
+        # By pid: (its start time, its run-queue time at the window's start). The start
+        # time tells a process from a later one given the same pid (pid_max may be 32,768).
+        self.before: dict[int, tuple[float, float]] = {}
         for pid in pids:
             with contextlib.suppress(OSError):
-                self.before[pid] = proc_run_delay(pid)
+                self.before[pid] = (proc_started(pid), proc_run_delay(pid))
 
     def share(self, pid: int) -> float:
         """The percentage for a live process."""
-        since = max(self.began, proc_started(pid))
-        waited = proc_run_delay(pid) - self.before.get(pid, 0.0)
+        started = proc_started(pid)
+        before = self.before.get(pid)
+        # Counted from 0 if it started in the window (or another process had its pid).
+        waited_before = before[1] if before and before[0] == started else 0.0
+        waited = proc_run_delay(pid) - waited_before
+        since = max(self.began, started)
         return round(100 * waited / max(since_boot() - since, 1e-9), 1)
 
     def shares(self, roles: Mapping[str, int]) -> dict[str, float]:
