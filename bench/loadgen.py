@@ -29,12 +29,14 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
-* ``soak {interval, duration, reconnect, flood, flood_for}``: every connection
+* ``soak {interval, duration, reconnect, flood, flood_for, spread}``: every connection
   heartbeats every ``interval`` seconds (every ``flood`` seconds for the first
   ``flood_for``; staggered, open loop: a heartbeat does not wait for the previous ACK)
-  for ``duration``; heartbeats sent and ACKed, ACK latencies (and, by wall-clock
-  second, ACKs, those slower than 250 ms and the slowest), and every connection lost
-  meanwhile with its close code (``load_tests/soak.py``). With ``reconnect``, a
+  for ``duration``; a connection that heartbeated keeps its cadence, or with ``spread``
+  moves to an even share of the interval (connections opened together heartbeat
+  together otherwise, as real clients do not); heartbeats sent and ACKed, ACK latencies
+  (and, by wall-clock second, ACKs, those slower than 250 ms and the slowest), and every
+  connection lost meanwhile with its close code (``load_tests/soak.py``). With ``reconnect``, a
   connection closed with a reconnectable code (or dropped) reconnects and resumes its
   session as the Python SDK does: the first reconnect after a 1001 spread over
   ``going_away_window``, then full-jitter backoff, Retry-After of an HTTP 503 honoured,
@@ -584,6 +586,7 @@ class Generator:
         flood: float = 0.0,
         flood_for: float = 0.0,
         connect: bool = False,
+        spread: bool = False,
     ) -> dict[str, Any]:
         self.begin_heartbeats(interval, duration, flood, flood_for)
         self.soaking, self.reconnect = True, reconnect
@@ -597,6 +600,11 @@ class Generator:
             due = conn.last_sent + interval - now
             if flood or due == -math.inf:
                 delay = (flood or interval) * i / len(live)
+            elif spread:
+                # Each one's phase i/len(live) of an interval from half an interval after
+                # its last: its next heartbeat stays on cadence (15-45 s apart at 30 s),
+                # and the connections heartbeat evenly over the interval from then on.
+                delay = max(due - interval / 2, 0.0) + interval * i / len(live)
             else:
                 delay = due if due > 0 else SOAK_GRACE_S * i / len(live)
             conn.start_timer(delay)

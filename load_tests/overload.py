@@ -24,8 +24,12 @@ moment ago with the seconds it has left, ``shed_penalty``), so the figures are t
 of real clients, not of a retry loop.
 
 Phases: a baseline (every group but ``warn`` at the cadence, long enough for ``warn``
-to reach WARN) gives the unloaded p99; then the overload; then a recovery in which
-every client heartbeats at the cadence and resumes what was shed. Reported per group:
+to reach WARN) gives the unloaded p99. In it each group's heartbeats move to an even
+spread over the interval, as real clients' are: a group opened in a few seconds would
+otherwise heartbeat in those few seconds of every interval, and its p99 would tell
+whether that moment met the overload's onset, not how the node serves it throughout.
+Then the overload; then a recovery in which every client heartbeats at the cadence and
+resumes what was shed. Reported per group:
 heartbeats sent and ACKed, ACK p50/p99/max, refusals (1013 closes, HTTP 503 at the
 handshake), when the first 1013 came; the node's shedding steps (from its log); CPU and
 how long each process waited for one (a tail the scheduler makes is not the node's);
@@ -176,6 +180,7 @@ def group_figures(replies: Sequence[dict[str, Any]], since: float) -> dict[str, 
         "resumed": sum(sum(r["resumed_at"].values()) for r in replies),
         "live_at_end": sum(r["live"] for r in replies),
         "started_anew": sum(r["started_anew"] for r in replies),
+        "timeline": common.timeline(replies, since),
     }
 
 
@@ -216,7 +221,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 figures[f"open-{name}"] = opened["opened"]
             soaking = [n for n in HELD if n != "warn"]
             baseline = await asyncio.gather(
-                *(groups[n].ask("soak", **soak_args(args, baseline_s)) for n in soaking)
+                *(
+                    groups[n].ask("soak", **soak_args(args, baseline_s, spread=True))
+                    for n in soaking
+                )
             )
             figures["baseline"] = {
                 n: common.heartbeat_figures(r) for n, r in zip(soaking, baseline, strict=True)
@@ -329,6 +337,17 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"new sessions {g['started_anew']}",
         ]
     lines.append(row("recovery", "high", figures["recovery"]["high"]))
+    lines.append(
+        "by 5 s from the overload's start (ACKs / > 250 ms / slowest ms / client loop lag ms):"
+    )
+    lines += [
+        f"{'':11} {name:9} "
+        + "; ".join(
+            f"{r['t']:+d} {r['acks']}/{r['slow']}/{r['max_ms']:g}/{r['client_lag_ms']:g}"
+            for r in figures["overload"][name]["timeline"]
+        )
+        for name in ("high", *AT_CADENCE)
+    ]
     lines.append(f"CPU during the overload (% of a core): {figures['cpu_pct_overload']}")
     lines.append(
         "waited for a CPU during the overload (% of it; tokend's own process, the first of "

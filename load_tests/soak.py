@@ -90,6 +90,7 @@ from load_tests.common import (  # noqa: E402
     pool_redis,
     scratch,
     sources,
+    timeline,
 )
 from testkit.events import READ_CHUNK, read_events  # noqa: E402
 from testkit.net import http_request  # noqa: E402
@@ -330,35 +331,6 @@ def resumes(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
             1,
         ),
     }
-
-
-TIMELINE_BUCKET_S = 5
-
-
-def timeline(replies: Sequence[dict[str, Any]], since: float) -> list[dict[str, Any]]:
-    """ACKs, those slower than 250 ms, the slowest, the load generators' own loop lag
-    (the most of any process: an ACK read late by a busy client counts as slow), and
-    resumes, in buckets of :data:`TIMELINE_BUCKET_S` seconds from ``since``
-    (wall-clock): where a window's slow ACKs and its resumes fall."""
-    rows: dict[int, dict[str, Any]] = {}
-
-    def row(at: float) -> dict[str, Any]:
-        start = int((at - since) // TIMELINE_BUCKET_S) * TIMELINE_BUCKET_S
-        return rows.setdefault(
-            start,
-            {"t": start, "acks": 0, "slow": 0, "max_ms": 0.0, "client_lag_ms": 0.0, "resumed": 0},
-        )
-
-    for reply in replies:
-        for second, (acks, slow, slowest_us, lag_us) in reply["timeline"].items():
-            entry = row(int(second))
-            entry["acks"] += acks
-            entry["slow"] += slow
-            entry["max_ms"] = max(entry["max_ms"], round(slowest_us / 1000, 1))
-            entry["client_lag_ms"] = max(entry["client_lag_ms"], round(lag_us / 1000, 1))
-        for tenth, resumed in reply["resumed_at"].items():
-            row(int(tenth) / 10)["resumed"] += resumed
-    return [rows[t] for t in sorted(rows)]
 
 
 def logged_at(log: Path, skip: int, event: str) -> list[tuple[float, dict[str, Any]]]:

@@ -684,6 +684,35 @@ async def test_the_load_generator_spreads_its_first_reconnects_after_a_drain(
     assert_spread_without_delays(began, resumed, SPREAD_WINDOW)
 
 
+async def test_the_load_generator_spreads_heartbeats_of_sessions_opened_together(
+    start_app: StartApp, tokens: TokenService, tmp_path: Path
+):
+    """Sessions opened in the same moment heartbeat in the same moment of every interval;
+    ``soak`` with ``spread`` moves them to an even share of it (load_tests/overload.py's
+    baseline), keeping each on cadence."""
+    count, interval = 40, 4.0
+    app = await start_app(
+        heartbeat_interval=interval, warn_after=3 * interval, expire_after=4 * interval
+    )
+    minted = [tokens.mint(f"h{n}") for n in range(count)]
+
+    def busiest_second(soaked: dict[str, Any]) -> int:
+        assert soaked["acks"] == soaked["sent"] > 0 and not soaked["closes"], soaked
+        return max(acks for acks, *_ in soaked["timeline"].values())
+
+    async with LoadGenerator.run(tmp_path, url_of(app.port), minted) as gen:
+        await gen.send("connect", concurrency=count, heartbeat=interval, heartbeat_for=60)
+        assert (await gen.reply())["opened"] == count
+        # Kept cadence: every one's heartbeat a whole interval after its WELCOME's.
+        await gen.send("soak", interval=interval, duration=interval + 0.2)
+        together = await gen.reply()
+        assert busiest_second(together) >= together["acks"] / 2
+        await gen.send("soak", interval=interval, duration=interval + 0.2, spread=True)
+        spread = await gen.reply()
+    # About a quarter of them in each second of the interval.
+    assert busiest_second(spread) <= spread["acks"] / 3, spread["timeline"]
+
+
 async def test_the_locust_user_spreads_its_first_reconnects_after_a_drain(
     start_app: StartApp, events: EventLog, keys_dir: Path
 ):
