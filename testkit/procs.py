@@ -66,12 +66,18 @@ def proc_cpu(pid: int, *, children: bool = True) -> float:
     return own
 
 
+def proc_sched(pid: int) -> tuple[float, float]:
+    """Seconds a live process's main thread has spent on a CPU, and runnable but waiting
+    for one (``/proc/<pid>/schedstat``, its first two fields: time on a run queue; Linux
+    with CONFIG_SCHED_INFO). On a saturated machine the wait is the time it had work to
+    do and the scheduler gave its core to another process."""
+    on_cpu, waited = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    return int(on_cpu) / 1e9, int(waited) / 1e9
+
+
 def proc_run_delay(pid: int) -> float:
-    """Seconds a live process's main thread has spent runnable but waiting for a CPU
-    (``/proc/<pid>/schedstat``, its second field: time on a run queue; Linux with
-    CONFIG_SCHED_INFO). On a saturated machine this is the time it had work to do and
-    the scheduler gave its core to another process."""
-    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    """Seconds a live process's main thread has spent waiting for a CPU (:func:`proc_sched`)."""
+    return proc_sched(pid)[1]
 
 
 def proc_started(pid: int) -> float:
