@@ -13,7 +13,9 @@ address has its own ephemeral ports, so many processes can hold more connections
 than one address's port range); optionally ``ca_file`` (for a ``wss://`` url: the CA
 whose certificates it trusts; it verifies the server's, as a real client does) and
 ``going_away_window`` (seconds; the SDK's :class:`tokend.client.Backoff` default, 5 s,
-when absent).
+when absent) and ``connect_timeout`` (seconds a connect may take to WELCOME, 20 by
+default; one given up is counted by its stage: ``timeout before the upgrade`` or
+``timeout awaiting WELCOME``).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
 * ``connect {concurrency, retry_for, heartbeat, heartbeat_for}``: open the connections
@@ -118,6 +120,17 @@ class Closed(Exception):
         self.code = code
 
 
+class ConnectTimeout(TimeoutError):
+    """A connect given up after the job's ``connect_timeout`` (``CONNECT_TIMEOUT``):
+    before the upgrade's answer (the TCP connect, or the server's 101, was late: an
+    accept queue) or after it, awaiting WELCOME (the HELLO was late: its worker's loop,
+    or its round trip to Redis)."""
+
+    def __init__(self, upgraded: bool) -> None:
+        self.stage = "timeout awaiting WELCOME" if upgraded else "timeout before the upgrade"
+        super().__init__(self.stage)
+
+
 def retryable(exc: BaseException) -> bool:
     """A failed connect or a lost connection the spec's client tries again."""
     if isinstance(exc, Closed):
@@ -130,6 +143,8 @@ def failure_name(exc: BaseException) -> str:
         return f"close {exc.code}"
     if isinstance(exc, WSInvalidStatusError) and exc.response is not None:
         return f"http {exc.response.status}"
+    if isinstance(exc, ConnectTimeout):
+        return exc.stage
     return type(exc).__name__
 
 
@@ -417,6 +432,7 @@ class Generator:
         ca_file = job.get("ca_file")
         self.ssl_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
+        self.connect_timeout: float = job.get("connect_timeout", CONNECT_TIMEOUT)
         # The Python SDK's: full jitter, 0.5 s doubling up to 30 s; 1001 and 503 waited out.
         window = job.get("going_away_window")
         self.backoff = Backoff() if window is None else Backoff(going_away_window=window)
@@ -455,22 +471,24 @@ class Generator:
         conn.transport = None
         attempt = conn.attempt = Attempt(conn)
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
+            async with asyncio.timeout(self.connect_timeout):
                 await ws_connect(
                     lambda: attempt,
                     self.url,
                     extra_headers=self.headers,
-                    websocket_handshake_timeout=CONNECT_TIMEOUT,
+                    websocket_handshake_timeout=self.connect_timeout,
                     local_addr=self.local_addr,
                     ssl_context=self.ssl_context,
                 )
                 await conn.ready
-        except BaseException:
+        except BaseException as exc:
             # Given up (a timeout, a refusal): this attempt must not answer for the next.
             conn.attempt = None
-            if conn.transport is not None and not conn.transport.is_disconnected:
-                conn.transport.disconnect(graceful=False)
-            conn.transport = None
+            transport, conn.transport = conn.transport, None
+            if transport is not None and not transport.is_disconnected:
+                transport.disconnect(graceful=False)
+            if isinstance(exc, TimeoutError):
+                raise ConnectTimeout(transport is not None) from exc
             raise
 
     def begin_heartbeats(

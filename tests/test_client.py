@@ -765,6 +765,38 @@ class FirstCloser:
         }
 
 
+async def test_the_load_generator_tells_where_a_connect_timed_out(
+    tokens: TokenService, tmp_path: Path
+):
+    """A connect given up is named by its stage: before the upgrade's answer (a server
+    that accepts and says nothing) or awaiting WELCOME (one that upgrades and does not
+    answer the HELLO): the soak's restart tells an accept queue from a late HELLO."""
+
+    async def mute(connection: ServerConnection) -> None:
+        await connection.recv()  # the HELLO, left unanswered
+        await connection.wait_closed()
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_only(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # the upgrade request is never answered
+
+    silent = await asyncio.start_server(accept_only, "127.0.0.1", 0)
+    minted = [tokens.mint("late")]
+    async with silent, fake_server(mute) as upgrading:
+        urls = {
+            "timeout before the upgrade": url_of(silent.sockets[0].getsockname()[1]),
+            "timeout awaiting WELCOME": upgrading,
+        }
+        for stage, url in urls.items():
+            async with LoadGenerator.run(tmp_path, url, minted, connect_timeout=0.5) as gen:
+                await gen.send("connect", concurrency=1)
+                opened = await gen.reply()
+            assert opened["errors"] == {stage: 1}, opened
+        for writer in held:
+            writer.close()
+
+
 async def test_the_load_generators_prove_their_resumes(
     tokens: TokenService, keys_dir: Path, tmp_path: Path
 ):
