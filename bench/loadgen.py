@@ -620,8 +620,9 @@ class Generator:
                 delay = (flood or interval) * i / len(live)
             elif spread:
                 # Each one's phase i/len(live) of an interval from half an interval after
-                # its last: its next heartbeat stays on cadence (15-45 s apart at 30 s),
-                # and the connections heartbeat evenly over the interval from then on.
+                # its last (or from now, if that has passed): its next heartbeat stays on
+                # cadence, at least half an interval after the last, and the connections
+                # heartbeat evenly over the interval from then on.
                 delay = max(due - interval / 2, 0.0) + interval * i / len(live)
             else:
                 delay = due if due > 0 else SOAK_GRACE_S * i / len(live)
