@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import key_slot
+from redis.retry import Retry
 
 from testkit.net import LOOPBACK, free_port
 from testkit.waiting import eventually_sync
@@ -34,14 +36,30 @@ def _until_answering(
     eventually_sync(answers, timeout, what=f"{log.stem} answering")
 
 
+# The probe of a starting server: each answer at once, a server that exited seen at once
+# (redis-py retries a refused connect with a backoff of seconds by default).
+NO_RETRY = Retry(NoBackoff(), 0)
+# Starts of a server whose port another process took between free_port() and its bind
+# (an outgoing connection's ephemeral port may be any free one): each with fresh ports.
+BIND_ATTEMPTS = 3
+
+
 class RedisProcess:
-    """A private redis-server on a loopback port, never the machine's shared one."""
+    """A private redis-server on a loopback port, never the machine's shared one; with
+    ``cluster_bus``, a cluster node with its bus on a port of its own too."""
 
     def __init__(
-        self, directory: Path, *, aof: bool = False, extra_args: Sequence[str] = ()
+        self,
+        directory: Path,
+        *,
+        aof: bool = False,
+        extra_args: Sequence[str] = (),
+        cluster_bus: bool = False,
     ) -> None:
         self.directory = directory
         self.port = free_port()
+        # An explicit bus port: the default (port + 10000) may be taken or too high.
+        self.bus_port = free_port() if cluster_bus else None
         self.aof = aof
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
@@ -51,7 +69,20 @@ class RedisProcess:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
     def start(self) -> None:
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            try:
+                self._start()
+                return
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS:
+                    raise
+            self.port = free_port()
+            if self.bus_port is not None:
+                self.bus_port = free_port()
+
+    def _start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        bus = () if self.bus_port is None else ("--cluster-port", str(self.bus_port))
         self.process = subprocess.Popen(
             [
                 find_server_binary(),
@@ -69,12 +100,13 @@ class RedisProcess:
                 "always",
                 "--logfile",
                 str(self.directory / "redis.log"),
+                *bus,
                 *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
-        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5, retry=NO_RETRY)
         _until_answering(self.process, self.directory / "redis.log", client.ping, 10)
 
     def wait_replicas(self, count: int = 1, timeout: float = 10) -> None:
@@ -107,19 +139,16 @@ class RedisClusterProcess:
 
     def __init__(self, directory: Path, masters: int = 3) -> None:
         self.directory = directory
-        self.bus_ports = [free_port() for _ in range(masters)]
-        self.nodes = [self._node(f"node-{n}", self.bus_ports[n]) for n in range(masters)]
+        self.nodes = [self._node(f"node-{n}") for n in range(masters)]
         self.replicas: list[RedisProcess] = []
 
-    def _node(self, name: str, bus_port: int) -> RedisProcess:
+    def _node(self, name: str) -> RedisProcess:
         return RedisProcess(
             self.directory / name,
-            # An explicit bus port: the default (port + 10000) may be taken or too high.
+            cluster_bus=True,
             extra_args=(
                 "--cluster-enabled",
                 "yes",
-                "--cluster-port",
-                str(bus_port),
                 "--cluster-node-timeout",
                 "5000",
                 # A new replica's first sync starts at once, not 5 s later.
@@ -146,7 +175,7 @@ class RedisClusterProcess:
             last = self.SLOTS - 1 if n == len(clients) - 1 else (n + 1) * share - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, last)
             client.execute_command(
-                "CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.bus_ports[0]
+                "CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.nodes[0].bus_port
             )
         eventually_sync(
             lambda: all(c.cluster("INFO")["cluster_state"] == "ok" for c in clients),
@@ -196,13 +225,15 @@ class RedisClusterProcess:
     def add_replica(self, master: int, timeout: float = 20) -> RedisProcess:
         """A new node replicating ``self.nodes[master]``, returned once it is in sync and
         every master lists it as that master's replica."""
-        replica = self._node(f"replica-{len(self.replicas)}", free_port())
+        replica = self._node(f"replica-{len(self.replicas)}")
         self.replicas.append(replica)
         replica.start()
         client = redis.Redis(host=LOOPBACK, port=replica.port, socket_timeout=2)
         masters = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]
         master_id = masters[master].execute_command("CLUSTER", "MYID").decode()
-        client.execute_command("CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.bus_ports[0])
+        client.execute_command(
+            "CLUSTER", "MEET", LOOPBACK, self.nodes[0].port, self.nodes[0].bus_port
+        )
 
         def replicating() -> bool:
             with contextlib.suppress(redis.ResponseError):  # the master is not known yet

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from testkit.net import LOOPBACK
 from testkit.procs import WaitMeter
+from testkit.redis_servers import RedisProcess
 from testkit.waiting import eventually, eventually_sync
 
 
@@ -72,3 +75,21 @@ def test_wait_meter_tells_a_process_that_waited_for_its_cpu_from_one_that_slept(
         for process in (sleeper, *burners):
             process.kill()
             process.wait()
+
+
+def test_a_redis_whose_ports_were_taken_meanwhile_starts_on_fresh_ones(tmp_path: Path):
+    """A port free when picked may be another process's by the time the server binds it
+    (an outgoing connection's ephemeral port): the server starts again on fresh ports
+    instead of failing the test that needed it (a cluster node: its bus port too)."""
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))  # bound, not listening: as a connection's own port is
+        port = taken.getsockname()[1]
+        node = RedisProcess(tmp_path, cluster_bus=True, extra_args=("--cluster-enabled", "yes"))
+        node.port = node.bus_port = port
+        node.start()
+        try:
+            assert port not in (node.port, node.bus_port) and node.bus_port != node.port
+            assert node.client().ping()
+            assert "Address already in use" in (tmp_path / "redis.log").read_text()
+        finally:
+            node.stop()
