@@ -95,8 +95,14 @@ async def test_a_client_that_stops_reading_is_dropped(
     ]
     # What the server held for it: the write limit (32 KiB), the ACKs (token re-sent,
     # < 400 bytes each) of the heartbeats in the store's hands when reading paused, and
-    # the pongs of the pings in the last read (no larger than that read, <= 64 KiB).
-    assert dropped["unsent"] <= connection.WRITE_HIGH + connection.READ_PAUSE_AT * 400 + 2**16
+    # the pongs of the pings in the last read (no larger than that read).
+    held = connection.WRITE_HIGH + connection.READ_PAUSE_AT * 400 + LARGEST_READ
+    assert dropped["unsent"] <= held
+
+
+# The most one read hands a protocol: uvloop reads up to 256,000 bytes at once, asyncio's
+# selector loop 256 KiB (a clean-clone run met 147,916 bytes unsent: a read over 64 KiB).
+LARGEST_READ = 256 * 1024
 
 
 MAX_OPEN_FILES = 64
