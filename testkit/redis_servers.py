@@ -28,7 +28,9 @@ def _until_answering(
 
     def answers() -> bool:
         if process.poll() is not None:
-            raise RuntimeError(log.read_text())
+            # A server refused its command line before it opened its log.
+            said = log.read_text() if log.exists() else "(no log)"
+            raise RuntimeError(f"exited with {process.returncode}: {said}")
         with contextlib.suppress(redis.RedisError):
             return bool(probe())
         return False
@@ -69,13 +71,19 @@ class RedisProcess:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
     def start(self) -> None:
+        """Start it and wait until it answers; a server that does not is stopped, not
+        left running past the test."""
         for attempt in range(1, BIND_ATTEMPTS + 1):
             try:
                 self._start()
                 return
             except RuntimeError as exc:
+                self.stop()
                 if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS:
                     raise
+            except BaseException:
+                self.stop()
+                raise
             self.port = free_port()
             if self.bus_port is not None:
                 self.bus_port = free_port()
@@ -167,6 +175,15 @@ class RedisClusterProcess:
         return "redis+cluster://" + ",".join(f"{LOOPBACK}:{n.port}" for n in self.nodes)
 
     def start(self, timeout: float = 20) -> None:
+        """Start the nodes and join them; on a failure the nodes started are stopped (a
+        fixture that fails at its start has no teardown to do it)."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
         for node in self.nodes:
             node.start()
         clients = [redis.Redis(host=LOOPBACK, port=n.port, socket_timeout=2) for n in self.nodes]

@@ -16,7 +16,7 @@ import pytest
 
 from testkit.net import LOOPBACK
 from testkit.procs import WaitMeter
-from testkit.redis_servers import RedisProcess
+from testkit.redis_servers import RedisClusterProcess, RedisProcess
 from testkit.waiting import eventually, eventually_sync
 
 
@@ -93,3 +93,16 @@ def test_a_redis_whose_ports_were_taken_meanwhile_starts_on_fresh_ones(tmp_path:
             assert "Address already in use" in (tmp_path / "redis.log").read_text()
         finally:
             node.stop()
+
+
+def test_a_cluster_that_fails_to_start_leaves_no_node_running(tmp_path: Path):
+    """Its fixture fails at its start and has no teardown: the nodes already started
+    must not outlive the test run (a clean-clone run left two behind)."""
+    cluster = RedisClusterProcess(tmp_path)
+    broken = cluster.nodes[-1]
+    broken.extra_args = (*broken.extra_args, "--no-such-option", "x")
+    with pytest.raises(RuntimeError):
+        cluster.start()
+    started = cluster.nodes[:-1]
+    assert all(node.process is not None for node in started)
+    assert all(node.process.poll() is not None for node in started if node.process)
