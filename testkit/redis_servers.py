@@ -77,13 +77,11 @@ class RedisProcess:
             try:
                 self._start()
                 return
-            except RuntimeError as exc:
+            except BaseException as exc:
                 self.stop()
-                if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS:
+                taken = isinstance(exc, RuntimeError) and "Address already in use" in str(exc)
+                if not taken or attempt == BIND_ATTEMPTS:
                     raise
-            except BaseException:
-                self.stop()
-                raise
             self.port = free_port()
             if self.bus_port is not None:
                 self.bus_port = free_port()
@@ -313,7 +311,7 @@ class RedisSentinelProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
-        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5, retry=NO_RETRY)
         _until_answering(
             self.process,
             self.directory / "sentinel.log",

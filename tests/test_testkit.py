@@ -1,6 +1,7 @@
 """The test kit's own checks: the shared wait (testkit.waiting) must fail, or every test
 built on it passes whatever happens; the load tests' CPU-wait meter (testkit.procs) must
-tell waiting from sleeping."""
+tell waiting from sleeping; the test Redis servers (testkit.redis_servers) must start on
+fresh ports when theirs were taken, and not outlive a start that failed."""
 
 from __future__ import annotations
 
