@@ -95,7 +95,8 @@ HEARTBEAT = Script("heartbeat")
 SWEEP = Script("sweep")
 END = Script("end")
 RELEASE = Script("release")
-SCRIPTS = (HELLO, HEARTBEAT, SWEEP, END, RELEASE)
+MOVE = Script("move")
+SCRIPTS = (HELLO, HEARTBEAT, SWEEP, END, RELEASE, MOVE)
 
 # One script call: the script, its keys, its arguments (after the common ones).
 ScriptCall = tuple[Script, list[str], list[Any]]

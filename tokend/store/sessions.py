@@ -42,6 +42,7 @@ from tokend.store.scripts import (
     END,
     HEARTBEAT,
     HELLO,
+    MOVE,
     RELEASE,
     SWEEP,
     Script,
@@ -95,6 +96,23 @@ class ReleaseRequest(NamedTuple):
     since_ms: int  # Redis time at which the connection took the session (HELLO's answer)
     reason: str  # the close reason of a planned close (1001 from the server), else ""
     shard: int
+
+
+class MoveRequest(NamedTuple):
+    """A session to move from connection ``source`` (taken at ``since_ms``) to ``to``
+    (move.lua); ``since_ms`` None: ``source`` is a node name, and any of its connections
+    counts (a move back from a new worker that died)."""
+
+    tid: str
+    source: str
+    since_ms: int | None
+    to: str
+    shard: int
+
+    @classmethod
+    def of(cls, tid: uuid.UUID, source: str, since_ms: int | None, to: str) -> MoveRequest:
+        tid_text = str(tid)
+        return cls(tid_text, source, since_ms, to, Keyspace.shard_of(tid_text))
 
 
 class Store(ScriptRunner):
@@ -385,6 +403,20 @@ class Store(ScriptRunner):
             )
         replies = await self._per_shard(RELEASE, self._release_args, members)
         return [ReleaseOutcome(reply) for reply in replies]
+
+    async def moves(self, batch: Sequence[MoveRequest]) -> list[int]:
+        """Move each session of ``batch`` from one connection to another in one round trip
+        (move.lua), only while the first still holds it: per session, the Redis time at
+        which the second took it (its ``since``), or 0 when the first did not hold it."""
+        prefixes = self._session_prefixes
+        members = []
+        for tid, source, since_ms, to, shard in batch:
+            hash_prefix, tomb_prefix = prefixes[shard]
+            since = "" if since_ms is None else since_ms
+            members.append(
+                (shard, (hash_prefix + tid, tomb_prefix + tid), (tid, source, since, to))
+            )
+        return [int(reply) for reply in await self._per_shard(MOVE, [], members)]
 
     async def end(
         self,
