@@ -127,6 +127,12 @@ class Metrics:
         # failed to load last, so that the previous certificate is still served.
         self.tls_reloads: Counter[str] = Counter()
         self.tls_failing = False
+        # A rolling reload's handoff (tokend.server.handoff): connections this worker
+        # handed to its slot's new worker, those that fell back to a close (1001) by
+        # reason, and those it took from an old worker.
+        self.handoff_moved = 0
+        self.handoff_fell_back: Counter[str] = Counter()
+        self.handoff_taken = 0
         # Filled in by the node and the server: live values read at scrape time.
         self.sessions_by_state: Callable[[], dict[str, int]] = dict
         self.connections: Callable[[], int] = int
@@ -233,6 +239,22 @@ class _LiveCollector(Collector):
             "tokend_tls_reload_failing",
             "1 while the TLS files on disk do not load and the previous certificate is served.",
             value=int(m.tls_failing),
+        )
+        yield CounterMetricFamily(
+            "tokend_handoff_moved",
+            "Connections handed to the slot's new worker in a rolling reload.",
+            value=m.handoff_moved,
+        )
+        yield _labelled(
+            "tokend_handoff_fell_back",
+            "Connections a rolling reload could not hand over (closed with 1001), by reason.",
+            "reason",
+            m.handoff_fell_back.items(),
+        )
+        yield CounterMetricFamily(
+            "tokend_handoff_taken",
+            "Connections taken from the slot's old worker in a rolling reload.",
+            value=m.handoff_taken,
         )
         yield _labelled(
             "tokend_dropped_connections",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from tokend.cli.common import LOGS
 from tokend.config import Settings
@@ -85,9 +86,22 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         status = pidfile.read_status(data_dir)
     last = status["last_reload"]
     if last["result"] != "ok":
-        return fail(f"reload failed after {last['seconds']:g} s: {last['reason']}")
+        return fail(
+            f"reload failed after {last['seconds']:g} s: {last['reason']}; {handoff_line(last)}"
+        )
     print(
         f"tokend reload: reloaded in {last['seconds']:g} s, generation "
-        f"{last['generation']}: {', '.join(status['nodes'])}"
+        f"{last['generation']}: {', '.join(status['nodes'])}; {handoff_line(last)}"
     )
     return 0
+
+
+def handoff_line(last: dict[str, Any]) -> str:
+    """What the reload's handoff did: connections moved, and those that fell back to a
+    close (1001), by reason."""
+    fell_back = last.get("fell_back") or {}
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(fell_back.items()))
+    total = sum(fell_back.values())
+    return f"{last.get('moved', 0)} connections moved, {total} fell back" + (
+        f" ({reasons})" if reasons else ""
+    )

@@ -32,8 +32,13 @@ from typing import NoReturn
 LISTEN_FDS_START = 3
 LISTEN_VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 # The name (LISTEN_FDNAMES, systemd's FileDescriptorName=) of an inherited admin
-# listener; a socket of any other name is the main (WebSocket) listener.
+# listener; a socket of any other name is the main (WebSocket) listener, but for
+# SUPERVISOR.
 ADMIN = "admin"
+# The name of a worker's end of the socketpair its supervisor made for the two of them
+# (tokend/ops/supervisor.py): not a listener; the supervisor sends the reload's handoff
+# sockets over it, and the worker reports its handoff on it.
+SUPERVISOR = "supervisor"
 # sd_listen_fds(3): the name of a descriptor that LISTEN_FDNAMES does not name.
 UNNAMED = "unknown"
 # tokend's own additions, between a supervisor and its workers. A notification field
@@ -42,6 +47,11 @@ UNNAMED = "unknown"
 # keep serving the open connections until SIGTERM.
 DRAINED = "X_TOKEND_DRAINED"
 STOP_ACCEPTING = signal.SIGUSR1
+# On the supervisor's channel: to a reload's new worker, HANDOFF=take with the socket to
+# take connections from; to the old one, HANDOFF=give with the other end and TO=<the new
+# worker's node name>. The old one answers HANDED=<JSON: moved, fell_back by reason>.
+HANDOFF = "HANDOFF"
+HANDED = "HANDED"
 # The most a notification datagram may hold; systemd reads at most this much.
 MAX_NOTIFICATION = 4096
 _PR_SET_PDEATHSIG = 1
@@ -95,6 +105,7 @@ class Inherited:
 
     main: socket.socket | None = None
     admin: socket.socket | None = None
+    supervisor: socket.socket | None = None  # a worker's channel to its supervisor
 
 
 def adopt(fd: int) -> socket.socket:
@@ -120,11 +131,27 @@ def take_inherited(environ: MutableMapping[str, str] | None = None) -> Inherited
     fds = listen_fds(environ, os.getpid())
     for name in LISTEN_VARIABLES:
         environ.pop(name, None)
-    main, admin = sort_listeners(fds)
+    channel = [fd for fd, name in fds if name == SUPERVISOR]
+    main, admin = sort_listeners([(fd, name) for fd, name in fds if name != SUPERVISOR])
     return Inherited(
         main=adopt(main) if main is not None else None,
         admin=adopt(admin) if admin is not None else None,
+        supervisor=adopt_channel(channel[0]) if channel else None,
     )
+
+
+def adopt_channel(fd: int) -> socket.socket:
+    """The worker's end of its supervisor's socketpair (SOCK_SEQPACKET), closed on exec."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ActivationError(f"inherited descriptor {fd}: {exc.strerror}") from None
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        sock.detach()
+        raise ActivationError(f"inherited descriptor {fd}: not the supervisor's socketpair")
+    sock.set_inheritable(False)
+    sock.setblocking(False)
+    return sock
 
 
 # Readiness and state (sd_notify(3))
@@ -210,6 +237,25 @@ def receive_notification(sock: socket.socket) -> tuple[int, dict[str, str]] | No
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
             pid = struct.unpack(_UCRED, payload[:size])[0]
     return pid, parse_notification(data)
+
+
+# The supervisor's channel to a worker (a SOCK_SEQPACKET socketpair): notification-style
+# messages (KEY=VALUE lines), each with at most one descriptor beside it.
+
+
+def send_message(sock: socket.socket, fields: Mapping[str, str], fd: int | None = None) -> None:
+    """One message on a channel, with ``fd`` beside it (SCM_RIGHTS) if given."""
+    socket.send_fds(sock, [notification(fields)], [fd] if fd is not None else [])
+
+
+def receive_message(sock: socket.socket) -> tuple[dict[str, str], list[int]] | None:
+    """One message from a channel and the descriptors beside it; None when nothing waits.
+    An empty dict: the other end closed."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_NOTIFICATION, 1)
+    except BlockingIOError:
+        return None
+    return parse_notification(data), fds
 
 
 # Starting a process with sockets (the manager's side of sd_listen_fds(3))

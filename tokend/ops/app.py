@@ -11,7 +11,10 @@ dashboard). On SIGTERM the node drains (:mod:`tokend.server.drain`, docs/operati
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
+import socket
 from collections import Counter
 
 import structlog
@@ -26,6 +29,7 @@ from tokend.ops.embedded import EmbeddedRedis
 from tokend.server.admission import Admission
 from tokend.server.connection import Connection
 from tokend.server.drain import AcceptQueue, Drain
+from tokend.server.handoff import Giver, Taker
 from tokend.server.node import Node
 from tokend.store.redis_client import open_client
 from tokend.tokens.keys import KeyRing
@@ -49,6 +53,14 @@ class App:
         # Set when this worker stopped accepting for a reload (its slot has a new one).
         self.accept_queue: AcceptQueue | None = None
         self.replaced = False
+        # A copy of the listening socket kept when it stopped accepting: a reload whose
+        # new worker failed during the handoff accepts on it again.
+        self.listener_copy: socket.socket | None = None
+        # The share of its connections an old worker still held after its handoff (what
+        # fell back): its drain spreads their 1001s over that share of reload_drain_period.
+        self.left_share = 1.0
+        self.channel: socket.socket | None = None  # a worker's, to its supervisor
+        self.handoffs: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
@@ -68,6 +80,7 @@ class App:
         settings = self.settings
         # First: the LISTEN_* variables must not reach the embedded Redis.
         inherited = activation.take_inherited()
+        self.channel = inherited.supervisor
         certificate = None
         if settings.tls_cert_file:
             certificate = ServerCertificate(settings.tls_cert_file, settings.tls_key_file)
@@ -124,7 +137,9 @@ class App:
     @property
     def drain_period(self) -> float:
         settings = self.settings
-        return settings.reload_drain_period if self.replaced else settings.drain_period
+        if self.replaced:
+            return settings.reload_drain_period * self.left_share
+        return settings.drain_period
 
     def stop_accepting(self) -> None:
         """A reload's new worker accepts for this one's slot: stop accepting, keep serving
@@ -133,11 +148,76 @@ class App:
         connections = len(self.connections)
         log.info("stopped accepting: the slot's new worker accepts", connections=connections)
         self.replaced = True
+        self.listener_copy = socket.socket(fileno=os.dup(self.server.sockets[0].fileno()))
         if self.settings.reload_accept_queue:
             self.accept_queue = AcceptQueue(
                 self.server.sockets[0].fileno(), self.settings.reload_accept_queue
             )
         self.server.close()  # this process's copy of the socket; the supervisor keeps it
+
+    async def accept_again(self) -> None:
+        """The reload's new worker failed: this worker serves its slot again."""
+        if not self.replaced or self.listener_copy is None or self.admission is None:
+            return
+        admission = self.admission
+        self.server = await asyncio.get_running_loop().create_server(
+            lambda: Connection(admission), sock=self.listener_copy, backlog=self.settings.backlog
+        )
+        self.listener_copy = None
+        self.replaced = False
+        if self.accept_queue is not None:
+            self.accept_queue.close()
+            self.accept_queue = None
+        log.info("accepting again: the slot's new worker failed")
+
+    # The supervisor's channel (a worker's)
+
+    def listen_to_supervisor(self) -> None:
+        if self.channel is not None:
+            asyncio.get_running_loop().add_reader(self.channel, self._supervisor_said)
+
+    def _supervisor_said(self) -> None:
+        assert self.channel is not None
+        while (received := activation.receive_message(self.channel)) is not None:
+            fields, fds = received
+            if not fields:  # the supervisor is gone: PR_SET_PDEATHSIG stops this process
+                asyncio.get_running_loop().remove_reader(self.channel)
+                return
+            if not fds:
+                continue
+            sock = socket.socket(fileno=fds[0])
+            for fd in fds[1:]:
+                os.close(fd)
+            op = fields.get(activation.HANDOFF)
+            if op == "take" and self.admission is not None:
+                Taker(self.admission, self.node, sock, self._taking).start()
+            elif op == "give":
+                task = asyncio.ensure_future(self._give(sock, fields.get("TO", "")))
+                self.handoffs.add(task)
+                task.add_done_callback(self.handoffs.discard)
+            else:
+                sock.close()
+
+    def _taking(self) -> bool:
+        """Whether this worker takes handed-over connections: not once it drains."""
+        return self.admission is not None and not self.admission.draining
+
+    async def _give(self, sock: socket.socket, new_node: str) -> None:
+        """Hand every connection over to the slot's new worker (tokend.server.handoff), then
+        tell the supervisor what moved and what fell back."""
+        assert self.admission is not None
+        if not self.replaced:
+            self.stop_accepting()
+        connections = self.admission.connections
+        before = len(connections)
+        report = await Giver(connections, self.node, sock, new_node).run()
+        self.left_share = len(connections) / before if before else 0.0
+        if report.fell_back.get("new_worker_failed") or report.fell_back.get("unknown_version"):
+            await self.accept_again()
+        if self.channel is not None:
+            activation.send_message(
+                self.channel, {activation.HANDED: json.dumps(report.as_fields())}
+            )
 
     async def _drain(self, period: float, hurry: asyncio.Event) -> None:
         assert self.server is not None and self.admission is not None
@@ -158,6 +238,8 @@ class App:
             await self.embedded.astop()
         if self.accept_queue is not None:
             self.accept_queue.close()
+        if self.listener_copy is not None:
+            self.listener_copy.close()
         log.info("stopped")
 
 
@@ -195,11 +277,14 @@ async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> 
     loop.add_signal_handler(signal.SIGHUP, _cannot_reload)
     if worker:
         loop.add_signal_handler(activation.STOP_ACCEPTING, app.stop_accepting)
+        app.listen_to_supervisor()
     ready = asyncio.ensure_future(_report_ready(app, notifier))
     try:
         await stopping.wait()
         ready.cancel()
         notifier.notify(STOPPING="1")
+        for handoff in list(app.handoffs):
+            await handoff  # bounded: its replies time out
         log.info("signal received, draining", drain_period=app.drain_period)
         await app.drain(hurry)
         notifier.notify(**{activation.DRAINED: "1"})

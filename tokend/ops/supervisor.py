@@ -49,12 +49,14 @@ port open").
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
@@ -80,6 +82,10 @@ DRAIN_SLACK = 3
 DRAIN_MARGIN = 15.0
 # After it has closed its connections: how long an old worker may take to exit.
 EXIT_TIMEOUT = 10.0
+# An old worker's handoff, at most, before its drain begins all the same: each batch's
+# reply is bounded (tokend.server.handoff.REPLY_TIMEOUT_S), so only a starved machine
+# takes this long.
+HANDOFF_TIMEOUT = 120.0
 MAIN = "tokend"  # LISTEN_FDNAMES name of a worker's WebSocket listener
 WORKER_COMMAND = (sys.executable, "-m", "tokend", "serve", "--worker")
 
@@ -114,10 +120,21 @@ def bind(host: str, port: int, backlog: int, *, reuse_port: bool) -> socket.sock
 class Worker:
     """One worker process: its slot, name, and what it has reported."""
 
-    def __init__(self, slot: Slot, name: str, process: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self,
+        slot: Slot,
+        name: str,
+        process: subprocess.Popen[bytes],
+        channel: socket.socket,
+    ) -> None:
         self.slot = slot
         self.name = name
         self.process = process
+        # The supervisor's end of the socketpair made for this worker (activation.SUPERVISOR).
+        self.channel = channel
+        self.handing = False  # handing its connections to the slot's new worker
+        self.handed = asyncio.Event()  # its handoff ended (reported, or it exited)
+        self.report: dict[str, Any] | None = None  # what its handoff moved and left
         self.ready = asyncio.Event()  # READY=1: listening, node started and subscribed
         self.drained = asyncio.Event()  # its drain has closed every connection
         self.exited = asyncio.Event()
@@ -143,6 +160,8 @@ class Slot:
         self.listener = listener
         self.admin = admin
         self.worker: Worker | None = None  # its live worker
+        # The old worker handing its connections to the live one, until it reported.
+        self.handing_from: Worker | None = None
 
     def sockets(self) -> list[tuple[socket.socket, str]]:
         named = [(self.listener, MAIN)]
@@ -191,6 +210,8 @@ class Supervisor:
         self.requested = 0  # SIGHUPs received
         self.done = 0  # requests answered by a finished reload
         self.last_reload: dict[str, Any] | None = None
+        # A reload's new worker that died during its handoff: why (the reload failed).
+        self.handoff_failed = ""
         self.state = "starting"  # then ready, reloading, stopping (tokend.status)
 
     def _bind_slot(self, index: int) -> Slot:
@@ -273,20 +294,31 @@ class Supervisor:
 
     def _start(self, slot: Slot) -> Worker:
         name = worker_name(self.node_name, slot.index, self.generation)
-        argv, fds = activation.activated_command(WORKER_COMMAND, slot.sockets())
-        process = subprocess.Popen(
-            argv,
-            env=self._worker_environ(slot, name),
-            stdin=subprocess.DEVNULL,
-            pass_fds=fds,
-            # Signals reach the workers through the supervisor alone: a terminal's
-            # Ctrl-C starts one orderly stop, not N+1 of them.
-            process_group=0,
-        )
-        worker = Worker(slot, name, process)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sockets = [*slot.sockets(), (theirs, activation.SUPERVISOR)]
+        argv, fds = activation.activated_command(WORKER_COMMAND, sockets)
+        try:
+            process = subprocess.Popen(
+                argv,
+                env=self._worker_environ(slot, name),
+                stdin=subprocess.DEVNULL,
+                pass_fds=fds,
+                # Signals reach the workers through the supervisor alone: a terminal's
+                # Ctrl-C starts one orderly stop, not N+1 of them.
+                process_group=0,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.setblocking(False)
+        worker = Worker(slot, name, process, mine)
         self.processes[process.pid] = worker
         pidfd = os.pidfd_open(process.pid)
-        asyncio.get_running_loop().add_reader(pidfd, self._exited, worker, pidfd)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, self._exited, worker, pidfd)
+        loop.add_reader(mine, self._reported, worker)
         log.info(
             "worker started",
             node=name,
@@ -316,12 +348,27 @@ class Supervisor:
 
     def _exited(self, worker: Worker, pidfd: int) -> None:
         """The pidfd of ``worker`` is readable: it has exited."""
-        asyncio.get_running_loop().remove_reader(pidfd)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(pidfd)
         os.close(pidfd)
         status = worker.process.wait()  # reaps it at once: it has exited
         del self.processes[worker.pid]
+        loop.remove_reader(worker.channel)
+        worker.channel.close()
         worker.exited.set()
-        live = worker.slot.worker is worker
+        worker.handed.set()
+        slot = worker.slot
+        old = slot.handing_from
+        if slot.worker is worker and old is not None and not self.stopping.is_set():
+            # The new worker died while the old one handed it its connections: the old
+            # one keeps what it still holds and serves the slot again; the reload failed.
+            reason = f"new worker {worker.name} exited with status {status} during the handoff"
+            log.error("new worker failed", node=worker.name, reason=reason, kept=old.name)
+            slot.worker, slot.handing_from = old, None
+            old.superseded = False
+            self.handoff_failed = self.handoff_failed or reason
+            return
+        live = slot.worker is worker
         if live and not self.stopping.is_set():
             log.error("worker died", node=worker.name, pid=worker.pid, exitcode=status)
             self.death.set()
@@ -329,6 +376,21 @@ class Supervisor:
             (log.info if status == 0 else log.warning)(
                 "old worker exited", node=worker.name, pid=worker.pid, exitcode=status
             )
+
+    def _reported(self, worker: Worker) -> None:
+        """A message on ``worker``'s channel: its handoff's report."""
+        while (received := activation.receive_message(worker.channel)) is not None:
+            fields, fds = received
+            for fd in fds:
+                os.close(fd)
+            if not fields:
+                asyncio.get_running_loop().remove_reader(worker.channel)
+                return
+            handed = fields.get(activation.HANDED)
+            if handed is not None:
+                worker.report = json.loads(handed)
+                worker.handing = False
+                worker.handed.set()
 
     def _notified(self) -> None:
         """Notifications wait on the supervisor's socket: apply each to its sender."""
@@ -403,6 +465,9 @@ class Supervisor:
                 break
             assert old is not None
             superseded.append(old)
+            if self.handoff_failed:  # a new worker died in its handoff: the reload ends
+                outcome, reason = "failed", self.handoff_failed
+                break
         if outcome in ("ok", "failed"):
             # After a failure, the slots already replaced finish their move.
             drained = await self._drain(superseded)
@@ -410,12 +475,16 @@ class Supervisor:
         self.reloading = False
         if outcome in ("stop", "died"):
             return outcome
+        if self.handoff_failed:
+            outcome, reason = "failed", reason or self.handoff_failed
+            self.handoff_failed = ""
         self.done = answers
         self.last_reload = {
             "generation": self.generation,
             "result": outcome,
             "reason": reason,
             "seconds": round(loop.time() - began, 1),
+            **handoff_summary(superseded),
         }
         self._ready()
         (log.info if outcome == "ok" else log.error)(
@@ -447,7 +516,27 @@ class Supervisor:
         old.superseded = True
         old.process.send_signal(activation.STOP_ACCEPTING)
         log.info("worker replaced", slot=slot.index, old=old.name, new=new.name, pid=new.pid)
+        self._hand_over(old, new)
         return "ok", ""
+
+    def _hand_over(self, old: Worker, new: Worker) -> None:
+        """Make the socketpair of the slot's two workers and give each its end: the old one
+        hands its connections to the new one over it (tokend.server.handoff)."""
+        give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            activation.send_message(new.channel, {activation.HANDOFF: "take"}, take.fileno())
+            activation.send_message(
+                old.channel, {activation.HANDOFF: "give", "TO": new.name}, give.fileno()
+            )
+        except OSError as exc:  # either has exited: its own exit is handled
+            log.warning("handoff not begun", old=old.name, new=new.name, error=str(exc))
+            old.handed.set()
+            return
+        finally:
+            give.close()
+            take.close()
+        old.handing = True
+        old.slot.handing_from = old
 
     async def _drain(self, old_workers: list[Worker]) -> str:
         """Drain ``old_workers`` together, each over reload_drain_period (one after
@@ -457,6 +546,17 @@ class Supervisor:
         :data:`DRAIN_SLACK` x reload_drain_period + :data:`DRAIN_MARGIN`, then once all
         have, if it has not exited within :data:`EXIT_TIMEOUT`. "ok", or "stop" or
         "died"."""
+        handing = [w.handed.wait() for w in old_workers]
+        if handing:
+            outcome = await self._first(HANDOFF_TIMEOUT, handed=asyncio.gather(*handing))
+            if outcome in ("stop", "died"):
+                return outcome
+        # An old worker whose new one died during the handoff serves its slot again; the
+        # others' slots are their new workers' for good.
+        old_workers = [w for w in old_workers if w.superseded]
+        for worker in old_workers:
+            if worker.slot.handing_from is worker:
+                worker.slot.handing_from = None
         if old_workers:
             log.info(
                 "draining old workers",
@@ -529,6 +629,18 @@ class Supervisor:
                 "last_reload": self.last_reload,
             }
         )
+
+
+def handoff_summary(old_workers: Iterable[Worker]) -> dict[str, Any]:
+    """What the reload's handoffs did, all old workers together: connections moved, and
+    those that fell back to a close (1001), by reason."""
+    moved = 0
+    fell_back: Counter[str] = Counter()
+    for worker in old_workers:
+        if worker.report is not None:
+            moved += int(worker.report.get("moved", 0))
+            fell_back.update(worker.report.get("fell_back", {}))
+    return {"moved": moved, "fell_back": dict(sorted(fell_back.items()))}
 
 
 async def _all_set(events: Iterable[asyncio.Event]) -> None:

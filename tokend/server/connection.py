@@ -212,6 +212,7 @@ class Connection(asyncio.Protocol):
         "head",
         "ip",
         "link",
+        "moving",
         "paused",
         "pings",
         "preface",
@@ -250,6 +251,8 @@ class Connection(asyncio.Protocol):
         self.fragments: bytearray | None = None  # a fragmented binary message so far
         self.pings: TokenBucket | None = None  # made at the first ping
         self.paused = False  # reading paused by us (see pause_writing and READ_PAUSE_AT)
+        # Being handed to a reload's new worker: reading held (tokend.server.handoff).
+        self.moving = False
         # websockets' parser waits for the first byte of a frame: see data_received.
         self.aligned = False
 
@@ -584,6 +587,7 @@ class Connection(asyncio.Protocol):
             transport is None
             or transport.is_closing()
             or self.stall is not None
+            or self.moving
             or (link is not None and len(link.session.unanswered) >= READ_PAUSE_AT)
         ):
             return

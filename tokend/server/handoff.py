@@ -1,0 +1,603 @@
+"""The handoff of a rolling reload: the old worker of a slot hands each of its live
+connections to the new worker of the same slot, which goes on with it at a frame boundary;
+the client sees nothing (docs/operations.md, "Restarts").
+
+The two workers talk over a SOCK_SEQPACKET socketpair their supervisor made for them
+(tokend/ops/supervisor.py): a batch message (:mod:`tokend.core.handoff`) with up to 253
+sockets beside it (SCM_RIGHTS), answered by one reply. Ownership is never in doubt: a
+connection is the old worker's until the new worker's reply says it took it (before
+replying, the new worker moved the session to its own connection in the store, move.lua,
+and until then it neither reads nor writes the socket); the old worker then drops its
+copy without a word. A connection the reply does not take, or that no reply came for (the
+new worker refused, died, or did not answer within :data:`REPLY_TIMEOUT_S`), stays with
+the old worker and is closed the usual way later (1001, resume): its session is moved back
+first if the new worker had moved it.
+
+Before a connection goes it is made quiet: its reading is held, its heartbeats' store
+round trips answered and their ACKs written (its send buffer empty), and the bytes read
+and not yet parsed go with it. What cannot go, and why, is counted
+(:class:`tokend.core.handoff.FallbackReason`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import structlog
+from websockets.protocol import State
+
+from tokend.core.handoff import (
+    HANDOFF_VERSION,
+    MAX_BATCH,
+    BatchStatus,
+    FallbackReason,
+    HandoffFormatError,
+    Moving,
+    Taken,
+    adopt_session,
+    batch_number,
+    bucket,
+    decode_batch,
+    decode_reply,
+    encode_batch,
+    encode_reply,
+    export_session,
+)
+from tokend.core.session import Phase, Session
+from tokend.server.connection import (
+    WRITE_HIGH,
+    WRITE_LOW,
+    Connection,
+    Gate,
+    SessionLink,
+    _bound,
+    at_frame_start,
+    restart_parser,
+)
+from tokend.server.node import Node
+from tokend.store.sessions import MoveRequest
+
+log = structlog.get_logger("tokend.handoff")
+
+# How long the old worker waits for a connection to become quiet (its heartbeats
+# answered, its send buffer written) or to finish its opening and HELLO: a store round
+# trip or two, milliseconds; past it the connection falls back.
+SETTLE_S = 3.0
+ROUND_PAUSE_S = 0.005  # between two passes over the connections not quiet yet
+# A new worker that has not answered a batch within this has failed (it is starved or
+# stuck): what it has not taken stays with the old worker.
+REPLY_TIMEOUT_S = 10.0
+# Bytes of one batch message at most: a SOCK_SEQPACKET message must fit the sending
+# socket's buffer (net.core.wmem_default: 212,992 bytes on Linux).
+MAX_MESSAGE = 128 * 1024
+RECEIVE_BUFFER = MAX_MESSAGE
+# Batches sent and not yet answered, at most: the new worker's store round trip for one
+# overlaps the next one's packing.
+WINDOW = 2
+
+
+@dataclass
+class HandoffReport:
+    """What a handoff did: connections moved, and those that fell back, by reason."""
+
+    moved: int = 0
+    fell_back: Counter[str] = field(default_factory=Counter)
+
+    def as_fields(self) -> dict[str, object]:
+        return {"moved": self.moved, "fell_back": dict(sorted(self.fell_back.items()))}
+
+
+class NewWorkerFailed(Exception):
+    """The new worker refused, closed its end or did not answer in time."""
+
+
+# The old worker's side
+
+
+class Giver:
+    """Hands the connections of ``connections`` over ``sock`` to ``new_node``."""
+
+    def __init__(
+        self, connections: set[Connection], node: Node, sock: socket.socket, new_node: str
+    ) -> None:
+        self.connections = connections
+        self.node = node
+        self.sock = sock
+        self.new_node = new_node
+        self.report = HandoffReport()
+        self.number = 0
+        # Batches sent and not answered: by number, their connections and transports.
+        self.sent: dict[int, list[tuple[Connection, asyncio.Transport]]] = {}
+        self.failed: FallbackReason | None = None  # once the new worker failed: why
+        self.cpu_s = 0.0  # this process's CPU time spent handing over
+
+    async def run(self) -> HandoffReport:
+        loop = asyncio.get_running_loop()
+        cpu = time.process_time()
+        began = loop.time()
+        deadline = began + SETTLE_S
+        waiting = [c for c in self.connections]
+        try:
+            while waiting and self.failed is None:
+                cpu_round = time.process_time()
+                batch: list[Connection] = []
+                later = []
+                for connection in waiting:
+                    reason = _cannot_move(connection)
+                    if reason is FallbackReason.BEFORE_WELCOME:
+                        later.append(connection)
+                    elif reason is not None:
+                        self._fall_back(connection, reason)
+                    elif _hold(connection):
+                        batch.append(connection)
+                        if len(batch) == MAX_BATCH:
+                            await self._send(batch)
+                            batch = []
+                    else:
+                        later.append(connection)
+                if batch:
+                    await self._send(batch)
+                self.cpu_s += time.process_time() - cpu_round
+                waiting = later
+                if waiting and self.failed is None:
+                    if loop.time() > deadline:
+                        for connection in waiting:
+                            _release(connection)
+                            self._fall_back(connection, _not_ready(connection))
+                        waiting = []
+                    else:
+                        await asyncio.sleep(ROUND_PAUSE_S)
+            while self.sent:
+                await self._answered()
+        except NewWorkerFailed:
+            pass
+        if self.failed is not None:
+            await self._take_back()
+            for connection in waiting:
+                _release(connection)
+                self._fall_back(connection, self.failed)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.cpu_s += time.process_time() - cpu
+        _log_report(self.report, loop.time() - began, self.cpu_s)
+        return self.report
+
+    def _fall_back(self, connection: Connection, reason: FallbackReason) -> None:
+        self.report.fell_back[reason.value] += 1
+        self.node.metrics.handoff_fell_back[reason.value] += 1
+
+    async def _send(self, batch: list[Connection]) -> None:
+        """Send ``batch`` (split while its message is too large), then keep at most
+        WINDOW batches unanswered."""
+        records = [_record(c) for c in batch]
+        message = encode_batch(self.number + 1, records)
+        if len(message) > MAX_MESSAGE:
+            if len(batch) == 1:
+                _release(batch[0])
+                self._fall_back(batch[0], FallbackReason.NOT_QUIET)
+                return
+            half = len(batch) // 2
+            await self._send(batch[:half])
+            await self._send(batch[half:])
+            return
+        while len(self.sent) >= WINDOW:
+            await self._answered()
+        if self.failed is not None:
+            for connection in batch:
+                _release(connection)
+                self._fall_back(connection, self.failed)
+            return
+        self.number += 1
+        fds = []
+        sealed = []
+        for connection in batch:
+            transport = connection.transport
+            assert transport is not None
+            fds.append(os.dup(transport.get_extra_info("socket").fileno()))
+            # Nothing more is written to it here (a NOTICE or a close the store asks for
+            # is dropped; the store's move fails for a session ended meanwhile).
+            connection.transport = None
+            sealed.append((connection, transport))
+        self.sent[self.number] = sealed
+        try:
+            await _send_with_fds(self.sock, message, fds)
+        except OSError:
+            self.failed = FallbackReason.NEW_WORKER_FAILED
+            raise NewWorkerFailed from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    async def _answered(self) -> None:
+        """Wait for the next reply and act on it."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                data = await loop.sock_recv(self.sock, RECEIVE_BUFFER)
+        except (TimeoutError, OSError):
+            data = b""
+        if not data:
+            self.failed = self.failed or FallbackReason.NEW_WORKER_FAILED
+            # The new worker may not send any more: what it has sent is read, what it has
+            # not will not come (its reply now fails, and it takes nothing).
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RD)
+            self.sock.setblocking(False)
+            while True:
+                try:
+                    data = self.sock.recv(RECEIVE_BUFFER)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                self._apply(data)
+            raise NewWorkerFailed
+        self._apply(data)
+
+    def _apply(self, data: bytes) -> None:
+        try:
+            reply = decode_reply(data)
+        except HandoffFormatError as exc:
+            log.error("handoff reply refused", error=str(exc))
+            self.failed = FallbackReason.NEW_WORKER_FAILED
+            raise NewWorkerFailed from None
+        sealed = self.sent.pop(reply.number, None)
+        if sealed is None:
+            return
+        if reply.status is not BatchStatus.READ:
+            reason = (
+                FallbackReason.UNKNOWN_VERSION
+                if reply.status is BatchStatus.UNKNOWN_VERSION
+                else FallbackReason.NEW_WORKER_FAILED
+            )
+            self.failed = reason
+            for connection, transport in sealed:
+                _unseal(connection, transport)
+                self._fall_back(connection, reason)
+            return
+        for (connection, transport), taken in zip(sealed, reply.taken, strict=False):
+            if taken is Taken.TAKEN:
+                _handed_over(connection, transport)
+                self.report.moved += 1
+                self.node.metrics.handoff_moved += 1
+            else:
+                _unseal(connection, transport)
+                self._fall_back(
+                    connection,
+                    FallbackReason.NOT_HELD
+                    if taken is Taken.NOT_HELD
+                    else FallbackReason.STORE_UNAVAILABLE,
+                )
+        for connection, transport in sealed[len(reply.taken) :]:
+            _unseal(connection, transport)
+            self._fall_back(connection, FallbackReason.NEW_WORKER_FAILED)
+
+    async def _take_back(self) -> None:
+        """The new worker failed with batches unanswered: they stay here, their sessions
+        moved back from whatever connection of the new worker holds them."""
+        sealed = [pair for batch in self.sent.values() for pair in batch]
+        self.sent.clear()
+        if not sealed:
+            return
+        requests = []
+        for connection, _ in sealed:
+            session = connection.session
+            assert session is not None and session.claims is not None
+            requests.append(MoveRequest.of(session.claims.tid, self.new_node, None, session.conn))
+        try:
+            sinces = await self.node.store.moves(requests)
+        except Exception as exc:  # StoreUnavailable: their release will find them moved
+            log.warning("handoff: sessions not moved back", error=str(exc), count=len(requests))
+            sinces = [0] * len(requests)
+        for (connection, transport), since in zip(sealed, sinces, strict=True):
+            session = connection.session
+            if since and session is not None:
+                session.since_ms = since
+            _unseal(connection, transport)
+            self._fall_back(connection, self.failed or FallbackReason.NEW_WORKER_FAILED)
+
+
+def _cannot_move(connection: Connection) -> FallbackReason | None:
+    """Why ``connection`` cannot be handed over (BEFORE_WELCOME: not yet), None if it may."""
+    transport = connection.transport
+    if transport is None or transport.is_closing() or connection.closing:
+        return FallbackReason.CLOSING
+    if transport.get_extra_info("ssl_object") is not None:
+        return FallbackReason.TLS
+    link = connection.link
+    if link is None:
+        return FallbackReason.BEFORE_WELCOME
+    phase = link.session.phase
+    if phase is Phase.OPEN:
+        return None
+    if phase is Phase.HELLO or phase is Phase.STARTING:
+        return FallbackReason.BEFORE_WELCOME
+    return FallbackReason.CLOSING
+
+
+def _hold(connection: Connection) -> bool:
+    """Hold the connection's reading (kept held until it goes or falls back); whether it
+    is quiet now: no heartbeat waiting for the store, nothing unsent, the parser between
+    two frames."""
+    transport = connection.transport
+    assert transport is not None and connection.link is not None
+    if not connection.moving:
+        connection.moving = True
+        transport.pause_reading()
+    return (
+        not connection.link.session.unanswered
+        and not transport.get_write_buffer_size()
+        and connection.stall is None
+        and _unparsed(connection) is not None
+    )
+
+
+def _not_ready(connection: Connection) -> FallbackReason:
+    return FallbackReason.BEFORE_WELCOME if _cannot_move(connection) else FallbackReason.NOT_QUIET
+
+
+def _release(connection: Connection) -> None:
+    """A connection that stays here reads again."""
+    if connection.moving:
+        connection.moving = False
+        transport = connection.transport
+        if transport is not None and not connection.paused and not transport.is_closing():
+            transport.resume_reading()
+
+
+def _unseal(connection: Connection, transport: asyncio.Transport) -> None:
+    """A connection sent and not taken: it is this worker's again."""
+    connection.transport = transport
+    session = connection.session
+    if session is not None and session.phase is Phase.CLOSED:
+        # Closed by the store while it was away (revoked, taken over, expired): its close
+        # frame was not written; the client reconnects and is told.
+        transport.abort()
+        return
+    _release(connection)
+
+
+def _handed_over(connection: Connection, transport: asyncio.Transport) -> None:
+    """The new worker took the connection: drop this worker's copy without a word. Its
+    session is the new worker's: nothing is released here."""
+    connection.transport = transport
+    session = connection.session
+    if session is not None:
+        session.abandon()
+        session.released = True
+    transport.abort()
+
+
+def _unparsed(connection: Connection) -> bytes | None:
+    """The bytes read from the connection and not parsed yet, when it is at a point where
+    they can go with it (None: not now)."""
+    if connection.fragments is not None or not at_frame_start(connection.ws):
+        return None
+    return b""
+
+
+def _record(connection: Connection) -> Moving:
+    link = connection.link
+    assert link is not None
+    request = link.heartbeat_request
+    unparsed = _unparsed(connection)
+    assert unparsed is not None
+    pings = connection.pings
+    return Moving(
+        session=export_session(link.session, request.token if request is not None else ""),
+        peer=connection.address,
+        unparsed=unparsed,
+        fragments=None,
+        pings=(pings.allowance, pings.checked) if pings is not None else None,
+    )
+
+
+def _log_report(report: HandoffReport, seconds: float, cpu_s: float) -> None:
+    for reason, count in sorted(report.fell_back.items()):
+        log.warning("handoff: connections fall back to a close (1001)", reason=reason, count=count)
+    log.info(
+        "handed over",
+        moved=report.moved,
+        fell_back=dict(report.fell_back),
+        seconds=round(seconds, 3),
+        cpu_s=round(cpu_s, 3),
+    )
+
+
+async def _send_with_fds(sock: socket.socket, message: bytes, fds: Sequence[int]) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            socket.send_fds(sock, [message], fds)
+            return
+        except BlockingIOError:
+            writable = loop.create_future()
+            loop.add_writer(sock, writable.set_result, None)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(sock)
+
+
+# The new worker's side
+
+
+class Taker:
+    """Takes the connections an old worker sends over ``sock`` (until it closes its end)."""
+
+    def __init__(
+        self, gate: Gate, node: Node, sock: socket.socket, accepting: Callable[[], bool]
+    ) -> None:
+        self.gate = gate
+        self.node = node
+        self.sock = sock
+        self.accepting = accepting
+        self.report = HandoffReport()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.cpu_s = 0.0
+
+    def start(self) -> None:
+        self.sock.setblocking(False)
+        asyncio.get_running_loop().add_reader(self.sock, self._readable)
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                data, fds, flags, _ = socket.recv_fds(self.sock, RECEIVE_BUFFER, MAX_BATCH)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds, flags = b"", [], 0
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self._ended()
+                return
+            task = asyncio.ensure_future(self._take(data, fds, flags))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def _ended(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.sock)
+        self.sock.close()
+        log.info("took over", moved=self.report.moved, cpu_s=round(self.cpu_s, 3))
+
+    async def _take(self, data: bytes, fds: list[int], flags: int) -> None:
+        cpu = time.process_time()
+        try:
+            version, number = batch_number(data)
+        except HandoffFormatError as exc:
+            log.error("handoff batch refused", error=str(exc))
+            _close_all(fds)
+            return
+        if version != HANDOFF_VERSION:
+            log.warning("handoff batch refused: unknown version", version=version)
+            _close_all(fds)
+            await self._reply(encode_reply(number, BatchStatus.UNKNOWN_VERSION))
+            return
+        try:
+            records = decode_batch(data).records
+        except HandoffFormatError as exc:
+            log.error("handoff batch refused", error=str(exc))
+            records = []
+        truncated = flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC)
+        if not records or truncated or len(fds) != len(records) or not self.accepting():
+            _close_all(fds)
+            await self._reply(encode_reply(number, BatchStatus.REFUSED))
+            return
+        node = self.node
+        conns = [node.new_conn_id() for _ in records]
+        requests = [
+            MoveRequest.of(r.session.claims.tid, r.session.conn, r.session.since_ms, conn)
+            for r, conn in zip(records, conns, strict=True)
+        ]
+        cpu_s = time.process_time() - cpu
+        try:
+            sinces = await node.store.moves(requests)
+        except Exception as exc:  # StoreUnavailable, or a script error
+            log.warning("handoff: store unavailable", error=str(exc), count=len(records))
+            _close_all(fds)
+            await self._reply(
+                encode_reply(number, BatchStatus.READ, [Taken.STORE_UNAVAILABLE] * len(records))
+            )
+            return
+        cpu = time.process_time()
+        taken = [Taken.TAKEN if since else Taken.NOT_HELD for since in sinces]
+        if not await self._reply(encode_reply(number, BatchStatus.READ, taken)):
+            # The old worker gave up on this batch: the connections stay with it.
+            _close_all(fds)
+            back = [
+                MoveRequest.of(r.session.claims.tid, conn, since, r.session.conn)
+                for r, conn, since in zip(records, conns, sinces, strict=True)
+                if since
+            ]
+            with contextlib.suppress(Exception):
+                await node.store.moves(back)
+            return
+        adopting = []
+        for record, conn, since, fd in zip(records, conns, sinces, fds, strict=True):
+            if since:
+                adopting.append(self._adopt(record, conn, since, fd))
+            else:
+                os.close(fd)
+        await asyncio.gather(*adopting)
+        self.report.moved += len(adopting)
+        node.metrics.handoff_taken += len(adopting)
+        self.cpu_s += cpu_s + time.process_time() - cpu
+
+    async def _reply(self, message: bytes) -> bool:
+        try:
+            await _send_with_fds(self.sock, message, ())
+        except OSError:
+            return False
+        return True
+
+    async def _adopt(self, record: Moving, conn: str, since: int, fd: int) -> None:
+        gate = self.gate
+        session = adopt_session(
+            record.session, self.node, gate.cadence, conn, since, time.monotonic
+        )
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        connection = AdoptedConnection(gate, record, session)
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: connection, sock)
+        except OSError as exc:
+            # Gone meanwhile (the client left): its session is released as any other.
+            log.info("handed-over connection lost", error=str(exc))
+            sock.close()
+
+
+class AdoptedConnection(Connection):
+    """A connection handed over by an old worker: its WebSocket open and its session
+    WELCOMEd already; it goes on at the frame boundary where the old worker left it."""
+
+    __slots__ = ("moved",)
+    moved: Moving | None
+
+    def __init__(self, gate: Gate, moved: Moving, session: Session) -> None:
+        super().__init__(gate)
+        self.moved = moved
+        ws = self.ws
+        ws.state = State.OPEN
+        restart_parser(ws)
+        self.preface = None
+        self.head = None
+        self.address = moved.peer
+        self.link = SessionLink(self, gate.node, session)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)
+        transport.set_write_buffer_limits(WRITE_HIGH, WRITE_LOW)
+        self.transport = transport
+        gate = self.gate
+        gate.opened(self)
+        peer = self.address or self._tcp_peer()
+        self._addressed(peer[0] if peer else "?")
+        link = self.link
+        assert link is not None
+        moved, self.moved = self.moved, None
+        assert moved is not None
+        link.log = _bound(self.peer, link.session)
+        gate.node.attach(link)
+        stored = moved.session.stored_token
+        if stored and link.heartbeat_request is not None:
+            link.heartbeat_request = link.heartbeat_request._replace(token=stored)
+        if moved.pings is not None and gate.settings.max_frame_rate:
+            self.pings = bucket(gate.settings.max_frame_rate, moved.pings, time.monotonic())
+        self.aligned = self.fast_path
+        if moved.unparsed:
+            self.data_received(moved.unparsed)
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
