@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from testkit.waiting import eventually
 from tokend.config import ConfigError, Settings
 from tokend.ops import activation, pidfile
 from tokend.ops.embedded import socket_url
+from tokend.store.keyspace import Keyspace, node_of
 from tokend.tokens.service import TokenService
 
 # A reload's drain, short: each old worker closes its connections within a second or
@@ -201,6 +203,10 @@ class Held:
                 self.counts[f"close {exc.rcvd.code if exc.rcvd else None}"] += 1
 
 
+def session_key(settings: Settings, tid: str) -> str:
+    return Keyspace(settings.key_prefix).session_keys(uuid.UUID(tid))[0]
+
+
 async def probe(port: int, until: asyncio.Event) -> Counter[str]:
     """Connect and hang up, again and again until ``until``: accepted and refused."""
     outcomes: Counter[str] = Counter()
@@ -216,7 +222,7 @@ async def probe(port: int, until: asyncio.Event) -> Counter[str]:
     return outcomes
 
 
-async def test_a_reload_under_load_refuses_nothing_and_every_session_resumes_on_a_new_worker(
+async def test_a_reload_under_load_hands_every_connection_over_and_no_client_sees_it(
     make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
 ):
     settings = make_settings(**RELOAD_CLOCKS, node_name="pool")
@@ -236,6 +242,8 @@ async def test_a_reload_under_load_refuses_nothing_and_every_session_resumes_on_
             reloaded = time.monotonic()
             # Every session is alive on the new workers: an ACK after the reload.
             await eventually(lambda: all(s.last_ack > reloaded for s in held), timeout=10)
+            # Each session is held by a connection of its slot's new worker.
+            holders = {s.tid: await redis.hget(session_key(settings, s.tid), "conn") for s in held}
         finally:
             until.set()
             await asyncio.gather(*tasks)
@@ -246,38 +254,27 @@ async def test_a_reload_under_load_refuses_nothing_and_every_session_resumes_on_
     assert finished["result"] == "ok", finished
     new = started(supervisor, generation=2)
     assert finished["nodes"] == sorted(new) == ["pool-w1.2", "pool-w2.2"]
-    # The old workers drained together (both sent SIGTERM before either had closed its
-    # connections), each over reload_drain_period.
-    assert [e["nodes"] for e in supervisor.logged("draining old workers")] == [sorted(old)]
-    drains = {
-        e["node"]: e["drain_period"]
-        for e in supervisor.logged("signal received, draining")
-        if e["node"] in old
-    }
-    assert drains == dict.fromkeys(old, RELOAD_CLOCKS["reload_drain_period"]), drains
-    # Never refused: neither the sessions' reconnects nor the prober's connects.
-    assert probes["refused"] == 0 and probes["accepted"] > 0, probes
+    # Every connection was handed to its slot's new worker: none fell back.
+    assert (finished["moved"], finished["fell_back"]) == (SESSIONS, {}), finished
+    handed = [e for e in supervisor.logged("handed over") if e["node"] in old]
+    assert sorted(e["node"] for e in handed) == sorted(old)
+    assert sum(e["moved"] for e in handed) == SESSIONS
+    # No client saw the reload: one WELCOME each, no close, no resume, no refused connect;
+    # each one's heartbeats were ACKed by the new worker holding its session now.
     totals = sum((s.counts for s in held), Counter())
-    assert totals["refused"] == 0, totals
-    # Every session started once, was closed with 1001 once and resumed once: the old
-    # workers had stopped accepting before the first of them drained ...
-    assert totals["started"] == SESSIONS, totals
-    assert {key for key in totals if key.startswith("close")} == {"close 1001"}, totals
-    assert all(s.counts["resumed"] == s.counts["close 1001"] == 1 for s in held), totals
-    # ... so it resumed on a new worker.
-    last_node: dict[str, str] = {}
-    for event in await read_events(redis, settings.key_prefix, began_ms):
-        if event["type"] == "SESSION_RESUMED":
-            last_node[event["tid"]] = event["node"]
-    assert set(last_node) == {s.tid for s in held}
-    assert set(last_node.values()) <= set(new)
+    assert totals == Counter(started=SESSIONS), totals
+    assert probes["refused"] == 0 and probes["accepted"] > 0, probes
+    assert {node_of(conn) for conn in holders.values()} == set(new), holders
+    # The event bus saw nothing: no resume, no park, no expiry.
+    kinds = Counter(e["type"] for e in await read_events(redis, settings.key_prefix, began_ms))
+    assert kinds == Counter(), kinds
+    # The old workers had nothing left to drain, and have exited.
+    assert [e["nodes"] for e in supervisor.logged("draining old workers")] == [sorted(old)]
+    assert not any(psutil.pid_exists(pid) for pid in old.values())
     # Each new worker is a fresh `python -m tokend serve --worker`, the supervisor's
-    # child, not a fork of an old one; the old ones have exited.
-    assert supervisor.process is not None
+    # child, not a fork of an old one; each slot's admin port stayed, now its new worker's.
     for pid in new.values():
         assert pid not in old.values()
-    assert not any(psutil.pid_exists(pid) for pid in old.values())
-    # Each slot's admin port stayed, now answered by the slot's new worker.
     new_admin = admin_ports(supervisor)
     for slot in (1, 2):
         assert new_admin[f"pool-w{slot}.2"] == old_admin[f"pool-w{slot}"]

@@ -211,7 +211,7 @@ class App:
         connections = self.admission.connections
         before = len(connections)
         report = await Giver(connections, self.node, sock, new_node).run()
-        self.left_share = len(connections) / before if before else 0.0
+        self.left_share = (before - report.moved) / before if before else 0.0
         if report.fell_back.get("new_worker_failed") or report.fell_back.get("unknown_version"):
             await self.accept_again()
         if self.channel is not None:
