@@ -52,6 +52,9 @@ STOP_ACCEPTING = signal.SIGUSR1
 # worker's node name>. The old one answers HANDED=<JSON: moved, fell_back by reason>.
 HANDOFF = "HANDOFF"
 HANDED = "HANDED"
+# To an old worker whose new one died before the reload's drain: ACCEPT=1, serve the
+# slot again.
+ACCEPT = "ACCEPT"
 # The most a notification datagram may hold; systemd reads at most this much.
 MAX_NOTIFICATION = 4096
 _PR_SET_PDEATHSIG = 1

@@ -183,6 +183,8 @@ class App:
             if not fields:  # the supervisor is gone: PR_SET_PDEATHSIG stops this process
                 asyncio.get_running_loop().remove_reader(self.channel)
                 return
+            if fields.get(activation.ACCEPT) == "1":
+                self.node.spawn(self.accept_again())
             if not fds:
                 continue
             sock = socket.socket(fileno=fds[0])

@@ -49,6 +49,7 @@ port open").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -366,6 +367,8 @@ class Supervisor:
             log.error("new worker failed", node=worker.name, reason=reason, kept=old.name)
             slot.worker, slot.handing_from = old, None
             old.superseded = False
+            with contextlib.suppress(OSError):
+                activation.send_message(old.channel, {activation.ACCEPT: "1"})
             self.handoff_failed = self.handoff_failed or reason
             return
         live = slot.worker is worker

@@ -117,6 +117,7 @@ class Giver:
         # Batches sent and not answered: by number, their connections and transports.
         self.sent: dict[int, list[tuple[Connection, asyncio.Transport]]] = {}
         self.failed: FallbackReason | None = None  # once the new worker failed: why
+        self.version = HANDOFF_VERSION  # of the batches it writes
         self.cpu_s = 0.0  # this process's CPU time spent handing over
 
     async def run(self) -> HandoffReport:
@@ -178,7 +179,7 @@ class Giver:
         """Send ``batch`` (split while its message is too large), then keep at most
         WINDOW batches unanswered."""
         records = [_record(c) for c in batch]
-        message = encode_batch(self.number + 1, records)
+        message = encode_batch(self.number + 1, records, self.version)
         if len(message) > MAX_MESSAGE:
             if len(batch) == 1:
                 _release(batch[0])
