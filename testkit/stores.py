@@ -24,7 +24,7 @@ from tokend.store.sessions import Store
 
 WARN_MS, EXPIRE_MS = 20_000, 40_000
 CLOCKS = Clocks(WARN_MS, EXPIRE_MS)
-HEARTBEAT_MS, RESTART_GRACE_MS = 5_000, 30_000
+HEARTBEAT_MS = 5_000
 
 
 @pytest.fixture
@@ -34,7 +34,6 @@ async def store(make_settings: Callable[..., Settings]) -> AsyncIterator[Store]:
         heartbeat_interval=HEARTBEAT_MS / 1000,
         warn_after=WARN_MS / 1000,
         expire_after=EXPIRE_MS / 1000,
-        restart_grace=RESTART_GRACE_MS / 1000,
     )
     client = open_client(settings.redis_url, settings)
     yield Store(client, settings, "node-a")

@@ -19,7 +19,9 @@ from tokend.core.lifecycle import (
     due_transition,
     held_live,
     parked_heartbeat,
+    parked_hold,
     serving_rank,
+    unparked_heartbeat,
 )
 
 WARN = 90_000
@@ -165,20 +167,30 @@ def test_active_never_skips_to_warn_past_expiry(hb: int, exp: int, clk: Clocks, 
 
 # --- a planned close (the server's 1001): parked_heartbeat --------------------------------------
 
-GRACE = 60_000
 
-
-def test_a_planned_close_restarts_an_active_sessions_clocks_plus_the_grace() -> None:
-    """Silent 100 s of its 120 s when the drain closes it: the restart is not charged."""
+def test_a_planned_close_counts_as_a_heartbeat_of_an_active_session() -> None:
+    """Silent 100 s of its 120 s when the drain closes it: the close is its heartbeat."""
     closed_at = HB + WARN - 1
-    parked = parked_heartbeat(State.ACTIVE, HB, EXP, closed_at, CLOCKS, GRACE)
-    assert parked == closed_at + GRACE
+    parked = parked_heartbeat(State.ACTIVE, HB, EXP, closed_at, CLOCKS)
+    assert parked == closed_at
     # Where the old clocks expired it, the parked ones have not even warned.
     assert due_transition(State.ACTIVE, HB, EXP, HB + EXPIRE, CLOCKS) == HB_TIMEOUT
     assert due_transition(State.ACTIVE, parked, EXP, HB + EXPIRE, CLOCKS) is None
-    assert deadline(State.ACTIVE, parked, EXP, CLOCKS) == closed_at + GRACE + WARN
-    # Grace 0: the close counts as a heartbeat.
-    assert parked_heartbeat(State.ACTIVE, HB, EXP, closed_at, CLOCKS, 0) == closed_at
+
+
+def test_a_parked_session_is_held_while_its_shard_resumes_and_then_runs_from_the_hold() -> None:
+    """The hold follows the restart: warn_after past the last resume of a parked session of
+    the shard, or past the sweeping node's start; then the clocks run from its end."""
+    closed_at = HB
+    assert parked_hold(0, closed_at + 5_000, WARN) == closed_at + 5_000 + WARN
+    assert parked_hold(closed_at + 90_000, closed_at + 5_000, WARN) == closed_at + 90_000 + WARN
+    hold = parked_hold(closed_at + 90_000, 0, WARN)
+    assert unparked_heartbeat(closed_at, hold) == hold
+    assert (
+        due_transition(State.ACTIVE, unparked_heartbeat(closed_at, hold), EXP, hold, CLOCKS) is None
+    )
+    # A hold long past: the clocks run from the close, as for any silent client.
+    assert unparked_heartbeat(closed_at, closed_at - 1) == closed_at
 
 
 @pytest.mark.parametrize(
@@ -194,16 +206,16 @@ def test_a_planned_close_restarts_an_active_sessions_clocks_plus_the_grace() -> 
 def test_a_session_silent_before_the_close_keeps_its_clocks(
     state: State, exp: int, now: int
 ) -> None:
-    assert parked_heartbeat(state, HB, exp, now, CLOCKS, GRACE) is None
+    assert parked_heartbeat(state, HB, exp, now, CLOCKS) is None
 
 
 @settings(max_examples=200, deadline=None)
-@given(times, times, clocks(), st.integers(0, 2**40), st.integers(0, 10**7))
+@given(times, times, clocks(), st.integers(0, 2**40))
 def test_parking_only_ever_moves_the_deadline_later_and_never_past_exp(
-    hb: int, exp: int, clk: Clocks, dt: int, grace: int
+    hb: int, exp: int, clk: Clocks, dt: int
 ) -> None:
     now = hb + dt
-    parked = parked_heartbeat(State.ACTIVE, hb, exp, now, clk, grace)
+    parked = parked_heartbeat(State.ACTIVE, hb, exp, now, clk)
     if due_transition(State.ACTIVE, hb, exp, now, clk) is not None:
         assert parked is None
         return

@@ -243,20 +243,19 @@ async def test_a_held_reload_drain_ends_by_itself(
 # (WARN_S away), and expired by its old clocks long before the grace runs out.
 PARK_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 12.0, "expire_after": 13.0}
 PARK_AT_S = 6.0
-GRACE_S = 40.0
 PARKED = 20
 
 
-async def test_a_whole_drain_of_sessions_silent_most_of_their_clocks_costs_none(
+async def test_a_whole_restart_of_sessions_silent_most_of_their_clocks_costs_none(
     make_settings: Callable[..., Settings], tokens: TokenService, events: EventLog
 ) -> None:
-    """`tokend serve` SIGTERMed while its sessions have been silent most of expire_after:
-    after the drain, and a pause past their old expiry (another node sweeping all along),
-    every one resumes; SESSION_PARKED for each, no TOKEN_EXPIRED."""
-    env = tokend_process.node_env(
-        make_settings(**PARK_CLOCKS, drain_period=1.0, restart_grace=GRACE_S)
-    )
-    a, b = start_node(env, "node-a"), start_node(env, "node-b")
+    """`tokend serve` SIGTERMed while its sessions have been silent most of expire_after,
+    no node serving for longer than their old clocks, then a node started again: every one
+    resumes there; SESSION_PARKED for each, no WARN, no TOKEN_EXPIRED (a node back holds
+    parked sessions while their clients come back: tokend.core.lifecycle.parked_hold)."""
+    env = tokend_process.node_env(make_settings(**PARK_CLOCKS, drain_period=1.0))
+    a = start_node(env, "node-a")
+    back = None
     try:
         minted = [tokens.mint(f"parked-{n}") for n in range(PARKED)]
         async with contextlib.AsyncExitStack() as stack:
@@ -271,15 +270,47 @@ async def test_a_whole_drain_of_sessions_silent_most_of_their_clocks_costs_none(
             for client in clients:
                 assert (await client.expect_close()).code == p.CloseCode.GOING_AWAY
         assert time.monotonic() - last_hello < PARK_CLOCKS["warn_after"], "drained too late"
-        # Past the old clocks: without the park, node-b's sweeps would have expired them.
+        # No node for longer than their old clocks ran, then one back.
         await asyncio.sleep(last_hello + PARK_CLOCKS["expire_after"] + 2 - time.monotonic())
+        back = start_node(env, "node-a")
+        await asyncio.sleep(2)  # its sweeper runs: the parked sessions are due
         for token in minted:
-            async with RawClient.connect(b.port) as client:
+            async with RawClient.connect(back.port) as client:
                 assert (await client.hello(token)).resumed
         parked = events.of("SESSION_PARKED")
         assert sorted(e["tid"] for e in parked) == sorted(tids)
         assert {(e["reason"], e["node"]) for e in parked} == {("going_away", "node-a")}
         assert events.of("TOKEN_EXPIRED") == events.of("SESSION_WARN") == []
+    finally:
+        for node in (a, back):
+            if node is not None:
+                node.stop(signal.SIGKILL)
+
+
+async def test_parked_sessions_whose_clients_never_come_back_end_within_expire_after(
+    make_settings: Callable[..., Settings], tokens: TokenService, events: EventLog
+) -> None:
+    """A node drains and never comes back, another serves all along and no client
+    returns: no restart resumes the shard's parked sessions, so each ends expire_after
+    after its close (its heartbeat), one sweep late at most."""
+    env = tokend_process.node_env(make_settings(**PARK_CLOCKS, drain_period=0.2))
+    b = start_node(env, "node-b")
+    await asyncio.sleep(PARK_CLOCKS["warn_after"])  # node-b has served longer than the hold
+    a = start_node(env, "node-a")
+    try:
+        minted = [tokens.mint(f"gone-{n}") for n in range(5)]
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(RawClient.connect(a.port)) for _ in minted]
+            tids = [tid_of(await c.hello(token)) for c, token in zip(clients, minted, strict=True)]
+            assert a.process is not None
+            a.process.send_signal(signal.SIGTERM)
+            assert await exit_status(a, 10) == 0
+        parked = {e["tid"]: e["at"] for e in events.of("SESSION_PARKED")}
+        assert sorted(parked) == sorted(tids)
+        for tid in tids:
+            (expired,) = await events.wait_for("TOKEN_EXPIRED", tid, timeout=30)
+            lag = expired["at"] - parked[tid] - PARK_CLOCKS["expire_after"] * 1000
+            assert 0 <= lag < 1_500, expired
     finally:
         for node in (a, b):
             node.stop(signal.SIGKILL)
@@ -294,7 +325,6 @@ async def test_a_warn_session_closed_by_the_drain_keeps_its_clocks(
         **SHORT_CLOCKS,
         "warn_after": 1.5,
         "expire_after": 4.0,
-        "restart_grace": 30.0,
         "drain_period": 0.1,
     }
     a = await start_app(node_name="node-a", **clocks)
@@ -327,7 +357,7 @@ async def test_the_session_is_parked_before_its_client_hears_the_1001(
     """The client that reconnects at once, with a v1 HELLO, to another node finds its
     session parked, not held live by the connection being closed (4509): here the client
     does not even answer the close, so that connection lingers on node-a."""
-    a = await start_app(node_name="node-a", restart_grace=30.0, drain_period=0.1)
+    a = await start_app(node_name="node-a", drain_period=0.1)
     b = await start_app(node_name="node-b")
     token = tokens.mint("quick")
     client = await WireClient.open(a.port)

@@ -26,7 +26,6 @@ from testkit.stores import (
     CLOCKS,
     EXPIRE_MS,
     HEARTBEAT_MS,
-    RESTART_GRACE_MS,
     WARN_MS,
     redis_ms,
     store,
@@ -145,6 +144,7 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
         "since": 66,
         "left": "node-b/6",
         "proof": "0f" * 16,
+        "pk": 77,
     }
     assert set(fields) == set(SESSION_FIELDS)
     await redis.hset(skey, mapping=fields)
@@ -318,8 +318,8 @@ async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None
 
 async def test_a_planned_close_parks_as_clocks_does(store: Store, redis: Redis) -> None:
     """The server closed each connection with 1001: an ACTIVE session with nothing due
-    restarts its clocks at the close plus restart_grace, the others keep theirs; every
-    one is released (``conn`` moves to ``left``)."""
+    is parked, the close its heartbeat, the others keep theirs; every one is released
+    (``conn`` moves to ``left``)."""
     now = await redis_ms(store)
     cases = await _sessions(store, redis, now)
     tids = list(cases)
@@ -331,7 +331,7 @@ async def test_a_planned_close_parks_as_clocks_does(store: Store, redis: Redis) 
         state, hb, exp = cases[tid]
         fields = await redis.hgetall(store.keys.session_keys(tid)[0])
         score = await redis.zscore(store.keys.script_keys(tid)[0], str(tid))
-        expected = parked_heartbeat(state, hb, exp, now, CLOCKS, RESTART_GRACE_MS)
+        expected = parked_heartbeat(state, hb, exp, now, CLOCKS)
         case = (state, now - hb, exp - now)
         assert "conn" not in fields and fields["left"] == f"node-z/{tid}", case
         assert fields["st"] == state.value, case

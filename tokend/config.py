@@ -237,12 +237,6 @@ class Settings:
         "this wait to be accepted by the new workers (they are behind), at most "
         "reload_drain_period in all; 0: never hold (Linux only: elsewhere never held)",
     )
-    restart_grace: float = _setting(
-        60.0,
-        "seconds added to the clocks of a session the server closed with 1001 (drain, reload, "
-        "shutdown), so that a whole restart costs no session: 60 covers drain_period, a "
-        "restart and the clients' jittered reconnects; 0: the close counts as a heartbeat",
-    )
     durable_replicas: str = _setting(
         "auto",
         "replicas that must acknowledge a revocation, BYE or admin DELETE (Redis WAIT) before "
@@ -454,8 +448,6 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name}: must not be negative (0 closes all at once)")
     if settings.reload_accept_queue < 0:
         raise ConfigError("reload_accept_queue: must not be negative (0: never hold)")
-    if settings.restart_grace < 0:
-        raise ConfigError("restart_grace: must not be negative (0: a close counts as a heartbeat)")
     if settings.redis_pool_size < 4:
         raise ConfigError("redis_pool_size: must be at least 4")
     if settings.stream_maxlen < 1:

@@ -83,23 +83,42 @@ def due_transition(
 
 
 def parked_heartbeat(
-    state: State, last_heartbeat_ms: int, exp_ms: int, now_ms: int, clocks: Clocks, grace_ms: int
+    state: State, last_heartbeat_ms: int, exp_ms: int, now_ms: int, clocks: Clocks
 ) -> int | None:
     """The heartbeat time a session's clocks run from once the server itself closed its
     connection with 1001 (a planned close: drain, reload, shutdown), or None when they
     keep running from the last one (docs/protocol.md §5, "Planned close").
 
-    A session ACTIVE with nothing due is not charged for the time the server needs to
-    come back: its clocks restart at the close as a heartbeat's would, plus ``grace_ms``
-    (``restart_grace``), so it is next due at ``deadline(ACTIVE, that time, exp)``. A
+    A session ACTIVE with nothing due is *parked*: the close counts as its heartbeat, and
+    its clocks are then held for as long as a restart takes (:func:`parked_hold`). A
     session in WARN, or one already due (its client was silent before the close; a sweep
-    would make it WARN or EXPIRED), keeps its clocks.
+    would make it WARN or EXPIRED), keeps its clocks and is not parked.
     """
     if state is not State.ACTIVE:
         return None
     if due_transition(state, last_heartbeat_ms, exp_ms, now_ms, clocks) is not None:
         return None
-    return now_ms + grace_ms
+    return now_ms
+
+
+def parked_hold(last_resume_ms: int, serving_since_ms: int, window_ms: int) -> int:
+    """Until when a parked session that falls due is held, neither warned nor expired: a
+    restart is under way while parked sessions of its shard are being resumed, or a
+    node began serving, within ``window_ms`` (``warn_after``: the silence tokend
+    tolerates from any client). ``last_resume_ms`` is the last resume of a parked session
+    of the shard (0: none), ``serving_since_ms`` when the sweeping node began sweeping.
+
+    Once the hold has passed, the session is parked no more: its clocks run again from
+    the end of the hold (:func:`unparked_heartbeat`), as if it had heartbeat then. So a
+    session whose client never comes back ends at the latest ``expire_after`` after its
+    shard's restart stopped resuming sessions, and never after its token's exp.
+    """
+    return max(last_resume_ms, serving_since_ms) + window_ms
+
+
+def unparked_heartbeat(last_heartbeat_ms: int, hold_ms: int) -> int:
+    """The heartbeat time a parked session's clocks run from once its hold has passed."""
+    return max(last_heartbeat_ms, hold_ms)
 
 
 # Spec "Resume proof" (revision 2): how much older than one heartbeat interval the last

@@ -10,6 +10,8 @@ Redis Cluster slot:
 * ``<prefix>:{<prefix>:<n>}:t:<tid>``  tombstone of an ended session, until its exp
 * ``<prefix>:{<prefix>:<n>}:due``      deadline set: tid scored by its next transition time
 * ``<prefix>:{<prefix>:<n>}:events``   event stream shard
+* ``<prefix>:{<prefix>:<n>}:due:resumed``  Redis time of the shard's last resume of a
+  parked session (hello.lua; sweep.lua holds parked sessions while it is recent)
 * ``<prefix>:events``  pub/sub channel of the events
 * ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
 * ``<prefix>:ctl``  pub/sub channel of revocations, heard by every node (tokend.store.revocations)
@@ -27,12 +29,13 @@ SHARDS = 16
 # once that connection ended it is moved to `left` (release.lua), so that the session's
 # later events still name the node that held it last. `proof` is the digest of the resume
 # proof the holding connection's session key makes (tokend.store.sessions.proof_digest):
-# never logged, never shown (docs/security.md).
-SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since", "left", "proof")
+# never logged, never shown (docs/security.md). `pk` is when a planned close parked the
+# session (release.lua), until it is resumed or its hold has passed (sweep.lua).
+SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since", "left", "proof", "pk")
 # A heartbeat reads the first HEARTBEAT_FIELDS of them only, all it needs: on the hottest
 # path, one HMGET of fewer values (tests/test_lua_contract.py holds heartbeat.lua to it).
 HEARTBEAT_FIELDS = SESSION_FIELDS.index("left")
-NUMERIC_FIELDS = frozenset({"hb", "exp", "iat", "prio", "since"})
+NUMERIC_FIELDS = frozenset({"hb", "exp", "iat", "prio", "since", "pk"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,7 +137,7 @@ class Store(ScriptRunner):
         self._direct = DirectCalls.usable(redis)
         held_live_ms = settings.ms("heartbeat_interval") + HELD_LIVE_SLACK_MS
         self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms, held_live_ms]
-        self._release_args = [self.warn_ms, settings.ms("restart_grace")]
+        self._release_args = [self.warn_ms]
         self._heartbeat_args = [
             self.warn_ms,
             self.renew_ms,
@@ -445,12 +445,17 @@ class Store(ScriptRunner):
             raise NotConfirmed(outcome, acknowledged, wanted, self.durable_timeout)
         return outcome
 
-    async def sweep(self, limit: int) -> SweepAnswer:
+    async def sweep(self, limit: int, since_ms: int = 0) -> SweepAnswer:
         """Make the due transitions of every shard, up to ``limit`` due sessions a shard:
         one sweep.lua call per shard (finding and judging in one atomic step), all in one
-        round trip."""
+        round trip. ``since_ms``: when this node began sweeping (Redis time; 0: now), which
+        holds parked sessions for a while (tokend.core.lifecycle.parked_hold)."""
         calls = [
-            (SWEEP, self._shard_keys[n], [limit, self.warn_ms, self.expire_ms, *prefixes])
+            (
+                SWEEP,
+                self._shard_keys[n],
+                [limit, self.warn_ms, self.expire_ms, since_ms, *prefixes],
+            )
             for n, prefixes in enumerate(self._session_prefixes)
         ]
         now, made, upcoming, full = 0, [], [], False

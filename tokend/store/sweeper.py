@@ -65,6 +65,9 @@ class Sweeper:
         self.act = act
         self.replay_first = replay_first
         self.batch = batch
+        # Redis time of this node's first sweep: a node that has just begun serving holds
+        # parked sessions while their clients come back (tokend.core.lifecycle.parked_hold).
+        self.since_ms = 0
 
     async def run(self, running: Callable[[], bool]) -> None:
         """Sweep until ``running()`` is false."""
@@ -93,7 +96,8 @@ class Sweeper:
         """
         loop = asyncio.get_running_loop()
         began = loop.time()
-        swept = await self.store.sweep(self.batch)
+        swept = await self.store.sweep(self.batch, self.since_ms)
+        self.since_ms = self.since_ms or swept.now_ms
         if swept.made:
             self._report(swept.made)
         if swept.full:

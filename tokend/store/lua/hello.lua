@@ -76,6 +76,11 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
     if s.left then
       redis.call('HDEL', skey, 'left')
     end
+    if s.pk then
+      -- A parked session resumed: its shard's restart is under way (sweep.lua's hold).
+      redis.call('HDEL', skey, 'pk')
+      redis.call('SET', DUE .. ':resumed', now)
+    end
     redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
     -- The connection that held it is told it was taken over; not the one resuming, which
     -- bears the same id when a node restarted under the same name numbers it alike.

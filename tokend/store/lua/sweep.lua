@@ -7,7 +7,9 @@
 -- tests/test_lua_contract.py holds them to it.
 -- KEYS: the shard's deadline set and event stream (the prelude's DUE and STREAM).
 -- ARGV: limit (due sessions judged at most: tokend.store.sweeper.SWEEP_BATCH), warn_after (ms),
--- expire_after (ms), then what the shard's session hash and tombstone keys start with
+-- expire_after (ms), since (ms: when the calling node began sweeping, Redis time; 0 for
+-- its first sweep, which is now), then what the shard's session hash and tombstone keys
+-- start with
 -- (tokend.store.keyspace.Keyspace.session_prefixes; the tid follows). The session keys are
 -- made here, not named in KEYS, because the script finds the tids itself; they carry the
 -- shard's hash tag, so they are of the one slot that KEYS are of.
@@ -19,9 +21,16 @@
 -- for it then), else ''.
 local limit = tonumber(ARGV[OWN + 1])
 local warn_ms, expire_ms = tonumber(ARGV[OWN + 2]), tonumber(ARGV[OWN + 3])
-local session_prefix, tomb_prefix = ARGV[OWN + 4], ARGV[OWN + 5]
+local since = tonumber(ARGV[OWN + 4])
+local session_prefix, tomb_prefix = ARGV[OWN + 5], ARGV[OWN + 6]
 
 local now = NOW
+if since == 0 then
+  since = now
+end
+-- A parked session (release.lua) that falls due is held while a restart resumes its
+-- shard's sessions: tokend.core.lifecycle.parked_hold, with warn_after as the window.
+local hold = math.max(tonumber(redis.call('GET', DUE .. ':resumed') or 0), since) + warn_ms
 local out = {now, '', 0}
 
 -- A transition made, for the reply.
@@ -45,8 +54,20 @@ for _, tid in ipairs(due) do
   if not s then
     redis.call('ZREM', DUE, tid)
     made(tid, SWEPT.GONE, '')
+  elseif s.pk and now < s.exp and now < hold then
+    -- Held: judged again when the hold ends (later, if its shard resumes more meanwhile).
+    local held_until = math.min(hold, s.exp)
+    redis.call('ZADD', DUE, held_until, tid)
   else
     local hb, exp = s.hb, s.exp
+    if s.pk then
+      -- Its hold has passed: parked no more, its clocks run from the hold's end
+      -- (tokend.core.lifecycle.unparked_heartbeat).
+      hb = math.max(hb, hold)
+      s.hb = hb
+      redis.call('HSET', skey, 'hb', hb)
+      redis.call('HDEL', skey, 'pk')
+    end
     local reason = nil
     if now >= exp then
       reason = EXPIRY.TOKEN_EXPIRED
