@@ -1,4 +1,4 @@
-"""The Python SDK (tokend.client) against a real tokend and a real Redis."""
+"""The Python SDK (tokend_client) against a real tokend and a real Redis."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend import protocol as p
 from tokend.admission import RETRY_AFTER_S
-from tokend.client import (
+from tokend.protocol import CloseCode
+from tokend.server import App
+from tokend.tokens import TokenService
+from tokend_client import (
     AuthError,
     Backoff,
     CertificateError,
@@ -55,9 +58,7 @@ from tokend.client import (
     TakenOver,
     connect,
 )
-from tokend.protocol import CloseCode, SessionState
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend_client.protocol import SessionState
 
 FAST = Backoff(base=0.05, cap=0.5, going_away_window=0.5)
 StartApp = Callable[..., Awaitable[App]]

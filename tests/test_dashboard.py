@@ -21,9 +21,9 @@ from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port, http_request
 from testkit.waiting import eventually
 from tokend import protocol as p
-from tokend.client import connect
 from tokend.server import App
 from tokend.tokens import TokenService
+from tokend_client import connect
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage

@@ -246,7 +246,7 @@ def cmd_connect(settings: Settings, args: argparse.Namespace) -> int:
     from websockets.exceptions import InvalidURI
 
     from tokend import cli_connect
-    from tokend.client import Backoff, ClientSession, TokendError
+    from tokend_client import Backoff, ClientSession, TokendError
 
     token = args.token
     if token is None:

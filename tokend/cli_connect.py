@@ -3,7 +3,7 @@
 The first thing to run against ``tokend serve``: it connects, heartbeats at the
 server's cadence, and prints one line per change (connected, renewed, warned,
 recovered, reconnecting, resumed, ended) until the session ends or SIGINT/SIGTERM
-logs it out with BYE. Being the SDK's :class:`~tokend.client.ClientSession`, it proves its
+logs it out with BYE. Being the SDK's :class:`~tokend_client.ClientSession`, it proves its
 resumes with the last WELCOME's session key, spreads its first reconnect after a
 1001, honours Retry-After, and verifies a ``wss://`` server's certificate
 (``--ca-file`` names a CA to trust).
@@ -18,8 +18,8 @@ import time
 from typing import TextIO
 
 from tokend import protocol as p
-from tokend.client import Change, ClientSession, Lifecycle
 from tokend.config import Settings
+from tokend_client import Change, ClientSession, Lifecycle
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
