@@ -49,7 +49,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from tokend import config
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens.keys import KeyRing
+from tokend.tokens.service import TokenService
 from tokend_client import protocol as p
 from tokend_client.backoff import Backoff
 from tokend_client.core import (

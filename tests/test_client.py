@@ -39,11 +39,11 @@ from testkit.reconnects import (
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.admission import RETRY_AFTER_S
-from tokend.protocol import CloseCode
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.core.protocol import CloseCode
+from tokend.ops.app import App
+from tokend.server.admission import RETRY_AFTER_S
+from tokend.tokens.service import TokenService
 from tokend_client import (
     AuthError,
     Backoff,

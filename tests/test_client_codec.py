@@ -1,4 +1,4 @@
-"""The SDK's codec (tokend_client.protocol) against the server's (tokend.protocol): the
+"""The SDK's codec (tokend_client.protocol) against the server's (tokend.core.protocol): the
 same frames make the same bytes, the same bytes read as the same frames or are refused
 by both, and the close codes mean the same. The SDK is its own distribution, so it keeps
 its own copy of the client's half of the codec; this differential test keeps the two
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tokend_client.protocol as client
-from tokend import protocol as server
+from tokend.core import protocol as server
 
 U64 = st.integers(0, 2**64 - 1)
 U32 = st.integers(0, 2**32 - 1)

@@ -19,7 +19,7 @@ from websockets.frames import Close
 
 from testkit.pure import FakeClock, clock, tokens
 from testkit.tokens import WallClockTokens
-from tokend import protocol as p
+from tokend.core import protocol as p
 from tokend_client.backoff import Backoff, going_away_limit, retry_after
 from tokend_client.core import ON_A_CONNECTION, Change, ClientCore, Disconnect, Lifecycle, Phase
 from tokend_client.errors import (
