@@ -18,7 +18,7 @@ import sys
 import time
 from typing import TextIO
 
-from tokend.cli.common import LOGS, MINT, run_async
+from tokend.cli.common import LOGS, MINT, run_async, token_service
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend_client import Change, ClientSession, Lifecycle
@@ -149,10 +149,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
 
     token = args.token
     if token is None:
-        from tokend.tokens.keys import KeyRing
-        from tokend.tokens.service import TokenService
-
-        tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+        tokens = token_service("connect", settings)
         token = tokens.mint(args.sub, ttl_s=args.ttl)
     url = args.url or default_url(settings)
     try:

@@ -48,6 +48,8 @@ async def hold(url: str, token: str, seconds: float | None) -> int:
                 if change.code is not None:
                     detail = f"{change.code} {change.reason or change.meaning}: {detail}"
                 print(describe(session, change.kind, change.exp, detail), flush=True)
+        stats = session.stats
+        print(f"{stats.heartbeats} heartbeats, {stats.acks} ACKs, {stats.renewals} renewals")
     except TokendError as exc:  # refused at HELLO, or reconnect attempts used up
         print(f"cannot hold the session: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
