@@ -14,16 +14,18 @@ How a block is taken, by its fence's info string:
 
 - ``sh``, ``bash``, ``shell``: run; ``python``: run by the ``python`` on the page's
   PATH; any block with ``file=NAME`` in its info string (```` ```js file=app.mjs ````):
-  written to NAME in the page's directory, for a later block to run.
+  written to NAME in the page's directory (``~/NAME``: in its home), for a later block
+  to run.
 - Any other block (output, a unit file, JSON) must be marked before its fence, or the
   test fails: ``<!-- snippet: skip, why -->``.
 
 Other marks, on the line before the fence (several joined with ``;``):
 ``<!-- snippet: wait for URL -->`` (after the block, wait until URL answers 200, as a
-reader waits for the ``listening`` line), ``<!-- snippet: interrupt after N -->`` (a
-Ctrl-C after N seconds), ``<!-- snippet: exit N -->`` (the status the block ends with;
-0 unless marked). The ports the pages name (8765, 8766, ...) must be free when a page
-starts.
+reader waits for the ``listening`` line), ``<!-- snippet: keeps running; wait for URL
+-->`` (a server in the foreground, left running once URL answers),
+``<!-- snippet: interrupt after N -->`` (a Ctrl-C after N seconds), ``<!-- snippet: exit
+N -->`` (the status the block ends with; 0 unless marked). The ports the pages name
+(8765, 8766, ...) must be free when a page starts.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ MARK = re.compile(r"^\s*<!--\s*snippet:\s*(?P<marks>.*?)\s*-->\s*$")
 SHELLS = {"sh", "bash", "shell"}
 BLOCK_TIMEOUT = 600  # seconds: the README's install of the server is the longest
 # The ports the pages name: a page cannot run where another process holds one.
-PAGE_PORTS = (8765, 8766, 8775, 8776)
+PAGE_PORTS = (8765, 8766, 8775, 8776, 8785, 8786, 8795, 8796)
 
 
 @dataclass
@@ -159,9 +161,12 @@ def port_taken(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_for(url: str, timeout: float = 60) -> None:
+def wait_for(url: str, timeout: float = 60, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``url`` answers 200; a ``process`` that ends meanwhile fails the wait."""
     deadline = time.monotonic() + timeout
     while True:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"exited {process.returncode} before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:
                 if answer.status == 200:
@@ -195,22 +200,25 @@ class Page:
         self.ran = 0
 
     def run(self, block: Block, scratch: Path) -> None:
-        if block.file:
-            target = self.checkout / block.file
+        if block.file:  # relative to the page's directory, or to its home (~/)
+            home = block.file.startswith("~/")
+            target = self.home / block.file[2:] if home else self.checkout / block.file
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(block.text)
             return
         if "skip" in block.marks:
             return
+        names: list[str] = []  # the variables the block exports
+        env_out = scratch / f"block-{block.line}.env"
         if block.language == "python":
             script = scratch / f"block-{block.line}.py"
             script.write_text(block.text)
             command = ["python", str(script)]
         else:
             script = scratch / f"block-{block.line}.sh"
-            exports = sorted(set(re.findall(r"\bexport\s+((?:\w+=\S*\s*)+)", block.text)))
-            names = [n for group in exports for n in re.findall(r"(\w+)=", group)]
-            env_out = scratch / f"block-{block.line}.env"
+            for line in block.text.replace("\\\n", " ").splitlines():
+                if exported := re.search(r"(?:^|[;&]\s*)export\s+(.*)", line):
+                    names += re.findall(r"(?:^|\s)(\w+)=", exported.group(1))
             dump = f'\nenv -0 > "{env_out}"\n' if names else "\n"
             script.write_text(block.text + dump)
             command = ["bash", "-e", "-o", "pipefail", str(script)]
@@ -227,6 +235,14 @@ class Page:
             )
         self.groups.append(process.pid)
         interrupt = block.marks.get("interrupt")
+        if "keeps" in block.marks:  # a server in the foreground of its own terminal
+            url = block.marks["wait"].removeprefix("for").strip()
+            try:
+                wait_for(url, BLOCK_TIMEOUT, process)
+            except AssertionError as exc:
+                raise AssertionError(f"{block}: {exc}:\n{out.read_text()}") from None
+            self.ran += 1
+            return
         try:
             if interrupt is not None:
                 seconds = float(interrupt.removeprefix("after").strip())
