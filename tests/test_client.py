@@ -489,7 +489,7 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
         ClientSession(url_of(free_port()), token, session_key=b"short")
 
 
-# The resume proof end to end: a real tokend that checks it (branch park-proof)
+# The resume proof end to end: a real tokend that checks it
 
 
 async def test_a_copied_token_cannot_take_a_live_session_from_its_client(
@@ -538,7 +538,7 @@ async def test_a_client_that_lost_its_network_takes_its_session_back_at_once(
         await eventually(lambda: session.stats.acks > acks)
 
 
-# No stampede after a drain or a refusal (issue 20 point 5), against real tokend nodes
+# No stampede after a drain or a refusal, against real tokend nodes
 
 
 async def test_after_a_drain_the_first_reconnects_spread_over_the_window(
@@ -588,7 +588,7 @@ async def test_a_503_with_retry_after_is_waited_out_then_the_session_starts(
         await session.close()
 
 
-# Our load generators after a drain: the same spread (issue 20 point 5)
+# Our load generators after a drain: the same spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -818,7 +818,7 @@ async def test_the_load_generators_prove_their_resumes(
     assert all(sent == made for sent, made in proofs.values()), proofs
 
 
-# wss:// with the server's certificate verified (issue 21 point 2)
+# wss:// with the server's certificate verified
 
 
 async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(

@@ -1,5 +1,5 @@
 """Hardening with real sockets: a client that stops reading, descriptors running out,
-a reconnect storm after a restart (issue 6; docs/security.md)."""
+a reconnect storm after a restart (docs/security.md)."""
 
 from __future__ import annotations
 
