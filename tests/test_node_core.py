@@ -572,7 +572,7 @@ async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Nod
 async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
     """HELLOs that come while one hello round trip is out go together in the next, two
     lanes of flush_lanes or not (a round trip costs the node the same whatever it carries:
-    docs/performance.md "Resume")."""
+    bench/results/2026-12-04-resume.md)."""
     assert node.settings.flush_lanes > 1
     await node.start()
     host = Host(node.tokens)
