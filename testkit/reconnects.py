@@ -1,18 +1,25 @@
 """Reconnection scenarios the Python and browser SDK tests share: a session held live by
 a connection its client lost (the resume proof), and a drained node's clients spread
-over the going-away window behind a balancer."""
+over the going-away window behind a balancer; and a session held through reloads
+(:class:`HeldSession`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl as ssl_module
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog
 from testkit.net import url_of
 from testkit.proxies import RoundRobinProxy
+from tokend.core import protocol as p
 from tokend.ops.app import App
 
 StartApp = Callable[..., Awaitable[App]]
@@ -82,3 +89,48 @@ def assert_spread(
     assert drawn >= window / 3, f"all {len(delays)} drew waits within {drawn:.3f} s"
     span = (max(resumed.values()) - min(resumed.values())) / 1000
     assert span >= window / 3, f"all {len(resumed)} resumed within {span:.3f} s"
+
+
+class HeldSession:
+    """A session held through reloads as the SDK holds one, from the spec's bytes: a
+    heartbeat every ``beat_every`` seconds; on a close it reconnects at once and resumes
+    with its proof. Every WELCOME, close and failed connect is counted."""
+
+    def __init__(
+        self,
+        port: int,
+        token: str,
+        ssl: ssl_module.SSLContext | None = None,
+        beat_every: float = 0.2,
+    ) -> None:
+        self.port = port
+        self.token = token
+        self.ssl = ssl
+        self.tid = ""
+        self.proof: bytes | None = None
+        self.counts: Counter[str] = Counter()
+        self.last_ack = 0.0  # time.monotonic() of the last ACK
+        self.beat_every = beat_every
+
+    async def run(self, until: asyncio.Event) -> None:
+        while not until.is_set():
+            try:
+                async with RawClient.connect(self.port, ssl=self.ssl) as client:
+                    welcome = await client.hello(self.token, self.proof)
+                    self.tid = tid_of(welcome)
+                    self.proof = p.resume_proof(welcome.session_key, welcome.tid)
+                    self.counts["resumed" if welcome.resumed else "started"] += 1
+                    while not until.is_set():
+                        await client.heartbeat()
+                        self.last_ack = time.monotonic()
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.beat_every):
+                                await until.wait()
+            except Closed as closed:
+                self.counts[f"close {closed.code}"] += 1
+            except ConnectionClosed as exc:
+                self.counts[f"close {exc.rcvd.code if exc.rcvd else None}"] += 1
+            except (OSError, EOFError, InvalidHandshake) as exc:
+                # A connect a dying worker had accepted, or none could be made yet.
+                self.counts[f"connect {type(exc).__name__}"] += 1
+                await asyncio.sleep(0.05)

@@ -8,7 +8,6 @@ on. (Many connections reloaded with no close at the client: tests/test_workers.p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -21,63 +20,24 @@ from typing import Any
 
 import pytest
 from redis import asyncio as aioredis
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from testkit.certificates import Authority
-from testkit.clients import Closed, RawClient, tid_of
+from testkit.clients import RawClient, tid_of
 from testkit.events import read_events
+from testkit.reconnects import HeldSession
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend.config import Settings
-from tokend.core import protocol as p
 from tokend.core.handoff import HANDOFF_VERSION
 from tokend.ops.app import App
 from tokend.server.handoff import Giver, Taker
 from tokend.store.keyspace import Keyspace, node_of
 from tokend.tokens.service import TokenService
 
-BEAT_EVERY_S = 0.2
 RELOAD = {**CALM_CLOCKS, "drain_period": 1.0, "reload_drain_period": 1.0}
 
 
-class Resuming:
-    """A session held through reloads as the SDK holds one: on a close it reconnects at
-    once and resumes with its proof. Every WELCOME and close is counted."""
-
-    def __init__(self, port: int, token: str, ssl: Any = None) -> None:
-        self.port = port
-        self.token = token
-        self.ssl = ssl
-        self.tid = ""
-        self.proof: bytes | None = None
-        self.counts: Counter[str] = Counter()
-        self.last_ack = 0.0
-
-    async def run(self, until: asyncio.Event) -> None:
-        while not until.is_set():
-            try:
-                async with RawClient.connect(self.port, ssl=self.ssl) as client:
-                    welcome = await client.hello(self.token, self.proof)
-                    self.tid = tid_of(welcome)
-                    self.proof = p.resume_proof(welcome.session_key, welcome.tid)
-                    self.counts["resumed" if welcome.resumed else "started"] += 1
-                    while not until.is_set():
-                        await client.heartbeat()
-                        self.last_ack = time.monotonic()
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(BEAT_EVERY_S):
-                                await until.wait()
-            except Closed as closed:
-                self.counts[f"close {closed.code}"] += 1
-            except ConnectionClosed as exc:
-                self.counts[f"close {exc.rcvd.code if exc.rcvd else None}"] += 1
-            except (OSError, EOFError, InvalidHandshake) as exc:
-                # A connect a dying worker had accepted, or none could be made yet.
-                self.counts[f"connect {type(exc).__name__}"] += 1
-                await asyncio.sleep(0.05)
-
-
-async def holding(clients: list[Resuming], until: asyncio.Event) -> list[asyncio.Task[None]]:
+async def holding(clients: list[HeldSession], until: asyncio.Event) -> list[asyncio.Task[None]]:
     tasks = [asyncio.create_task(c.run(until)) for c in clients]
     await eventually(lambda: all(c.counts["started"] for c in clients), timeout=30)
     return tasks
@@ -106,7 +66,7 @@ async def test_tls_connections_fall_back_to_a_close_and_resume(
     supervisor = supervisor_of(settings, 2)
     supervisor.start()
     until = asyncio.Event()
-    clients = [Resuming(supervisor.port, tokens.mint(f"tls-{n}"), context) for n in range(5)]
+    clients = [HeldSession(supervisor.port, tokens.mint(f"tls-{n}"), context) for n in range(5)]
     try:
         tasks = await holding(clients, until)
         began_ms = int(time.time() * 1000)
@@ -138,7 +98,7 @@ async def test_a_new_worker_killed_mid_handoff_leaves_each_connection_with_one_w
     supervisor = supervisor_of(settings, 2)
     supervisor.start()
     until = asyncio.Event()
-    clients = [Resuming(supervisor.port, tokens.mint(f"k-{n}")) for n in range(600)]
+    clients = [HeldSession(supervisor.port, tokens.mint(f"k-{n}")) for n in range(600)]
     try:
         tasks = await holding(clients, until)
         before = Counter([node_of(await holder(redis, settings, c.tid)) for c in clients])

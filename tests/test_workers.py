@@ -5,7 +5,6 @@ activation and readiness notification (tokend/ops/activation.py) for one process
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -21,11 +20,11 @@ from typing import Any
 import psutil
 import pytest
 from redis import asyncio as aioredis
-from websockets.exceptions import ConnectionClosed
 
-from testkit.clients import Closed, RawClient, tid_of
+from testkit.clients import RawClient
 from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, free_port, http_get
+from testkit.reconnects import HeldSession
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend.config import ConfigError, Settings
@@ -168,41 +167,6 @@ SESSIONS = 200
 BEAT_EVERY_S = 0.5  # each held session's heartbeat, during the reload test
 
 
-class Held:
-    """A session held through reloads, as a client that reconnects at once on 1001
-    would: every WELCOME, close and refused connect counted."""
-
-    def __init__(self, port: int, token: str) -> None:
-        self.port = port
-        self.token = token
-        self.tid = ""
-        self.counts: Counter[str] = Counter()
-        self.last_ack = 0.0  # time.monotonic() of the last ACK
-
-    async def run(self, until: asyncio.Event) -> None:
-        while not until.is_set():
-            try:
-                async with RawClient.connect(self.port) as client:
-                    welcome = await client.hello(self.token)
-                    self.tid = tid_of(welcome)
-                    self.counts["resumed" if welcome.resumed else "started"] += 1
-                    while not until.is_set():
-                        await client.heartbeat()
-                        self.last_ack = time.monotonic()
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(BEAT_EVERY_S):
-                                await until.wait()
-            except ConnectionRefusedError:
-                self.counts["refused"] += 1
-                await asyncio.sleep(0.05)
-            except TimeoutError:
-                self.counts["timeout"] += 1
-            except Closed as closed:
-                self.counts[f"close {closed.code}"] += 1
-            except ConnectionClosed as exc:
-                self.counts[f"close {exc.rcvd.code if exc.rcvd else None}"] += 1
-
-
 def session_key(settings: Settings, tid: str) -> str:
     return Keyspace(settings.key_prefix).session_keys(uuid.UUID(tid))[0]
 
@@ -232,7 +196,10 @@ async def test_a_reload_under_load_hands_every_connection_over_and_no_client_see
         old = started(supervisor)
         old_admin = admin_ports(supervisor)
         until = asyncio.Event()
-        held = [Held(supervisor.port, tokens.mint(f"held-{n}")) for n in range(SESSIONS)]
+        held = [
+            HeldSession(supervisor.port, tokens.mint(f"held-{n}"), beat_every=BEAT_EVERY_S)
+            for n in range(SESSIONS)
+        ]
         tasks = [asyncio.create_task(session.run(until)) for session in held]
         prober = asyncio.create_task(probe(supervisor.port, until))
         try:
@@ -457,7 +424,10 @@ async def test_a_socket_activated_process_restarts_without_refusing_a_connection
         (line,) = first.logged("listening")
         assert line["inherited"] is True and line["port"] == first.port
         until = asyncio.Event()
-        held = [Held(first.port, tokens.mint(f"activated-{n}")) for n in range(ACTIVATED_SESSIONS)]
+        held = [
+            HeldSession(first.port, tokens.mint(f"activated-{n}"), beat_every=BEAT_EVERY_S)
+            for n in range(ACTIVATED_SESSIONS)
+        ]
         tasks = [asyncio.create_task(session.run(until)) for session in held]
         second = TokendProcess(env, sockets=[(sock, "tokend.socket")])
         try:
@@ -476,7 +446,7 @@ async def test_a_socket_activated_process_restarts_without_refusing_a_connection
             await asyncio.gather(*tasks)
             assert await asyncio.to_thread(second.stop) == 0
     totals = sum((s.counts for s in held), Counter())
-    assert totals["refused"] == 0, totals
+    assert totals["connect ConnectionRefusedError"] == 0, totals
     assert totals["started"] == ACTIVATED_SESSIONS, totals
     assert all(s.counts["resumed"] >= 1 for s in held), totals
 
