@@ -16,15 +16,19 @@ phases and stops everything it started:
   for a CPU (a process that waited most of the time was paced by the machine, not by its
   own work), Redis memory per session, and SESSION_WARN / TOKEN_EXPIRED events (must be 0).
 * **reload** (``--reload``): with the sessions held and heartbeating, SIGHUP the
-  supervisor (a rolling reload: each worker replaced by a new one while the port stays
-  open, the old ones drained together over ``--reload-drain-period``;
-  docs/operations.md) and wait for its outcome; every client closed with 1001
-  resumes its session on a live worker. Reports the refused connects (goal 0), the
-  resumes (the last one's time after the SIGHUP: goal within 60 s), ACK latency over the
-  window (goal p99 at most 250 ms), the CPU of the machine and of the clients and how
-  long the processes waited for a CPU, the reload's duration and outcome, the
-  connections each worker held, new sessions, terminal closes and TOKEN_EXPIRED (each
-  must be 0).
+  supervisor (a rolling reload: each worker replaced by a new one, which takes every live
+  connection of its slot from the old one; docs/operations.md) and wait for its outcome.
+  Reports the connections moved and those that fell back (by reason), the clients'
+  closes by code (goal 0), heartbeats sent and ACKed across the reload (goal: all), ACK
+  latency over the window (goal p99 at most 250 ms), each old worker's exit after the
+  SIGHUP (goal within 15 s), the CPU per moved connection, old and new worker (goal at
+  most 50 us), the CPU of the machine and of the clients and how long the processes
+  waited for a CPU, the reload's duration and outcome, new sessions, terminal closes and
+  TOKEN_EXPIRED (each must be 0). With ``--tls`` (tokend serves wss:// itself) no
+  connection can move: each client closed with 1001 resumes on a new worker, the old
+  workers drained over ``--reload-drain-period``. With ``--kill-new-worker S`` the first
+  slot's new worker is SIGKILLed S seconds into its handoff: the reload fails, and every
+  session must stay open or resume.
 * **restart** (``--restart``): with the sessions held and heartbeating, SIGTERM the
   supervisor (its workers drain: 1001 spread over ``drain_period``) and start it again on
   the same data directory; every client resumes its session with the SDK's backoff.
@@ -44,6 +48,8 @@ phase, seconds each, is (tests/test_load_smoke.py).
     python load_tests/soak.py                                  # ~19,500 x 600 s, one process
     python load_tests/soak.py --sessions 75000 --workers 4 --restart --expire
     python load_tests/soak.py --sessions 75000 --workers 4 --duration 60 --reload
+    python load_tests/soak.py --sessions 75000 --workers 4 --duration 60 --reload --tls
+    python load_tests/soak.py --sessions 75000 --workers 4 --reload --kill-new-worker 0.3
     python load_tests/soak.py --sessions 3000 --duration 60    # a short proof run
 """
 
@@ -116,6 +122,8 @@ STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
 # A reload of each worker, at most: a new one starts, the old one drains.
 RELOAD_TIMEOUT_PER_WORKER_S = 60.0
 RESUME_GOAL_S = 60.0  # a reload's last resume, after the SIGHUP
+OLD_WORKER_EXIT_GOAL_S = 15.0  # a reload's old workers, after the SIGHUP (all moved)
+MOVE_CPU_GOAL_US = 50.0  # a moved connection's CPU, old and new worker together
 RESTART_RESUME_GOAL_S = 120.0  # a whole restart's last resume, after the new start
 HOLD_ACK_P99_GOAL_MS = 50.0
 RELOAD_ACK_P99_GOAL_MS = 250.0
@@ -165,6 +173,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=90.0,
         help="seconds the clients heartbeat and resume across the reload, from 2 s before "
         "the SIGHUP; the ACK latency is taken over it (default 90)",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="tokend serves wss:// itself (tls_cert_file): a reload hands no connection "
+        "over, every one falls back to 1001 and resumes",
+    )
+    parser.add_argument(
+        "--kill-new-worker",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --reload: SIGKILL the first slot's new worker S seconds after its handoff "
+        "began (the reload fails; every session must stay open or resume)",
     )
     parser.add_argument("--restart", action="store_true", help="then restart the supervisor")
     parser.add_argument(
@@ -407,6 +429,9 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
     signalled = time.time()
     cpu = PhaseCpu(server, args.workers, pool)
     os.kill(server.pid, signal.SIGHUP)
+    killed = None
+    if args.kill_new_worker is not None:
+        killed = await kill_new_worker(server.log, logged_before, args.kill_new_worker)
 
     def finished() -> dict[str, Any] | None:
         lines = server.log.read_text(errors="replace").splitlines()[logged_before:]
@@ -435,6 +460,48 @@ async def reload(args: argparse.Namespace, server: Child, pool: ClientPool) -> d
         "nodes": outcome["nodes"] if outcome else [],
         "connections_per_worker": list(per_worker.values()),
         "last_resume_after_signal_s": round(last - signalled, 1) if last else None,
+        "killed_new_worker": killed,
+        **handoff_figures(server.log, logged_before, signalled, outcome),
+    }
+
+
+async def kill_new_worker(log: Path, skip: int, after_s: float) -> dict[str, Any]:
+    """SIGKILL the first slot's new worker ``after_s`` seconds after its handoff began (its
+    ``worker replaced`` line): its node and pid."""
+
+    def replaced() -> dict[str, Any] | None:
+        found = logged_at(log, skip, "worker replaced")
+        return found[0][1] if found else None
+
+    entry = await eventually(replaced, 120, interval=0.01)
+    await asyncio.sleep(after_s)
+    os.kill(entry["pid"], signal.SIGKILL)
+    return {"node": entry["new"], "pid": entry["pid"], "after_s": after_s}
+
+
+def handoff_figures(
+    log: Path, skip: int, signalled: float, outcome: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What the reload's handoffs did, from the server's log: connections moved and
+    fallbacks by reason (the reload's outcome), each old worker's handoff and exit (s
+    after the SIGHUP), and the CPU per moved connection, old and new workers together
+    (each process's CPU over its handoff's span: all it did meanwhile, an upper bound)."""
+    handed = [entry for _, entry in logged_at(log, skip, "handed over")]
+    took = [entry for _, entry in logged_at(log, skip, "took over")]
+    moved = outcome["moved"] if outcome else sum(e["moved"] for e in handed)
+    cpu_s = sum(e["cpu_s"] for e in handed) + sum(e["cpu_s"] for e in took)
+    return {
+        "moved": moved,
+        "fell_back": outcome["fell_back"] if outcome else {},
+        "handoffs": {
+            e["node"]: {k: e[k] for k in ("moved", "fell_back", "seconds", "cpu_s")} for e in handed
+        },
+        "old_workers_exited_after_signal_s": {
+            entry["node"]: round(at - signalled, 1)
+            for at, entry in logged_at(log, skip, "old worker exited")
+        },
+        "handoff_cpu_s": round(cpu_s, 3),
+        "cpu_per_moved_us": round(1e6 * cpu_s / moved, 1) if moved else None,
     }
 
 
@@ -565,16 +632,25 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     tokens = ctx.tokens(args.sessions, ttl_s=int(max(3600, 4 * total_s)))
     tids = tokens.tids[: args.sessions]
     procs = -(-args.sessions // args.per_client)
+    tls: dict[str, str] = {}
+    if args.tls:
+        files = ctx.tls_files()
+        tls = {"tls_cert_file": str(files.cert), "tls_key_file": str(files.key)}
     server = tokend_child(
         ctx,
         args.redis,
+        **tls,
         heartbeat_interval=args.heartbeat,
         warn_after=3 * args.heartbeat,
         expire_after=4 * args.heartbeat,
         drain_period=args.drain_period,
         reload_drain_period=args.reload_drain_period,
     )
-    figures: dict[str, Any] = {"workers": args.workers, "client_processes": procs}
+    figures: dict[str, Any] = {
+        "workers": args.workers,
+        "client_processes": procs,
+        "tls": args.tls,
+    }
     try:
         server.start('"listening"', times=args.workers)
         redis = (
@@ -674,14 +750,27 @@ def verdict(figures: dict[str, Any], sessions: int) -> list[str]:
         if hold["events"].get(kind):
             problems.append(f"{hold['events'][kind]} {kind} during the hold")
     if reloaded := figures.get("reload"):
-        if reloaded["result"] != "ok":
+        killed = reloaded["killed_new_worker"] is not None
+        if reloaded["result"] != ("failed" if killed else "ok"):
             problems.append(f"reload: {reloaded['result']} {reloaded['reason']}".rstrip())
+        if not killed and not figures["tls"]:
+            # Every connection moves: no client sees the reload.
+            if reloaded["closes"]:
+                problems.append(f"reload: client closes {reloaded['closes']}")
+            if reloaded["acks"] != reloaded["sent"]:
+                problems.append(
+                    f"reload: {reloaded['sent'] - reloaded['acks']} heartbeats not ACKed"
+                )
+            exits = reloaded["old_workers_exited_after_signal_s"]
+            late = {node: s for node, s in exits.items() if s > OLD_WORKER_EXIT_GOAL_S}
+            if late or len(exits) != figures["workers"]:
+                problems.append(f"reload: old workers exited {exits} after SIGHUP")
         if reloaded["refused_connects"]:
             problems.append(f"reload: {reloaded['refused_connects']} refused connects")
         if reloaded["live_at_end"] != sessions:
             problems.append(f"reload: {reloaded['live_at_end']} of {sessions} sessions live")
         last = reloaded["last_resume_after_signal_s"]
-        if last is None or last > RESUME_GOAL_S:
+        if reloaded["resumed"] and (last is None or last > RESUME_GOAL_S):
             problems.append(f"reload: last resume {last} s after SIGHUP")
         problems += sessions_lost("reload", reloaded)
     if restart := figures.get("restart"):
@@ -710,6 +799,9 @@ def latency_goals_missed(figures: dict[str, Any]) -> list[str]:
         p99 = reloaded["ack_latency"]["p99_ms"]
         if p99 > RELOAD_ACK_P99_GOAL_MS:
             missed.append(f"reload ACK p99 {p99:.0f} ms > {RELOAD_ACK_P99_GOAL_MS:g} ms")
+        per_moved = reloaded["cpu_per_moved_us"]
+        if per_moved is not None and per_moved > MOVE_CPU_GOAL_US:
+            missed.append(f"CPU per moved connection {per_moved} us > {MOVE_CPU_GOAL_US:g} us")
     return missed
 
 
@@ -759,6 +851,15 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
             f"                    closes {reloaded['closes']}; new sessions "
             f"{reloaded['started_anew']}; live at end {reloaded['live_at_end']:,}; terminal "
             f"{reloaded['terminal_closes'] or 'none'}; events {reloaded['events']}",
+            f"                    handoff: {reloaded['moved']:,} moved, fell back "
+            f"{reloaded['fell_back'] or 'none'}; CPU {reloaded['handoff_cpu_s']} s, "
+            f"{reloaded['cpu_per_moved_us']} us per moved connection; old workers exited "
+            f"(s after SIGHUP) {reloaded['old_workers_exited_after_signal_s']}"
+            + (
+                f"; killed new worker {reloaded['killed_new_worker']}"
+                if reloaded["killed_new_worker"]
+                else ""
+            ),
             f"                    steps (s after SIGHUP): {reloaded['phases']}",
             *phase_cpu_lines(reloaded),
             "                    by 5 s from SIGHUP (ACKs / > 250 ms / slowest / client loop "

@@ -140,7 +140,7 @@ def test_soak_restart_and_expire_smoke_run(tmp_path: Path):
 
 def test_soak_reload_smoke_run(tmp_path: Path):
     """The rolling reload under load, tiny: 2 workers replaced one at a time under 300
-    sessions, which all resume on the new workers; not one connect refused."""
+    sessions, each handed to its slot's new worker: no client closed, none resumed."""
     figures = run_json(
         SOAK, tmp_path, "--sessions", "300", "--per-client", "150", "--workers", "2",
         "--duration", "2", "--heartbeat", "5", "--reload-drain-period", "1", "--reload",
@@ -150,18 +150,35 @@ def test_soak_reload_smoke_run(tmp_path: Path):
     reloaded = figures["reload"]
     assert reloaded["result"] == "ok" and reloaded["nodes"] == ["bench-w1.2", "bench-w2.2"]
     assert sum(reloaded["connections_per_worker"]) == 300
-    assert reloaded["refused_connects"] == 0
-    # Each session closed with 1001 once and resumed once (on a new worker: the old ones
-    # stop accepting before the first drains); all live at the end, none begun anew.
-    assert reloaded["closes"] == {"1001": 300} and reloaded["resumed"] == 300
+    assert (reloaded["moved"], reloaded["fell_back"]) == (300, {})
+    assert sum(h["moved"] for h in reloaded["handoffs"].values()) == 300
+    assert reloaded["closes"] == {} and reloaded["resumed"] == 0
+    assert reloaded["acks"] == reloaded["sent"] > 0
     assert reloaded["live_at_end"] == 300 and reloaded["started_anew"] == 0
-    assert reloaded["terminal_closes"] == {} and "TOKEN_EXPIRED" not in reloaded["events"]
+    assert reloaded["refused_connects"] == 0 and reloaded["events"] == {}
+    assert set(reloaded["old_workers_exited_after_signal_s"]) == {"bench-w1", "bench-w2"}
+    assert reloaded["cpu_per_moved_us"] > 0
     # The machine's CPU over the reload, the load generators' part of it measured apart.
     cpu = reloaded["cpu_pct"]
     assert cpu["machine"] >= cpu["clients (all)"] > 0
     # The waits for a CPU of the new workers (their life in the reload) and the clients'.
     assert set(reloaded["cpu_wait_pct"]) == {"worker-1", "worker-2", "redis", "clients (mean)"}
-    assert "latency goals:" in figures["stdout"]
+    assert "latency goals:" in figures["stdout"] and "per moved connection" in figures["stdout"]
+
+
+def test_soak_tls_reload_smoke_run(tmp_path: Path):
+    """The same over wss:// served by tokend itself: no TLS connection can be handed
+    over, each falls back to 1001 and resumes; none is lost."""
+    figures = run_json(
+        SOAK, tmp_path, "--sessions", "60", "--per-client", "30", "--workers", "2",
+        "--duration", "2", "--heartbeat", "5", "--reload-drain-period", "1", "--reload",
+        "--reload-window", "15", "--tls", timeout=120,
+    )  # fmt: skip
+    assert figures["returncode"] == 0, figures["stdout"]
+    reloaded = figures["reload"]
+    assert (reloaded["moved"], reloaded["fell_back"]) == (0, {"tls": 60})
+    assert reloaded["closes"] == {"1001": 60} and reloaded["resumed"] == 60
+    assert reloaded["live_at_end"] == 60 and "TOKEN_EXPIRED" not in reloaded["events"]
 
 
 def test_overload_smoke_run(tmp_path: Path):
