@@ -25,7 +25,6 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Any
 
 from tokend.core.claims import Claims, Tid
 from tokend.core.session import Cadence, Host, Phase, Session, TokenBucket
@@ -38,13 +37,6 @@ REPLY_MAGIC = b"tkha"
 # Magic, version (u16), batch number (u32): the same in every version.
 _HEAD = struct.Struct("!4sHI")
 _COUNT = struct.Struct("!H")
-_LENGTH = struct.Struct("!I")
-# The claims' iat and exp, since_ms, last_seq, exp_ms, iat_s, token_exp_ms; prio, flags.
-_NUMBERS = struct.Struct("!qqqQqqqBB")
-# A clock reading, or a rate bucket (allowance, last taken).
-_CLOCK = struct.Struct("!d")
-_BUCKET = struct.Struct("!dd")
-_PEER_PORT = struct.Struct("!H")
 _FLAG_RESUMED, _FLAG_WARNED, _FLAG_CADENCED, _FLAG_HEARTBEAT = 1, 2, 4, 8
 _FLAG_FRAMES, _FLAG_PEER, _FLAG_FRAGMENTS, _FLAG_PINGS = 16, 32, 64, 128
 
@@ -202,11 +194,8 @@ def encode_batch(number: int, records: Sequence[Moving], version: int = HANDOFF_
     """One batch message (its descriptors go beside it, in the same order)."""
     if len(records) > MAX_BATCH:
         raise ValueError(f"a batch holds at most {MAX_BATCH} connections")
-    parts = [_HEAD.pack(BATCH_MAGIC, version, number), _COUNT.pack(len(records))]
-    for record in records:
-        body = _record(record)
-        parts += [_LENGTH.pack(len(body)), body]
-    return b"".join(parts)
+    head = [_HEAD.pack(BATCH_MAGIC, version, number), _COUNT.pack(len(records))]
+    return b"".join(head + [_record(record) for record in records])
 
 
 def batch_number(data: bytes) -> tuple[int, int]:
@@ -225,90 +214,130 @@ def decode_batch(data: bytes) -> Batch:
     version, number = batch_number(data)
     if version != HANDOFF_VERSION:
         raise HandoffFormatError(f"handoff version {version}: this worker speaks {HANDOFF_VERSION}")
-    reader = _Reader(data, _HEAD.size)
-    (count,) = reader.unpack(_COUNT)
+    end = len(data)
+    offset = _HEAD.size + _COUNT.size
+    if offset > end:
+        raise HandoffFormatError("a handoff message cut short")
+    (count,) = _COUNT.unpack_from(data, _HEAD.size)
     records = []
-    for _ in range(count):
-        (length,) = reader.unpack(_LENGTH)
-        records.append(_read_record(_Reader(reader.take(length))))
-    if reader.offset != len(data):
-        raise HandoffFormatError("bytes after the last record")
+    try:
+        for _ in range(count):
+            record, offset = _read_record(data, offset)
+            records.append(record)
+    except struct.error:
+        raise HandoffFormatError("a handoff message cut short") from None
+    if offset != end:
+        raise HandoffFormatError("a handoff message cut short, or bytes after its last record")
     return Batch(number, records)
+
+
+# A record: the fixed fields (_RECORD), then the variable ones in this order, each as long
+# as the fixed part says: the tid's text, conn, sub, the two digests, the key, the peer's
+# host, unparsed, fragments.
+_RECORD = struct.Struct("!qqqQqqqBBdddddHHHHHHHHII")
 
 
 def _record(record: Moving) -> bytes:
     s = record.session
     c = s.claims
+    frames, pings, peer, fragments = s.frames, record.pings, record.peer, record.fragments
     flags = (
         (_FLAG_RESUMED if s.resumed else 0)
         | (_FLAG_WARNED if s.warned else 0)
         | (_FLAG_CADENCED if s.cadenced else 0)
         | (_FLAG_HEARTBEAT if s.last_beat != -math.inf else 0)
-        | (_FLAG_FRAMES if s.frames is not None else 0)
-        | (_FLAG_PEER if record.peer is not None else 0)
-        | (_FLAG_FRAGMENTS if record.fragments is not None else 0)
-        | (_FLAG_PINGS if record.pings is not None else 0)
+        | (_FLAG_FRAMES if frames is not None else 0)
+        | (_FLAG_PEER if peer is not None else 0)
+        | (_FLAG_FRAGMENTS if fragments is not None else 0)
+        | (_FLAG_PINGS if pings is not None else 0)
     )
-    parts = [
-        c.tid.bytes,
-        _NUMBERS.pack(
-            c.iat, c.exp, s.since_ms, s.last_seq, s.exp_ms, s.iat_s, s.token_exp_ms, c.prio, flags
-        ),
-        _CLOCK.pack(s.last_beat if flags & _FLAG_HEARTBEAT else 0.0),
-        _BUCKET.pack(*(s.frames or (0.0, 0.0))),
-        _BUCKET.pack(*(record.pings or (0.0, 0.0))),
-    ]
-    for text in (s.conn, c.sub, s.signed_digest, s.stored_token):
-        parts.append(_short(text.encode()))
-    parts.append(_short(s.key))
-    if record.peer is not None:
-        parts += [_short(record.peer[0].encode()), _PEER_PORT.pack(record.peer[1])]
-    parts += [_LENGTH.pack(len(record.unparsed)), record.unparsed]
-    if record.fragments is not None:
-        parts += [_LENGTH.pack(len(record.fragments)), record.fragments]
-    return b"".join(parts)
+    tid = str(c.tid).encode()
+    conn, sub = s.conn.encode(), c.sub.encode()
+    signed, stored = s.signed_digest.encode(), s.stored_token.encode()
+    host = peer[0].encode() if peer is not None else b""
+    fragments = fragments or b""
+    variable = (tid, conn, sub, signed, stored, s.key, host)
+    if any(len(field) > 0xFFFF for field in variable):
+        raise ValueError("a field of a handoff record holds at most 65,535 bytes")
+    head = _RECORD.pack(
+        c.iat,
+        c.exp,
+        s.since_ms,
+        s.last_seq,
+        s.exp_ms,
+        s.iat_s,
+        s.token_exp_ms,
+        c.prio,
+        flags,
+        s.last_beat if flags & _FLAG_HEARTBEAT else 0.0,
+        *(frames or (0.0, 0.0)),
+        *(pings or (0.0, 0.0)),
+        peer[1] if peer is not None else 0,
+        *map(len, variable),
+        len(record.unparsed),
+        len(fragments),
+    )
+    return b"".join((head, *variable, record.unparsed, fragments))
 
 
-def _read_record(reader: _Reader) -> Moving:
-    tid = Tid(str(_uuid(reader.take(16))))
-    iat, exp, since_ms, last_seq, exp_ms, iat_s, token_exp_ms, prio, flags = reader.unpack(_NUMBERS)
-    (last_beat,) = reader.unpack(_CLOCK)
-    allowance, checked = reader.unpack(_BUCKET)
-    ping_allowance, ping_checked = reader.unpack(_BUCKET)
-    conn, sub, signed_digest, stored_token = (reader.short().decode() for _ in range(4))
-    key = reader.short()
-    peer = None
-    if flags & _FLAG_PEER:
-        host = reader.short().decode()
-        peer = (host, reader.unpack(_PEER_PORT)[0])
-    unparsed = reader.take(reader.unpack(_LENGTH)[0])
-    fragments = reader.take(reader.unpack(_LENGTH)[0]) if flags & _FLAG_FRAGMENTS else None
-    if reader.offset != len(reader.data):
-        raise HandoffFormatError("bytes after a record's last field")
-    session = SessionState(
-        conn=conn,
-        since_ms=since_ms,
-        claims=Claims(tid, sub, iat, exp, prio),
-        key=key,
-        last_seq=last_seq,
-        last_beat=last_beat if flags & _FLAG_HEARTBEAT else -math.inf,
-        cadenced=bool(flags & _FLAG_CADENCED),
-        exp_ms=exp_ms,
-        iat_s=iat_s,
-        token_exp_ms=token_exp_ms,
-        signed_digest=signed_digest,
-        stored_token=stored_token,
-        resumed=bool(flags & _FLAG_RESUMED),
-        warned=bool(flags & _FLAG_WARNED),
-        frames=(allowance, checked) if flags & _FLAG_FRAMES else None,
-    )
-    return Moving(
+def _read_record(data: bytes, offset: int) -> tuple[Moving, int]:
+    (
+        iat,
+        exp,
+        since_ms,
+        last_seq,
+        exp_ms,
+        iat_s,
+        token_exp_ms,
+        prio,
+        flags,
+        last_beat,
+        allowance,
+        checked,
+        ping_allowance,
+        ping_checked,
+        port,
+        *lengths,
+    ) = _RECORD.unpack_from(data, offset)
+    offset += _RECORD.size
+    fields = []
+    for length in lengths:
+        end = offset + length
+        if end > len(data):
+            raise HandoffFormatError("a handoff message cut short")
+        fields.append(data[offset:end])
+        offset = end
+    tid, conn, sub, signed, stored, key, host, unparsed, fragments = fields
+    try:
+        claims = Claims(Tid(tid.decode()), sub.decode(), iat, exp, prio)
+        session = SessionState(
+            conn=conn.decode(),
+            since_ms=since_ms,
+            claims=claims,
+            key=key,
+            last_seq=last_seq,
+            last_beat=last_beat if flags & _FLAG_HEARTBEAT else -math.inf,
+            cadenced=bool(flags & _FLAG_CADENCED),
+            exp_ms=exp_ms,
+            iat_s=iat_s,
+            token_exp_ms=token_exp_ms,
+            signed_digest=signed.decode(),
+            stored_token=stored.decode(),
+            resumed=bool(flags & _FLAG_RESUMED),
+            warned=bool(flags & _FLAG_WARNED),
+            frames=(allowance, checked) if flags & _FLAG_FRAMES else None,
+        )
+        peer = (host.decode(), port) if flags & _FLAG_PEER else None
+    except ValueError as exc:  # not UTF-8, not a UUID
+        raise HandoffFormatError(f"a handoff record's field: {exc}") from None
+    moving = Moving(
         session=session,
         peer=peer,
         unparsed=unparsed,
-        fragments=fragments,
+        fragments=fragments if flags & _FLAG_FRAGMENTS else None,
         pings=(ping_allowance, ping_checked) if flags & _FLAG_PINGS else None,
     )
+    return moving, offset
 
 
 # Replies
@@ -334,49 +363,13 @@ def decode_reply(data: bytes) -> Reply:
     magic, _, number = _HEAD.unpack_from(data)
     if magic != REPLY_MAGIC:
         raise HandoffFormatError("not a handoff reply")
-    reader = _Reader(data, _HEAD.size)
+    offset = _HEAD.size
+    (count,) = _COUNT.unpack_from(data, offset + 1)
+    if len(data) != offset + 1 + _COUNT.size + count:
+        raise HandoffFormatError("a handoff reply cut short, or bytes after it")
     try:
-        status = BatchStatus(reader.take(1)[0])
-        (count,) = reader.unpack(_COUNT)
-        taken = [Taken(value) for value in reader.take(count)]
+        status = BatchStatus(data[offset])
+        taken = [Taken(value) for value in data[offset + 1 + _COUNT.size :]]
     except ValueError as exc:
         raise HandoffFormatError(f"handoff reply: {exc}") from None
-    if reader.offset != len(data):
-        raise HandoffFormatError("bytes after a handoff reply")
     return Reply(number, status, taken)
-
-
-# Reading and writing fields
-
-
-def _short(value: bytes) -> bytes:
-    if len(value) > 0xFFFF:
-        raise ValueError("a field of a handoff record holds at most 65,535 bytes")
-    return _PEER_PORT.pack(len(value)) + value
-
-
-def _uuid(raw: bytes) -> str:
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-class _Reader:
-    __slots__ = ("data", "offset")
-
-    def __init__(self, data: bytes, offset: int = 0) -> None:
-        self.data = data
-        self.offset = offset
-
-    def take(self, n: int) -> bytes:
-        end = self.offset + n
-        if end > len(self.data):
-            raise HandoffFormatError("a handoff message cut short")
-        value = self.data[self.offset : end]
-        self.offset = end
-        return value
-
-    def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
-        return layout.unpack(self.take(layout.size))
-
-    def short(self) -> bytes:
-        return self.take(self.unpack(_PEER_PORT)[0])

@@ -58,7 +58,6 @@ from tokend.server.connection import (
     Connection,
     Gate,
     SessionLink,
-    _bound,
     at_frame_start,
     restart_parser,
 )
@@ -336,7 +335,8 @@ def _hold(connection: Connection) -> bool:
         not connection.link.session.unanswered
         and not transport.get_write_buffer_size()
         and connection.stall is None
-        and _unparsed(connection) is not None
+        and connection.fragments is None
+        and at_frame_start(connection.ws)
     )
 
 
@@ -367,20 +367,34 @@ def _unseal(connection: Connection, transport: asyncio.Transport) -> None:
 
 def _handed_over(connection: Connection, transport: asyncio.Transport) -> None:
     """The new worker took the connection: drop this worker's copy without a word. Its
-    session is the new worker's: nothing is released here."""
-    connection.transport = transport
-    session = connection.session
-    if session is not None:
+    session is the new worker's: nothing is released here, nothing is sent, and the
+    WebSocket is not closed (the transport's connection_lost goes to no one)."""
+    link = connection.link
+    if link is not None:
+        session = link.session
         session.abandon()
         session.released = True
+        connection.gate.node.detach(link)
+        connection.link = None  # no cycle outlives the connection (Connection.connection_lost)
+    for timer in (connection.deadline, connection.stall):
+        if timer is not None:
+            timer.cancel()
+    connection.deadline = connection.stall = None
+    connection.gate.closed(connection)
+    transport.set_protocol(_GONE)
     transport.abort()
 
 
-def _unparsed(connection: Connection) -> bytes | None:
-    """The bytes read from the connection and not parsed yet, when it is at a point where
-    they can go with it (None: not now)."""
-    if connection.fragments is not None or not at_frame_start(connection.ws):
-        return None
+class _Gone(asyncio.Protocol):
+    """The protocol of a transport whose connection went to another process."""
+
+
+_GONE = _Gone()
+
+
+def _unparsed(connection: Connection) -> bytes:
+    """The bytes read from the connection and not parsed yet (:func:`_hold` found it
+    between two frames)."""
     return b""
 
 
@@ -388,13 +402,11 @@ def _record(connection: Connection) -> Moving:
     link = connection.link
     assert link is not None
     request = link.heartbeat_request
-    unparsed = _unparsed(connection)
-    assert unparsed is not None
     pings = connection.pings
     return Moving(
         session=export_session(link.session, request.token if request is not None else ""),
         peer=connection.address,
-        unparsed=unparsed,
+        unparsed=_unparsed(connection),
         fragments=None,
         pings=(pings.allowance, pings.checked) if pings is not None else None,
     )
@@ -524,15 +536,17 @@ class Taker:
             with contextlib.suppress(Exception):
                 await node.store.moves(back)
             return
-        adopting = []
+        adopted = 0
         for record, conn, since, fd in zip(records, conns, sinces, fds, strict=True):
             if since:
-                adopting.append(self._adopt(record, conn, since, fd))
+                # One after another in this task: a task each would cost more than the
+                # adoption itself.
+                await self._adopt(record, conn, since, fd)
+                adopted += 1
             else:
                 os.close(fd)
-        await asyncio.gather(*adopting)
-        self.report.moved += len(adopting)
-        node.metrics.handoff_taken += len(adopting)
+        self.report.moved += adopted
+        node.metrics.handoff_taken += adopted
         self.cpu_s += cpu_s + time.process_time() - cpu
 
     async def _reply(self, message: bytes) -> bool:
@@ -588,7 +602,7 @@ class AdoptedConnection(Connection):
         assert link is not None
         moved, self.moved = self.moved, None
         assert moved is not None
-        link.log = _bound(self.peer, link.session)
+        # Its logger is bound when it first logs (Connection.log), not here: most never do.
         gate.node.attach(link)
         stored = moved.session.stored_token
         if stored and link.heartbeat_request is not None:
