@@ -11,6 +11,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -29,6 +31,7 @@ from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core.handoff import HANDOFF_VERSION
+from tokend.ops import pidfile
 from tokend.ops.app import App
 from tokend.server.handoff import Giver, Taker
 from tokend.store.keyspace import Keyspace, node_of
@@ -153,6 +156,35 @@ async def test_a_new_worker_killed_mid_handoff_leaves_each_connection_with_one_w
     assert len(resumed) == moved_to_slot_1 >= taken, (len(resumed), finished, taken)
     kinds = Counter(e["type"] for e in await read_events(redis, settings.key_prefix, began_ms))
     assert kinds["TOKEN_EXPIRED"] == 0 and kinds["SESSION_STARTED"] == 0, kinds
+
+
+async def test_tokend_reload_and_the_status_file_say_what_moved(
+    make_settings: Callable[..., Settings], tokens: TokenService
+) -> None:
+    settings = make_settings(**RELOAD, node_name="said")
+    supervisor = supervisor_of(settings, 2)
+    supervisor.start()
+    try:
+        async with RawClient.connect(supervisor.port) as client:
+            await client.hello(tokens.mint("said"))
+            reload = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "tokend", "reload"],
+                env=supervisor.env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            await client.heartbeat()  # answered by the new worker, on the same connection
+            status = pidfile.read_status(Path(supervisor.env["TOKEND_DATA_DIR"]))
+    finally:
+        assert await asyncio.to_thread(supervisor.stop) == 0
+    assert reload.returncode == 0, reload.stderr
+    assert reload.stdout.startswith("tokend reload: reloaded in"), reload.stdout
+    assert reload.stdout.rstrip().endswith(
+        "generation 2: said-w1.2, said-w2.2; 1 connection moved, 0 fell back"
+    ), reload.stdout
+    assert (status["last_reload"]["moved"], status["last_reload"]["fell_back"]) == (1, {})
 
 
 @pytest.fixture

@@ -101,7 +101,8 @@ def handoff_line(last: dict[str, Any]) -> str:
     close (1001), by reason."""
     fell_back = last.get("fell_back") or {}
     reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(fell_back.items()))
+    moved = last.get("moved", 0)
     total = sum(fell_back.values())
-    return f"{last.get('moved', 0)} connections moved, {total} fell back" + (
+    return f"{moved} connection{'' if moved == 1 else 's'} moved, {total} fell back" + (
         f" ({reasons})" if reasons else ""
     )
