@@ -145,6 +145,8 @@ class App:
         """A reload's new worker accepts for this one's slot: stop accepting, keep serving
         the connections open until the drain, and watch the new workers' accept queue."""
         assert self.server is not None
+        if self.replaced:  # SIGUSR1 and the handoff's message both ask it
+            return
         connections = len(self.connections)
         log.info("stopped accepting: the slot's new worker accepts", connections=connections)
         self.replaced = True
@@ -214,7 +216,9 @@ class App:
         before = len(connections)
         report = await Giver(connections, self.node, sock, new_node).run()
         self.left_share = (before - report.moved) / before if before else 0.0
-        if report.fell_back.get("new_worker_failed") or report.fell_back.get("unknown_version"):
+        if report.fell_back.get("new_worker_failed"):
+            # It may have died: serve the slot again (harmless if it lives: both accept,
+            # and the reload's drain stops this one).
             await self.accept_again()
         if self.channel is not None:
             activation.send_message(
