@@ -107,6 +107,7 @@ class HeldSession:
         self.token = token
         self.ssl = ssl
         self.tid = ""
+        self.key = b""  # the session key of its last WELCOME
         self.proof: bytes | None = None
         self.counts: Counter[str] = Counter()
         self.last_ack = 0.0  # time.monotonic() of the last ACK
@@ -118,6 +119,7 @@ class HeldSession:
                 async with RawClient.connect(self.port, ssl=self.ssl) as client:
                     welcome = await client.hello(self.token, self.proof)
                     self.tid = tid_of(welcome)
+                    self.key = welcome.session_key
                     self.proof = p.resume_proof(welcome.session_key, welcome.tid)
                     self.counts["resumed" if welcome.resumed else "started"] += 1
                     while not until.is_set():

@@ -5,6 +5,7 @@ activation and readiness notification (tokend/ops/activation.py) for one process
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
 import socket
@@ -167,6 +168,11 @@ SESSIONS = 200
 BEAT_EVERY_S = 0.5  # each held session's heartbeat, during the reload test
 
 
+def files_under(directory: Path) -> bytes:
+    """Every file under ``directory``, read, one after another."""
+    return b"".join(path.read_bytes() for path in directory.rglob("*") if path.is_file())
+
+
 def session_key(settings: Settings, tid: str) -> str:
     return Keyspace(settings.key_prefix).session_keys(uuid.UUID(tid))[0]
 
@@ -232,6 +238,13 @@ async def test_a_reload_under_load_hands_every_connection_over_and_no_client_see
     assert totals == Counter(started=SESSIONS), totals
     assert probes["refused"] == 0 and probes["accepted"] > 0, probes
     assert {node_of(conn) for conn in holders.values()} == set(new), holders
+    # No session key reached a log or the disk on the way.
+    logged = "\n".join(map(str, supervisor.log_lines))
+    on_disk = await asyncio.to_thread(files_under, Path(settings.data_dir))
+    for session in held:
+        key = session.key
+        assert key and key.hex() not in logged and base64.b64encode(key).decode() not in logged
+        assert key not in on_disk and key.hex().encode() not in on_disk
     # The event bus saw nothing: no resume, no park, no expiry.
     kinds = Counter(e["type"] for e in await read_events(redis, settings.key_prefix, began_ms))
     assert kinds == Counter(), kinds
