@@ -94,10 +94,6 @@ class HandoffReport:
         return {"moved": self.moved, "fell_back": dict(sorted(self.fell_back.items()))}
 
 
-class NewWorkerFailed(Exception):
-    """The new worker refused, closed its end or did not answer in time."""
-
-
 # The old worker's side
 
 
@@ -121,46 +117,49 @@ class Giver:
         self.cpu_s = 0.0
 
     async def run(self) -> HandoffReport:
+        """Hand every connection over, or decide why it stays: each is counted once, as
+        moved or by the reason it fell back."""
         loop = asyncio.get_running_loop()
         cpu = time.process_time()
         began = loop.time()
         deadline = began + SETTLE_S
-        waiting = [c for c in self.connections]
-        try:
-            while waiting and self.failed is None:
-                batch: list[Connection] = []
-                later = []
-                for connection in waiting:
-                    reason = _cannot_move(connection)
-                    if reason is FallbackReason.BEFORE_WELCOME:
-                        later.append(connection)
-                    elif reason is not None:
-                        self._fall_back(connection, reason)
-                    elif _hold(connection):
-                        batch.append(connection)
-                        if len(batch) == MAX_BATCH:
-                            await self._send(batch)
-                            batch = []
-                    else:
-                        later.append(connection)
-                if batch:
-                    await self._send(batch)
-                waiting = later
-                if waiting and self.failed is None:
-                    if loop.time() > deadline:
-                        for connection in waiting:
-                            _release(connection)
-                            self._fall_back(connection, _not_ready(connection))
-                        waiting = []
-                    else:
-                        await asyncio.sleep(ROUND_PAUSE_S)
-            while self.sent:
-                await self._answered()
-        except NewWorkerFailed:
-            pass
+        pending = list(self.connections)
+        while pending and self.failed is None:
+            later: list[Connection] = []
+            batch: list[Connection] = []
+            for index, connection in enumerate(pending):
+                if self.failed is not None:
+                    later += pending[index:]
+                    break
+                reason = _cannot_move(connection)
+                if reason is FallbackReason.BEFORE_WELCOME:
+                    later.append(connection)
+                elif reason is not None:
+                    self._fall_back(connection, reason)
+                elif _hold(connection):
+                    batch.append(connection)
+                    if len(batch) == MAX_BATCH:
+                        await self._send(batch)
+                        batch = []
+                else:
+                    later.append(connection)
+            if batch:
+                await self._send(batch)
+            pending = later
+            if pending and self.failed is None:
+                if loop.time() > deadline:
+                    for connection in pending:
+                        _release(connection)
+                        self._fall_back(connection, _not_ready(connection))
+                    pending = []
+                else:
+                    await asyncio.sleep(ROUND_PAUSE_S)
+        while self.sent and self.failed is None:
+            await self._answered()
         if self.failed is not None:
+            self._last_replies()
             await self._take_back()
-            for connection in waiting:
+            for connection in pending:
                 _release(connection)
                 self._fall_back(connection, self.failed)
         with contextlib.suppress(OSError):
@@ -174,8 +173,15 @@ class Giver:
         self.node.metrics.handoff_fell_back[reason.value] += 1
 
     async def _send(self, batch: list[Connection]) -> None:
-        """Send ``batch`` (split while its message is too large), then keep at most
-        WINDOW batches unanswered."""
+        """Send ``batch`` (split while its message is too large), keeping at most WINDOW
+        batches unanswered; once the new worker failed, the batch stays here."""
+        while len(self.sent) >= WINDOW and self.failed is None:
+            await self._answered()
+        if self.failed is not None:
+            for connection in batch:
+                _release(connection)
+                self._fall_back(connection, self.failed)
+            return
         records = [_record(c) for c in batch]
         message = encode_batch(self.number + 1, records, self.version)
         if len(message) > MAX_MESSAGE:
@@ -186,13 +192,6 @@ class Giver:
             half = len(batch) // 2
             await self._send(batch[:half])
             await self._send(batch[half:])
-            return
-        while len(self.sent) >= WINDOW:
-            await self._answered()
-        if self.failed is not None:
-            for connection in batch:
-                _release(connection)
-                self._fall_back(connection, self.failed)
             return
         self.number += 1
         fds = []
@@ -209,37 +208,40 @@ class Giver:
         try:
             await _send_with_fds(self.sock, message, fds)
         except OSError:
-            self.failed = FallbackReason.NEW_WORKER_FAILED
-            raise NewWorkerFailed from None
+            self.failed = FallbackReason.NEW_WORKER_FAILED  # _take_back decides the batch
         finally:
             for fd in fds:
                 os.close(fd)
 
     async def _answered(self) -> None:
-        """Wait for the next reply and act on it."""
+        """Wait for the next reply and act on it; a new worker that closed its end or did
+        not answer in time has failed (``failed`` set)."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(REPLY_TIMEOUT_S):
                 data = await loop.sock_recv(self.sock, RECEIVE_BUFFER)
         except (TimeoutError, OSError):
             data = b""
-        if not data:
-            self.failed = self.failed or FallbackReason.NEW_WORKER_FAILED
-            # The new worker may not send any more: what it has sent is read, what it has
-            # not will not come (its reply now fails, and it takes nothing).
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RD)
-            self.sock.setblocking(False)
-            while True:
-                try:
-                    data = self.sock.recv(RECEIVE_BUFFER)
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
-                self._apply(data)
-            raise NewWorkerFailed
-        self._apply(data)
+        if data:
+            self._apply(data)
+            return
+        self.failed = self.failed or FallbackReason.NEW_WORKER_FAILED
+
+    def _last_replies(self) -> None:
+        """The new worker failed: it may not answer any more. What it has answered is
+        read (those connections are its own); what it has not, it will not (its reply
+        fails from now on, and it takes nothing)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RD)
+        self.sock.setblocking(False)
+        while self.sent:
+            try:
+                data = self.sock.recv(RECEIVE_BUFFER)
+            except OSError:  # BlockingIOError among them: nothing more
+                return
+            if not data:
+                return
+            self._apply(data)
 
     def _apply(self, data: bytes) -> None:
         try:
@@ -247,7 +249,7 @@ class Giver:
         except HandoffFormatError as exc:
             log.error("handoff reply refused", error=str(exc))
             self.failed = FallbackReason.NEW_WORKER_FAILED
-            raise NewWorkerFailed from None
+            return
         sealed = self.sent.pop(reply.number, None)
         if sealed is None:
             return
