@@ -8,6 +8,7 @@ on. (Many connections reloaded with no close at the client: tests/test_workers.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -30,10 +31,17 @@ from testkit.reconnects import HeldSession
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend.config import Settings
-from tokend.core.handoff import HANDOFF_VERSION
+from tokend.core.handoff import (
+    HANDOFF_VERSION,
+    MAX_BATCH,
+    BatchStatus,
+    Taken,
+    decode_batch,
+    encode_reply,
+)
 from tokend.ops import pidfile
 from tokend.ops.app import App
-from tokend.server.handoff import Giver, Taker
+from tokend.server.handoff import RECEIVE_BUFFER, Giver, Taker
 from tokend.store.keyspace import Keyspace, node_of
 from tokend.tokens.service import TokenService
 
@@ -192,7 +200,7 @@ async def two_nodes(
     start_app: Callable[..., Awaitable[App]],
 ) -> tuple[App, App]:
     """Two nodes on one Redis: an old worker and a new one, in this process."""
-    old = await start_app(node_name="old")
+    old = await start_app(node_name="old", max_connections_per_ip=0)
     new = await start_app(node_name="new")
     return old, new
 
@@ -220,3 +228,47 @@ async def test_an_unknown_handoff_version_falls_back_and_the_connection_stays(
         assert node_of(conn) == "old"
         ack = await client.heartbeat()
         assert ack.seq == 2
+
+
+async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connection_here(
+    two_nodes: tuple[App, App], tokens: TokenService
+) -> None:
+    """The new worker takes the first batch, then closes its end: the second batch, sent
+    and unanswered, stays with the old worker, as do the connections not sent yet; each
+    connection is counted once, and every one left here is still served."""
+    old, _ = two_nodes
+    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    give.setblocking(False)
+    assert old.admission is not None
+    count = MAX_BATCH + 60
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(RawClient.connect(old.port)) for _ in range(count)
+        ]
+        for n, client in enumerate(clients):
+            await client.hello(tokens.mint(f"many-{n}"))
+        giver = Giver(old.admission.connections, old.node, give, "new")
+        running = asyncio.create_task(giver.run())
+        loop = asyncio.get_running_loop()
+        data, fds, _, _ = await loop.run_in_executor(
+            None, lambda: socket.recv_fds(take, RECEIVE_BUFFER, MAX_BATCH)
+        )
+        first = decode_batch(data)
+        take.send(encode_reply(first.number, BatchStatus.READ, [Taken.TAKEN] * len(fds)))
+        for fd in fds:
+            os.close(fd)  # what a new worker that dies does to the connections it took
+        take.close()
+        report = await running
+
+        assert report.moved == len(first.records) == MAX_BATCH
+        assert dict(report.fell_back) == {"new_worker_failed": count - MAX_BATCH}
+        assert len(old.admission.connections) == count - MAX_BATCH
+        held_here = {str(link.session.claims.tid) for link in old.node.sessions.values()}
+        assert len(held_here) == count - MAX_BATCH
+        assert held_here.isdisjoint(str(r.session.claims.tid) for r in first.records)
+        served = 0
+        for client in clients:
+            if tid_of(client.welcome) in held_here:
+                assert (await client.heartbeat()).seq == 1  # still here, reading again
+                served += 1
+        assert served == count - MAX_BATCH
