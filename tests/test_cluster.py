@@ -56,7 +56,7 @@ from tokend.store.redis_client import (
     slot_groups,
     subscription,
 )
-from tokend.store.sessions import Store
+from tokend.store.sessions import MoveRequest, Store
 from tokend.tokens.service import TokenService
 
 
@@ -235,12 +235,30 @@ async def drive_release(store: Store) -> None:
     assert outcomes == [ReleaseOutcome.PARKED if r else ReleaseOutcome.RELEASED for r in reasons]
 
 
+async def drive_move(store: Store) -> None:
+    tids = await start_sessions(store)
+    sinces = [int(await store.redis.hget(store.keys.session_keys(t)[0], "since")) for t in tids]
+    moved = await store.moves(
+        [
+            MoveRequest.of(t, f"c-{t}", since, f"d-{t}")
+            for t, since in zip(tids, sinces, strict=True)
+        ]
+    )
+    assert all(moved)
+    # And back.
+    back = await store.moves(
+        [MoveRequest.of(t, f"d-{t}", moved[i], f"c-{t}") for i, t in enumerate(tids)]
+    )
+    assert all(back)
+
+
 DRIVERS: dict[str, Callable[[Store], Awaitable[None]]] = {
     "hello": drive_hello,
     "heartbeat": drive_heartbeat,
     "sweep": drive_sweep,
     "end": drive_end,
     "release": drive_release,
+    "move": drive_move,
 }
 LUA_SCRIPTS = sorted(
     Path(f.name).stem
