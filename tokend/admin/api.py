@@ -153,7 +153,8 @@ class AdminApi:
 
     async def _stats(self, request: Request, params: dict[str, str]) -> Response:
         """GET /v1/stats: the dashboard's feed (docs/operations.md)."""
-        total = await self.node.store.queries.count_sessions()
+        counts = await self.node.store.queries.counts()
+        total = counts.active + counts.warn
         return Response.json(http.HTTPStatus.OK, self.node.metrics.stats(self.node.name, total))
 
     async def _events(self, request: Request, params: dict[str, str]) -> Response:
