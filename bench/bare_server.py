@@ -3,7 +3,7 @@
 ``--impl websockets`` (the baseline the targets are judged against): the same library
 and event loop as tokend through its asyncio server (no compression, no pings, 16 KiB
 messages, backlog 4096). ``--impl sansio``: the same library's Sans-I/O core driven by
-a plain ``asyncio.Protocol``, as tokend drives it (tokend/connection.py): the floor of
+a plain ``asyncio.Protocol``, as tokend drives it (tokend/server/connection.py): the floor of
 tokend's design, a second baseline. ``--impl picows``: a Cython server, much cheaper
 per message than any websockets server; the heartbeat scenario runs its load
 generator against it to show how far above the measured rates the client itself can go.
@@ -15,7 +15,7 @@ the HELLO token's Ed25519 signature with the public key its ``kid`` names in DIR
 one piece of tokend's work at HELLO that no server can skip, and most of its cost.
 
 With ``--tls-cert FILE --tls-key FILE`` each serves wss:// with the context tokend
-builds from the same files (:func:`tokend.tls.server_context`: TLS 1.2+, the ssl
+builds from the same files (:func:`tokend.edge.tls.server_context`: TLS 1.2+, the ssl
 module's default ciphers), TLS done by the event loop's own TLS layer.
 
 Run as ``python -m bench.bare_server --port PORT [--impl picows]``; prints
@@ -43,9 +43,9 @@ from websockets.frames import Frame, Opcode
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
-from tokend import protocol as p
-from tokend.tls import server_context
-from tokend.tokens import KeyRing
+from tokend.core import protocol as p
+from tokend.edge.tls import server_context
+from tokend.tokens.keys import KeyRing
 
 ACK = p.encode(p.HeartbeatAck(seq=1, exp_ms=0))
 WELCOME = p.encode(p.Welcome(bytes(16), 0, 30_000, 90_000, 120_000, os.urandom(32)))

@@ -30,8 +30,8 @@ from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter_in
 from testkit.waiting import eventually_sync
 from tokend import config
-from tokend.protocol import WS_PATH
-from tokend.tokens import DEFAULT_PRIO
+from tokend.core.claims import DEFAULT_PRIO
+from tokend.core.protocol import WS_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 # The key prefix of every tokend the harness starts (and so of its streams).

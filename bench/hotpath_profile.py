@@ -1,8 +1,8 @@
 """The heartbeat and renewal hot path counted in one process, repeatably (issue 22).
 
-A real :class:`tokend.node.Node` with its real batchers and Redis client, against a
-private redis-server, serves ``--connections`` real :class:`tokend.connection.Connection`
-objects through a real :class:`tokend.admission.Admission`. Only their sockets are fake
+A real :class:`tokend.server.node.Node` with its real batchers and Redis client, against a
+private redis-server, serves ``--connections`` real :class:`tokend.server.connection.Connection`
+objects through a real :class:`tokend.server.admission.Admission`. Only their sockets are fake
 (:class:`Socket` keeps what is written). Each connection is opened by a real upgrade
 request and HELLO; then each round feeds every connection one masked heartbeat frame
 through ``data_received``, as the event loop would, ``--batch`` connections at a time:
@@ -52,12 +52,13 @@ from websockets.frames import Frame, Opcode
 from testkit.clients import upgrade_request
 from testkit.redis_servers import RedisProcess
 from tokend import config, logs
-from tokend import protocol as p
-from tokend.admission import Admission
-from tokend.connection import Connection
-from tokend.node import Node
+from tokend.core import protocol as p
+from tokend.server.admission import Admission
+from tokend.server.connection import Connection
+from tokend.server.node import Node
 from tokend.store.redis_client import open_client
-from tokend.tokens import KeyRing, TokenService
+from tokend.tokens.keys import KeyRing
+from tokend.tokens.service import TokenService
 
 # Renewal mode: every heartbeat is inside the renew window of a token minted for 60 s.
 RENEWAL_SETTINGS = {"token_ttl": 120, "renew_window": 119}

@@ -86,10 +86,10 @@ from picows import (
     ws_connect,
 )
 
-from tokend import protocol as p
 from tokend.client.backoff import Backoff, going_away_limit, retry_after
+from tokend.core import protocol as p
 
-# The heartbeat's signed part, as in tokend.protocol; checked against the codec once
+# The heartbeat's signed part, as in tokend.core.protocol; checked against the codec once
 # per connection (Conn._welcome), then built here without the codec's dataclasses.
 _SIGNED = struct.Struct(">BB16sQQ")
 _ACK = p.FrameType.HEARTBEAT_ACK
@@ -259,7 +259,9 @@ class Conn:
             if not self.gen.codec_checked:
                 codec = p.encode(p.make_heartbeat(self.key, self.tid, 1, self.exp_ms))
                 if self._heartbeat(1) != codec:
-                    raise p.ProtocolError("load generator heartbeat differs from tokend.protocol")
+                    raise p.ProtocolError(
+                        "load generator heartbeat differs from tokend.core.protocol"
+                    )
                 self.gen.codec_checked = True
         except p.ProtocolError as exc:
             self.ready.set_exception(exc)
@@ -425,7 +427,7 @@ class Generator:
             if len(tokens) != job["count"]:
                 raise SystemExit(f"token file has too few tokens for {job}")
         self.conns = [Conn(self, t) for t in tokens]
-        # This process's heartbeat encoder held to tokend.protocol's, on its first WELCOME.
+        # This process's heartbeat encoder held to tokend.core.protocol's, on its first WELCOME.
         self.codec_checked = False
         # A local address of its own: its ephemeral ports are not shared with others.
         self.local_addr = (job["source"], 0) if job.get("source") else None

@@ -1,4 +1,4 @@
-"""Scenario: what TLS costs (tokend/tls.py), for heartbeats and for new sessions.
+"""Scenario: what TLS costs (tokend/edge/tls.py), for heartbeats and for new sessions.
 
 The heartbeat closed loop (:mod:`bench.heartbeat`) and the connect storm
 (:mod:`bench.connect_storm`), each run over ``wss://`` against tokend and against the

@@ -15,7 +15,7 @@ from typing import Any
 from redis import asyncio as aioredis
 
 from bench.common import Child, latency_summary
-from tokend.embedded import socket_url
+from tokend.ops.embedded import socket_url
 
 
 def sources(count: int) -> list[str]:

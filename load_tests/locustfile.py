@@ -49,7 +49,6 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from tokend import config
-from tokend import protocol as p
 from tokend.client.backoff import Backoff
 from tokend.client.core import (
     MAX_SERVER_MESSAGE,
@@ -59,7 +58,9 @@ from tokend.client.core import (
     Lifecycle,
     Phase,
 )
-from tokend.tokens import KeyRing, TokenService
+from tokend.core import protocol as p
+from tokend.tokens.keys import KeyRing
+from tokend.tokens.service import TokenService
 
 # How long the opening handshake, a WELCOME, or the server's close after BYE may take.
 REPLY_TIMEOUT = 10.0

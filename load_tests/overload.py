@@ -344,7 +344,7 @@ def verdict(figures: dict[str, Any]) -> list[str]:
         )
     overload = figures["overload"]
     low, mid = overload["low-flood"]["first_1013_s"], overload["mid-flood"]["first_1013_s"]
-    # A step may shed both classes at once (tokend.shedding.steps_for); each is closed
+    # A step may shed both classes at once (tokend.server.shedding.steps_for); each is closed
     # at its next heartbeat, within one flood interval of the step, in either order.
     if mid is not None and (low is None or low > mid + figures["flood_s"]):
         problems.append(f"mid shed (first at {mid} s) before low ({low})")

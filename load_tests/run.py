@@ -49,7 +49,7 @@ from testkit.events import read_events  # noqa: E402
 from testkit.net import LOOPBACK, free_port  # noqa: E402
 from testkit.procs import terminate  # noqa: E402
 from testkit.waiting import eventually_sync  # noqa: E402
-from tokend.embedded import socket_url  # noqa: E402
+from tokend.ops.embedded import socket_url  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 START_TIMEOUT = 30.0

@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from testkit.net import LOOPBACK
-from tokend import protocol as p
-from tokend.server import App
+from tokend.core import protocol as p
+from tokend.ops.app import App
 
 StartApp = Callable[..., Awaitable[App]]
 

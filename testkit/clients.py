@@ -21,7 +21,7 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from testkit.net import LOOPBACK
-from tokend import protocol as p
+from tokend.core import protocol as p
 
 
 def upgrade_request() -> bytes:

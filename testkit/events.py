@@ -16,11 +16,11 @@ import redis
 from testkit.net import http_request, url_of
 from testkit.waiting import eventually
 from tokend.client import Backoff, connect
-from tokend.events import Event
-from tokend.server import App
+from tokend.ops.app import App
+from tokend.store.events import Event
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, subscription
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 READ_CHUNK = 5000  # stream entries per XRANGE call
 

@@ -13,7 +13,7 @@ import jwt
 from websockets.asyncio.server import ServerConnection, serve
 
 from testkit.net import LOOPBACK, url_of
-from tokend import protocol as p
+from tokend.core import protocol as p
 
 
 def unsigned_token() -> str:

@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from tokend import protocol as p
+from tokend.core import protocol as p
 
 LOOPBACK = "127.0.0.1"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from testkit.events import EventLog
 from testkit.net import url_of
 from testkit.proxies import RoundRobinProxy
-from tokend.server import App
+from tokend.ops.app import App
 
 StartApp = Callable[..., Awaitable[App]]
 

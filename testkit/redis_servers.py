@@ -1,6 +1,6 @@
 """Private redis-servers on loopback ports (never the machine's shared one): one alone,
 a cluster of three masters, a sentinel. The binary is ``redis-server`` on PATH or the
-embedded extra's Valkey (:func:`tokend.embedded.find_server_binary`)."""
+embedded extra's Valkey (:func:`tokend.ops.embedded.find_server_binary`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from testkit.net import LOOPBACK, free_port
 from testkit.waiting import eventually_sync
-from tokend.embedded import find_server_binary
+from tokend.ops.embedded import find_server_binary
 
 
 def _until_answering(

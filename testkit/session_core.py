@@ -1,4 +1,4 @@
-"""The session core (tokend/session.py) driven by hand: its cadence, the node's part
+"""The session core (tokend/core/session.py) driven by hand: its cadence, the node's part
 (:class:`Host`) with real tokens, a session on a fake clock, and the HELLO/WELCOME and
 HEARTBEAT a client would send. For tests/test_session.py and the tests that drive the
 core the same way (load shedding, capacity fixes).
@@ -14,10 +14,11 @@ import time
 import pytest
 
 from testkit.pure import FakeClock
-from tokend import protocol as p
-from tokend.answers import HelloAnswer, HelloOutcome
-from tokend.session import Ask, Cadence, Session
-from tokend.tokens import Claims, TokenService
+from tokend.core import protocol as p
+from tokend.core.claims import Claims
+from tokend.core.session import Ask, Cadence, Session
+from tokend.core.store_messages import HelloAnswer, HelloOutcome
+from tokend.tokens.service import TokenService
 
 CADENCE = Cadence(heartbeat_ms=1_000, warn_ms=3_000, expire_ms=4_000, max_frame_rate=5)
 IAT_S = int(time.time())  # at import: a whole run later, tokens minted then are still valid

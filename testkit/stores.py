@@ -17,8 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from testkit.events import EventLog
-from tokend.clocks import Clocks
 from tokend.config import Settings
+from tokend.core.lifecycle import Clocks
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import Store
 

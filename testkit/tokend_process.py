@@ -16,8 +16,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from testkit.net import LOOPBACK, free_port
-from tokend import activation, config
+from tokend import config
 from tokend.config import Settings
+from tokend.ops import activation
 
 # Clocks short enough to watch WARN and EXPIRED happen in a test (tests/conftest.py's apps).
 SHORT_CLOCKS: dict[str, Any] = {
@@ -87,7 +88,7 @@ class TokendProcess:
     def launch(self) -> None:
         command = [sys.executable, "-m", "tokend", "serve"]
         fds: tuple[int, ...] = ()
-        if self.sockets:  # as systemd would start it: see tokend/activation.py
+        if self.sockets:  # as systemd would start it: see tokend/ops/activation.py
             command, fds = activation.activated_command(command, self.sockets)
         self.process = subprocess.Popen(
             command,

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from tokend import config
 from tokend.config import Settings
-from tokend.tokens import Claims, KeyRing, TokenService
+from tokend.core.claims import Claims
+from tokend.tokens.keys import KeyRing
+from tokend.tokens.service import TokenService
 
 
 class WallClockTokens(TokenService):

@@ -17,12 +17,15 @@ from testkit.events import EventLog
 from testkit.redis_servers import RedisClusterProcess, RedisProcess
 from testkit.tokend_process import SHORT_CLOCKS
 from testkit.tokens import minter
-from tokend import admission, config, connection, drain, logs, server, tls
+from tokend import config, logs
 from tokend.config import Settings
-from tokend.server import App
+from tokend.edge import tls
+from tokend.ops import app as server
+from tokend.ops.app import App
+from tokend.server import admission, connection, drain
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, open_client
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 logs.configure("console", "warning")
 

@@ -1,4 +1,4 @@
-"""The admin listener (tokend/admin/) on a real App: routes, auth, errors, admin API."""
+"""The admin listener (tokend/ops/admin/) on a real App: routes, auth, errors, admin API."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import TokendProcess
 from testkit.waiting import eventually
 from tokend import cli as tokend_cli
-from tokend import protocol as p
-from tokend.admission import connection_budget
 from tokend.config import Settings
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.server.admission import connection_budget
+from tokend.tokens.service import TokenService
 
 ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -40,10 +40,10 @@ from testkit.reconnects import (
     resumed_at,
 )
 from testkit.tokens import minter
-from tokend import protocol as p
-from tokend.admission import RETRY_AFTER_S
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.server.admission import RETRY_AFTER_S
+from tokend.tokens.service import TokenService
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage, BrowserTools, StaticSite
@@ -133,7 +133,7 @@ async def test_every_export_is_declared(page: BrowserPage):
     assert sorted(exported) == sorted(declared)
 
 
-# The codec, byte for byte against tokend.protocol
+# The codec, byte for byte against tokend.core.protocol
 
 
 async def test_frames_match_the_python_codec(page: BrowserPage):

@@ -8,11 +8,11 @@ from testkit.events import EventLog
 from testkit.pure import tokens
 from testkit.session_core import CADENCE, EXP_MS, IAT_S, Host, host
 from testkit.stores import control, proof_of, started, store
-from tokend import protocol as p
-from tokend.answers import HelloAnswer, HelloOutcome
-from tokend.session import Ask, Close, Session
+from tokend.core import protocol as p
+from tokend.core.session import Ask, Close, Session
+from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.store.sessions import Store
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 __all__ = ["control", "host", "store", "tokens"]  # fixtures of testkit
 

@@ -21,11 +21,11 @@ from testkit.tokend_process import CLEAN_ENV, TokendProcess, tokend
 from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend import config
-from tokend import protocol as p
 from tokend.cli import COMMAND_SETTINGS
+from tokend.core import protocol as p
 from tokend.store.keyspace import Keyspace
 from tokend.store.sessions import proof_digest
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 
 def verifier(data_dir: Path) -> TokenService:

@@ -39,8 +39,6 @@ from testkit.reconnects import (
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.admission import RETRY_AFTER_S
 from tokend.client import (
     AuthError,
     Backoff,
@@ -55,9 +53,11 @@ from tokend.client import (
     TakenOver,
     connect,
 )
-from tokend.protocol import CloseCode, SessionState
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.core.protocol import CloseCode, SessionState
+from tokend.ops.app import App
+from tokend.server.admission import RETRY_AFTER_S
+from tokend.tokens.service import TokenService
 
 FAST = Backoff(base=0.05, cap=0.5, going_away_window=0.5)
 StartApp = Callable[..., Awaitable[App]]

@@ -18,7 +18,6 @@ from websockets.frames import Close
 
 from testkit.pure import FakeClock, clock, tokens
 from testkit.tokens import WallClockTokens
-from tokend import protocol as p
 from tokend.client.backoff import Backoff, going_away_limit, retry_after
 from tokend.client.core import ON_A_CONNECTION, Change, ClientCore, Disconnect, Lifecycle, Phase
 from tokend.client.errors import (
@@ -32,7 +31,8 @@ from tokend.client.errors import (
     TokendError,
     classify,
 )
-from tokend.protocol import CloseCode, SessionState
+from tokend.core import protocol as p
+from tokend.core.protocol import CloseCode, SessionState
 
 # WELCOME's clocks: a heartbeat a second, WARN after 3 s, expiry after 4 s. A session
 # can then spare (4 - 1) / 2 = 1.5 s for a spread reconnect after 1001.

@@ -1,4 +1,4 @@
-"""Unit tests of the session clock state machine (tokend/clocks.py) on a fake clock of integers."""
+"""Unit tests of the session lifecycle (tokend/core/lifecycle.py) on a fake clock of integers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokend.clocks import (
+from tokend.core.lifecycle import (
     HELD_LIVE_SLACK_MS,
     Clocks,
     ExpiryReason,

@@ -35,18 +35,18 @@ from testkit.net import LOOPBACK, free_port, http_get, is_ready
 from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
 from testkit.tokend_process import CLEAN_ENV, tokend
 from testkit.waiting import eventually, eventually_sync
-from tokend import events
-from tokend import protocol as p
-from tokend.answers import (
+from tokend.config import ConfigError, Settings
+from tokend.core import protocol as p
+from tokend.core.store_messages import (
     HeartbeatAnswer,
     HeartbeatOutcome,
     HeartbeatReply,
     ReleaseOutcome,
     heartbeat_outcome,
 )
-from tokend.config import ConfigError, Settings
-from tokend.control import SENTINEL_POLL, ControlListener
-from tokend.server import App
+from tokend.ops.app import App
+from tokend.store import events
+from tokend.store.control import SENTINEL_POLL, ControlListener
 from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.redis_client import (
     Client,
@@ -57,7 +57,7 @@ from tokend.store.redis_client import (
     subscription,
 )
 from tokend.store.sessions import Store
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 
 def as_answer(reply: HeartbeatReply) -> HeartbeatAnswer:
@@ -107,7 +107,7 @@ async def test_live_hears_the_events_of_every_master(
     keys: Keyspace,
     redis_server: RedisClusterProcess,
 ):
-    """tokend.events.live subscribes on one node; PUBLISH on any master reaches it.
+    """tokend.store.events.live subscribes on one node; PUBLISH on any master reaches it.
 
     Each session's events come in order; those of sessions on different masters
     may not (each master's messages reach the subscribed node over the cluster bus).

@@ -1,4 +1,4 @@
-"""The garbage collector's schedule (tokend/collector.py), and the promise it rests on: a
+"""The garbage collector's schedule (tokend/ops/collector.py), and the promise it rests on: a
 closed connection leaves no cycle behind, so its objects are freed without a pass.
 
 The schedule's tests change this process's collector and put it back afterwards; the
@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry, Histogram
 from testkit.clients import RawClient
 from testkit.pure import FakeClock
 from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.collector import NEVER, Collector
-from tokend.connection import Connection, SessionLink, TokendProtocol
-from tokend.server import App
-from tokend.session import Session
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.core.session import Session
+from tokend.ops.app import App
+from tokend.ops.collector import NEVER, Collector
+from tokend.server.connection import Connection, SessionLink, TokendProtocol
+from tokend.tokens.service import TokenService
 
 
 class Cycle:
@@ -126,7 +126,7 @@ async def test_a_closed_connection_leaves_no_cycle(
 ) -> None:
     """Closed by the client, by the server (BYE; a refused token), or dropped: what the
     server made for the connection is freed by reference counting, not left to a pass
-    (tokend.connection.Connection.connection_lost)."""
+    (tokend.server.connection.Connection.connection_lost)."""
     app = await start_app()
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)

@@ -22,10 +22,10 @@ from testkit.events import EventLog
 from testkit.proxies import RoundRobinProxy
 from testkit.tokend_process import CALM_CLOCKS, running_nodes
 from tokend import config
-from tokend import protocol as p
 from tokend.cli import build_parser
 from tokend.config import Settings
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.tokens.service import TokenService
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -1,11 +1,11 @@
-"""The heartbeat fast path of tokend/connection.py against websockets' own parser.
+"""The heartbeat fast path of tokend/server/connection.py against websockets' own parser.
 
 ``Connection.data_received`` unmasks a read that is exactly one whole heartbeat frame
 itself when websockets' parser waits for the start of a frame. These tests feed the
 same bytes, cut at every kind of place, to a connection with the fast path and to one
 without it (websockets' debug mode turns it off, as in production), each a real
 :class:`Connection` with its real session, opened by a real handshake and HELLO before a
-fake :class:`tokend.peer.Hub`. They require the same round trips asked of the hub, in
+fake :class:`tokend.server.seams.Hub`. They require the same round trips asked of the hub, in
 the same order, the same bytes written back (pongs, close frames: the closes the session
 makes on either path among them), the same session outcome and the same protocol state:
 split frames (inside the header, the masking key, the payload), several frames coalesced
@@ -34,15 +34,15 @@ from websockets.protocol import State
 
 from testkit.clients import upgrade_request
 from tokend import config
-from tokend import protocol as p
-from tokend.answers import HelloAnswer, HelloOutcome
-from tokend.connection import HEARTBEAT_FRAME_LENGTH, Connection, SessionLink, binary_frame
-from tokend.http_answer import HttpAnswer
+from tokend.core import protocol as p
+from tokend.core.claims import Claims
+from tokend.core.session import Cadence
+from tokend.core.store_messages import HelloAnswer, HelloOutcome
+from tokend.edge.http_responses import HttpAnswer
 from tokend.metrics import Metrics
-from tokend.peer import Peer
-from tokend.session import Cadence
-from tokend.shedding import Shedder
-from tokend.tokens import Claims
+from tokend.server.connection import HEARTBEAT_FRAME_LENGTH, Connection, SessionLink, binary_frame
+from tokend.server.seams import Peer
+from tokend.server.shedding import Shedder
 
 SETTINGS = config.load({"max_frame_rate": 0}, environ={})
 CADENCE = Cadence(1000, 3000, 4000, 0)
@@ -94,7 +94,7 @@ class Transport(asyncio.Transport):
 
 
 class Hub:
-    """The node as a connection sees it (tokend.peer.Hub): records the round trips asked."""
+    """The node as a connection sees it (tokend.server.seams.Hub): records the round trips asked."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()
@@ -139,7 +139,8 @@ class Hub:
 
 
 class Gate:
-    """The server as a connection sees it (tokend.connection.Gate): every handshake goes on."""
+    """The server as a connection sees it (tokend.server.connection.Gate): every handshake
+    goes on."""
 
     settings = SETTINGS
     cadence = CADENCE

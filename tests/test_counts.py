@@ -21,7 +21,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from testkit.stores import EXPIRE_MS, WARN_MS, redis_ms, store, sweep
-from tokend.answers import Ended, Known
+from tokend.core.store_messages import Ended, Known
 from tokend.store.keyspace import SHARDS
 from tokend.store.queries import Counts
 from tokend.store.sessions import HelloRequest, Store

@@ -1,4 +1,4 @@
-"""The live dashboard (tokend/dashboard/) in headless Chromium, on the real admin listener.
+"""The live dashboard (tokend/ops/dashboard/) in headless Chromium, on the real admin listener.
 
 Live sessions from the Python SDK and one session left to expire; the page's
 numbers must be the server's (GET /v1/stats), its event feed must show the
@@ -20,10 +20,10 @@ from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port, http_request
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.client import connect
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage

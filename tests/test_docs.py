@@ -270,5 +270,5 @@ def test_the_reader_finds_what_the_docs_name() -> None:
     assert any(CAMEL.fullmatch(text) for text in texts)
     cites = [m for d in DOCS for m in CITED.finditer(d.read_text())]
     assert len(cites) > 10 and any(m.group(1).startswith("README") for m in cites)
-    assert not resolves("tokend.session.NoSuchClass")
+    assert not resolves("tokend.core.session.NoSuchClass")
     assert not defines("def test_a(): pass", "test_ab")

@@ -1,4 +1,4 @@
-"""Graceful drain on SIGTERM (tokend/server.py App.drain) with real tokend processes, and what
+"""Graceful drain on SIGTERM (tokend/ops/app.py App.drain) with real tokend processes, and what
 a planned close does to the sessions it closes (parked: docs/protocol.md §5)."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from testkit.events import EventLog, read_events
 from testkit.net import http_request
 from testkit.tokend_process import CALM_CLOCKS, SHORT_CLOCKS, TokendProcess
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import Settings
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 SESSIONS = 50
 DRAIN_PERIOD = 2.0
@@ -152,7 +152,7 @@ async def test_the_connections_not_yet_closed_are_served_during_the_drain(
         await drain
 
 
-# A reload's old worker waits for the new workers (tokend/drain.py AcceptQueue) ---------
+# A reload's old worker waits for the new workers (tokend/server/drain.py AcceptQueue) ---------
 
 # Connections an old worker lets wait in the accept queue before it holds its 1001s.
 QUEUE_LIMIT = 2

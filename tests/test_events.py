@@ -1,4 +1,4 @@
-"""tokend.events: live pub/sub, stream replay, and the consumer-group reader."""
+"""tokend.store.events: live pub/sub, stream replay, and the consumer-group reader."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from testkit.events import EventLog, next_event, one_session
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import node_env
 from testkit.waiting import eventually
-from tokend import events
-from tokend import protocol as p
 from tokend.config import Settings
-from tokend.server import App
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.store import events
 from tokend.store.keyspace import Keyspace
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 Event = dict[str, Any]
 StartApp = Callable[..., Awaitable[App]]

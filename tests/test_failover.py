@@ -31,14 +31,14 @@ from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentin
 from testkit.tokend_process import tokend
 from testkit.waiting import eventually, eventually_sync
 from tokend import config
-from tokend import protocol as p
 from tokend.config import ConfigError, Settings
-from tokend.server import App
+from tokend.core import protocol as p
+from tokend.ops.app import App
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import Known, Store
 from tokend.store.unavailable import NotConfirmed
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
 ADMIN_TOKEN = "failover-admin-token-of-32-characters"

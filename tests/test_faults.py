@@ -17,8 +17,8 @@ from testkit.proxies import LatencyProxy
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import TokendProcess, node_env
 from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.tokens.service import TokenService
 
 # Issue 6: "Redis unavailable for 30 s". The held session's clocks are far shorter, so
 # a node that judged silence by Redis's clock across the outage would expire it.

@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable
 from websockets.frames import Frame, Opcode
 
 from testkit.clients import RawClient, WireClient
-from tokend import protocol as p
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 SEED = int(os.environ.get("TOKEND_FUZZ_SEED", random.randrange(2**32)))
 CONNECTIONS = 300

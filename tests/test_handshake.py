@@ -1,4 +1,4 @@
-"""tokend/handshake.py (the upgrade request parsed by httptools) against websockets' parser.
+"""tokend/edge/handshake.py (the upgrade request parsed by httptools) against websockets' parser.
 
 The same bytes, cut into reads anywhere, go to websockets' ``ServerProtocol`` as it
 parses them itself, and to the path of ``Connection.data_received``: ``Head`` first,
@@ -26,11 +26,11 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 
-from tokend import handshake
-from tokend import protocol as p
-from tokend.connection import TokendProtocol
-from tokend.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse, switch_protocols
-from tokend.http_request import MAX_HEADERS
+from tokend.core import protocol as p
+from tokend.edge import handshake
+from tokend.edge.handshake import MAX_HEAD_LENGTH, Head, hand_over, parse, switch_protocols
+from tokend.edge.http_request import MAX_HEADERS
+from tokend.server.connection import TokendProtocol
 
 KEY = base64.b64encode(b"0123456789abcdef").decode()
 HEADERS = [
@@ -76,7 +76,7 @@ def _ws(origins: Origins = None) -> TokendProtocol:
 
 
 def _answer(ws: TokendProtocol, request: Request, switch: bool) -> Response | str:
-    """accept and send_response, as Connection._request, after tokend.handshake's
+    """accept and send_response, as Connection._request, after tokend.edge.handshake's
     switch_protocols if ``switch`` (then the response is read from the wire); what goes
     wrong there is Connection._internal_error's (a log line, the connection left to its
     timer)."""
@@ -135,7 +135,7 @@ def _fields(request: Request) -> tuple[Any, ...]:
 
 
 def by_websockets(chunks: list[bytes], eof: bool = False, origins: Origins = None) -> Outcome:
-    """tokend before tokend/handshake.py: every byte through websockets' parser."""
+    """tokend before tokend/edge/handshake.py: every byte through websockets' parser."""
     ws = _ws(origins)
     request = response = None
     events: list[Any] = []
@@ -146,7 +146,7 @@ def by_websockets(chunks: list[bytes], eof: bool = False, origins: Origins = Non
 
 
 def by_handshake(chunks: list[bytes], eof: bool = False, origins: Origins = None) -> Outcome:
-    """tokend now: Connection.data_received's path through tokend.handshake.Head."""
+    """tokend now: Connection.data_received's path through tokend.edge.handshake.Head."""
     ws = _ws(origins)
     head: Head | None = Head()
     request = response = None
@@ -269,7 +269,7 @@ def test_the_common_requests_take_the_httptools_path() -> None:
 
 
 def test_what_the_shared_parser_refuses_websockets_decides() -> None:
-    """A refusal of tokend.http_request is no answer on the main port: those requests
+    """A refusal of tokend.edge.http_request is no answer on the main port: those requests
     take websockets' parser, which accepts them (above, the same outcome)."""
     for name in ("no Host", "more header lines than the shared parser takes"):
         assert parse(VALID[name]) is None, name
@@ -452,7 +452,7 @@ def test_a_request_with_one_byte_changed_comes_to_the_same_outcome(
     assert_same(bytes(data), cuts)
 
 
-# Heads known by all but their key (tokend.handshake._Known)
+# Heads known by all but their key (tokend.edge.handshake._Known)
 
 _KEYS = st.binary(min_size=16, max_size=16).map(lambda raw: base64.b64encode(raw).decode())
 

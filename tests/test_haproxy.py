@@ -33,9 +33,9 @@ from testkit.haproxy import HAProxy, on_loopback
 from testkit.net import LOOPBACK
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, running_nodes
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import Settings
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.tokens.service import TokenService
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ("node-a", "node-b", "node-c")

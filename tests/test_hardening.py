@@ -22,13 +22,14 @@ from testkit.procs import proc_running
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
-from tokend import client, connection
-from tokend import protocol as p
+from tokend import client
 from tokend.config import Settings
-from tokend.server import App
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.server import connection
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import open_client
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 SEND_TIMEOUT = 1.0
 PINGS = [Frame(Opcode.PING, bytes(125))] * 20

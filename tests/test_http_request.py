@@ -1,4 +1,4 @@
-"""tokend/http_request.py, the request parser both listeners read with, without sockets:
+"""tokend/edge/http_request.py, the request parser both listeners read with, without sockets:
 its limits at their edges, and the same answer however the bytes are cut (the head's
 limit once depended on it: counted without the request line's framing when whole, with
 it while incomplete).
@@ -14,7 +14,7 @@ import http
 
 import pytest
 
-from tokend.http_request import MAX_HEAD, MAX_HEADERS, MAX_TARGET, HTTPError, RequestParser
+from tokend.edge.http_request import MAX_HEAD, MAX_HEADERS, MAX_TARGET, HTTPError, RequestParser
 
 S = http.HTTPStatus
 
@@ -71,7 +71,7 @@ def test_each_limit_takes_its_edge_and_refuses_one_past_it(name: str, reads: int
 
 
 def test_what_was_received_is_kept_as_it_came() -> None:
-    """The main port writes the head out again from these (tokend/handshake.py)."""
+    """The main port writes the head out again from these (tokend/edge/handshake.py)."""
     parser = RequestParser()
     parser.feed(b"GET /v1/ws?a=1 HTTP/1.0\r\nHOST: Example\r\nX-Empty: \r\n\r\n")
     assert (parser.method, parser.target, parser.version) == (b"GET", b"/v1/ws?a=1", "1.0")

@@ -21,10 +21,12 @@ from testkit.clients import Closed, RawClient
 from testkit.net import http_get
 from testkit.tokend_process import serve_refused
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import KEYS_REFRESH_INTERVAL, Settings
-from tokend.server import App
-from tokend.tokens import KeyFileError, KeyRing, TokenError, TokenService
+from tokend.core import protocol as p
+from tokend.core.claims import TokenError
+from tokend.ops.app import App
+from tokend.tokens.keys import KeyFileError, KeyRing
+from tokend.tokens.service import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
 GARBAGE = b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n"

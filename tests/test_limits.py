@@ -12,8 +12,8 @@ from websockets.frames import Frame, Opcode
 
 from testkit.clients import RawClient, WireClient
 from testkit.net import LOOPBACK
-from tokend import protocol as p
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.tokens.service import TokenService
 
 URL = "ws://{}:{}/v1/ws"
 

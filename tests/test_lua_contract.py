@@ -3,7 +3,7 @@
 * Every script reads the session hash through the prelude's ``load_session`` (one HMGET
   of the field list Python declares), never a field by its position in a reply.
 * Close codes, states and outcomes come from Python's enums, never Lua literals.
-* heartbeat.lua and hello.lua expire a session exactly when :mod:`tokend.clocks` says it
+* heartbeat.lua and hello.lua expire a session exactly when :mod:`tokend.core.lifecycle` says it
   is expired, for the same reason; sweep.lua makes the transitions it says are due;
   release.lua parks a session exactly when it says so (``parked_heartbeat``), and
   hello.lua refuses a resume without the proof exactly when it says the session is held
@@ -32,21 +32,21 @@ from testkit.stores import (
     store,
     sweep,
 )
-from tokend.answers import (
-    Ended,
-    HeartbeatAnswer,
-    HeartbeatOutcome,
-    HelloOutcome,
-    ReleaseOutcome,
-    heartbeat_outcome,
-)
-from tokend.clocks import (
+from tokend.core.lifecycle import (
     ExpiryReason,
     State,
     deadline,
     due_transition,
     held_live,
     parked_heartbeat,
+)
+from tokend.core.store_messages import (
+    Ended,
+    HeartbeatAnswer,
+    HeartbeatOutcome,
+    HelloOutcome,
+    ReleaseOutcome,
+    heartbeat_outcome,
 )
 from tokend.store.keyspace import HEARTBEAT_FIELDS, SESSION_FIELDS, Keyspace
 from tokend.store.scripts import SCRIPTS, lua_constants
@@ -115,7 +115,7 @@ def test_a_heartbeat_uses_only_the_fields_it_reads() -> None:
 
 
 def test_no_close_code_is_written_as_a_number() -> None:
-    """Close codes come from tokend.protocol.CloseCode (the generated CLOSE table)."""
+    """Close codes come from tokend.core.protocol.CloseCode (the generated CLOSE table)."""
     for name, text in _sources().items():
         assert not re.findall(r"\b4\d{3}\b", _code(text)), name
     for path in (p for p in resources.files("tokend.store").iterdir() if p.name.endswith(".py")):
@@ -164,7 +164,7 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
     assert await redis.eval(prelude + missing, 3, *keys, *args) == 1
 
 
-# --- heartbeat.lua, hello.lua and sweep.lua decide as tokend.clocks does ---------------------
+# --- heartbeat.lua, hello.lua and sweep.lua decide as tokend.core.lifecycle does ------------------
 
 # Times a second or more away from every boundary, so that the few milliseconds between
 # reading Redis time here and the script's own cannot change a verdict.
@@ -172,7 +172,7 @@ SILENCES = (1_000, WARN_MS - 1_000, WARN_MS + 1_000, EXPIRE_MS - 1_000, EXPIRE_M
 TOKEN_LEFT = (-1_000, 3_000, WARN_MS + 3_000, 3_600_000)
 Case = tuple[State, int, int]  # state, last heartbeat, exp
 # The resume proof of the grid's sessions: each is held by a connection of its own, some
-# live (tokend.clocks.held_live), and a resume shows it unless a test is about that.
+# live (tokend.core.lifecycle.held_live), and a resume shows it unless a test is about that.
 PROOF = bytes(range(16))
 
 
@@ -223,7 +223,7 @@ async def _expiry_reasons(store: Store, redis: Redis) -> dict[str, str]:
 def _expected(
     case: Case, now: int, judged: Callable[[ExpiryReason], bool] = lambda _: True
 ) -> ExpiryReason | None:
-    """The expiry tokend.clocks decides for ``case`` at ``now`` (None: it lives on)."""
+    """The expiry tokend.core.lifecycle decides for ``case`` at ``now`` (None: it lives on)."""
     state, hb, exp = case
     due = due_transition(state, hb, exp, now, CLOCKS)
     if due is None or due.to is not State.EXPIRED:
@@ -292,7 +292,7 @@ async def test_a_resume_expires_as_clocks_does(store: Store, redis: Redis) -> No
 
 
 async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None:
-    """sweep.lua against tokend.clocks: the transition made, the deadline put back."""
+    """sweep.lua against tokend.core.lifecycle: the transition made, the deadline put back."""
     now = await redis_ms(store)
     cases = await _sessions(store, redis, now)
     made = await sweep(store, list(cases))
@@ -313,7 +313,7 @@ async def test_a_sweep_judges_as_clocks_does(store: Store, redis: Redis) -> None
     assert {what for what, _ in made.values()} == {"warn", "token_expired", "heartbeat_timeout"}
 
 
-# --- release.lua parks as tokend.clocks does; hello.lua holds a live session as it does ------
+# --- release.lua parks as tokend.core.lifecycle does; hello.lua holds a live session as it does ---
 
 
 async def test_a_planned_close_parks_as_clocks_does(store: Store, redis: Redis) -> None:

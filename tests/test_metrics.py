@@ -10,10 +10,10 @@ from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import http_request
 from testkit.waiting import eventually
-from tokend import protocol as p
+from tokend.core import protocol as p
 from tokend.metrics import CONTENT_TYPE, STAGE_SAMPLE_EVERY, Window
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

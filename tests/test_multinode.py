@@ -21,9 +21,9 @@ from testkit.clients import RawClient, proof_of, tid_of
 from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, running_nodes
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import Settings
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.tokens.service import TokenService
 
 
 async def refused_with(port: int, token: str) -> int | None:

@@ -1,8 +1,9 @@
-"""The node's batchers (tokend/node.py) on a real Redis, without sockets.
+"""The node's batchers (tokend/server/batchers.py) on a real Redis, without sockets.
 
-A :class:`Waiter` stands where a connection's :class:`tokend.connection.SessionLink` stands:
-a :class:`tokend.peer.Peer` with a real session core (:mod:`tokend.session`), started in
-Redis with a real HELLO, whose methods record what the node gave them.
+A :class:`Waiter` stands where a connection's
+:class:`tokend.server.connection.SessionLink` stands: a :class:`tokend.server.seams.Peer`
+with a real session core (:mod:`tokend.core.session`), started in Redis with a real
+HELLO, whose methods record what the node gave them.
 """
 
 from __future__ import annotations
@@ -24,21 +25,23 @@ from structlog.testing import capture_logs
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import minter
 from testkit.waiting import eventually
-from tokend import node as node_module
-from tokend import protocol as p
-from tokend.answers import (
+from tokend.config import Settings
+from tokend.core import protocol as p
+from tokend.core.claims import Claims
+from tokend.core.session import Ask, Cadence, Close, Session
+from tokend.core.store_messages import (
     HeartbeatReply,
     HeartbeatRequest,
     HelloAnswer,
     Known,
     heartbeat_outcome,
 )
-from tokend.config import Settings
-from tokend.node import HeartbeatBatcher, HelloBatcher, Node, ReleaseBatcher
-from tokend.session import Ask, Cadence, Close, Session
+from tokend.server import node as node_module
+from tokend.server.batchers import HeartbeatBatcher, HelloBatcher, ReleaseBatcher
+from tokend.server.node import Node
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import HelloRequest, Store
-from tokend.tokens import Claims, TokenService
+from tokend.tokens.service import TokenService
 
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
 

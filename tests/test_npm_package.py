@@ -26,8 +26,8 @@ import pytest
 from testkit.events import EventLog
 from testkit.net import LOOPBACK
 from testkit.tokens import WallClockTokens
-from tokend import protocol as p
-from tokend.server import App
+from tokend.core import protocol as p
+from tokend.ops.app import App
 
 if TYPE_CHECKING:
     from tests.browser.harness import NodeTools

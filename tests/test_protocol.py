@@ -1,4 +1,5 @@
-"""Unit tests of the protocol v1 frame codec (tokend/protocol.py), against the spec's tables."""
+"""Unit tests of the protocol v1 frame codec (tokend/core/protocol.py), against the spec's
+tables."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokend import connection, node, server, session
-from tokend import protocol as p
-from tokend.protocol import (
+from tokend.core import protocol as p
+from tokend.core import session
+from tokend.core.claims import REFUSALS
+from tokend.core.protocol import (
     Bye,
     CloseCode,
     Frame,
@@ -34,7 +36,8 @@ from tokend.protocol import (
     is_heartbeat,
     make_heartbeat,
 )
-from tokend.tokens import REFUSALS
+from tokend.ops import app as server
+from tokend.server import connection, node
 
 TID = bytes(range(0x10, 0x20))
 KEY = bytes(range(0xA0, 0xC0))

@@ -1,4 +1,4 @@
-"""The PROXY protocol: the pure parser (tokend/proxy_protocol.py) against HAProxy's
+"""The PROXY protocol: the pure parser (tokend/edge/proxy_protocol.py) against HAProxy's
 specification, and a node that takes it from trusted sources only, over real sockets
 (a raw socket writes the headers; tests/test_haproxy.py has a real HAProxy)."""
 
@@ -19,15 +19,15 @@ from testkit.net import LOOPBACK, http_request
 from testkit.waiting import eventually
 from tokend import config
 from tokend.config import ConfigError
-from tokend.proxy_protocol import (
+from tokend.edge.proxy_protocol import (
     V2_SIGNATURE,
     ProxyHeader,
     ProxyHeaderError,
     parse,
     starts_header,
 )
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 Logs = list[dict[str, Any]]  # the tokend_logs fixture's lines
 REST = b"GET /v1/ws HTTP/1.1\r\n"

@@ -28,9 +28,11 @@ from redis.asyncio import Redis
 
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog
-from tokend import protocol as p
-from tokend.server import App
-from tokend.tokens import KeyRing, TokenError, TokenService, token_digest
+from tokend.core import protocol as p
+from tokend.core.claims import TokenError
+from tokend.ops.app import App
+from tokend.tokens.keys import KeyRing
+from tokend.tokens.service import TokenService, token_digest
 
 StartApp = Callable[..., Awaitable[App]]
 

@@ -20,10 +20,10 @@ from redis.asyncio import Redis
 from testkit.clients import Closed, RawClient, proof_of, tid_of
 from testkit.events import EventLog
 from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.clocks import HELD_LIVE_SLACK_MS
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.core.lifecycle import HELD_LIVE_SLACK_MS
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
 # Clocks under which a silent session outlives the held-live window by far (it is

@@ -14,10 +14,10 @@ from websockets.exceptions import InvalidStatus
 from testkit.clients import RawClient
 from testkit.net import LOOPBACK
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import Settings
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 StartApp = Callable[..., Awaitable[App]]
 

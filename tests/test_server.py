@@ -20,12 +20,12 @@ from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.tokens import minter
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import KEYS_REFRESH_INTERVAL
-from tokend.server import App
+from tokend.core import protocol as p
+from tokend.ops.app import App
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import Store
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 
 async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: TokenService, events: EventLog):

@@ -1,7 +1,7 @@
-"""The session core (tokend/session.py), path by path: no Redis, no socket, a fake clock.
+"""The session core (tokend/core/session.py), path by path: no Redis, no socket, a fake clock.
 
 Frames go in as the codec decodes them, the store's answers as the store types them
-(tokend/answers.py); what comes out is checked as bytes (decoded with the codec), as
+(tokend/core/store_messages.py); what comes out is checked as bytes (decoded with the codec), as
 an Ask, or as a Close with its code and reason (docs/protocol.md, "Close reasons").
 Tokens are real: verified and signed by a TokenService on a key ring in tmp_path.
 """
@@ -26,11 +26,17 @@ from testkit.session_core import (
     session,
     welcome,
 )
-from tokend import protocol as p
-from tokend.answers import Ended, HeartbeatAnswer, HeartbeatOutcome, HelloAnswer, HelloOutcome
-from tokend.clocks import serving_rank
-from tokend.session import Ask, Close, Phase, Release, Session
-from tokend.tokens import TokenService, token_digest
+from tokend.core import protocol as p
+from tokend.core.lifecycle import serving_rank
+from tokend.core.session import Ask, Close, Phase, Release, Session
+from tokend.core.store_messages import (
+    Ended,
+    HeartbeatAnswer,
+    HeartbeatOutcome,
+    HelloAnswer,
+    HelloOutcome,
+)
+from tokend.tokens.service import TokenService, token_digest
 
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
 

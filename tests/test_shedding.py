@@ -1,4 +1,4 @@
-"""Load shedding (tokend/shedding.py): the session core's input, the steps, the loop probe,
+"""Load shedding (tokend/server/shedding.py): the session core's input, the steps, the loop probe,
 the penalty of a client just shed.
 
 The session core is driven as in tests/test_session.py (real tokens, no Redis); the
@@ -31,13 +31,13 @@ from testkit.session_core import (
 )
 from testkit.tokens import minter
 from testkit.waiting import eventually
-from tokend import protocol as p
-from tokend.answers import HelloAnswer, HelloOutcome
-from tokend.clocks import RANKS, serving_rank
 from tokend.config import Settings
-from tokend.server import App
-from tokend.session import OVERLOADED, Ask, Close, Session
-from tokend.shedding import (
+from tokend.core import protocol as p
+from tokend.core.lifecycle import RANKS, serving_rank
+from tokend.core.session import OVERLOADED, Ask, Close, Session
+from tokend.core.store_messages import HelloAnswer, HelloOutcome
+from tokend.ops.app import App
+from tokend.server.shedding import (
     CALM_FOR,
     HELD_FOR,
     MAX_CALM_FOR,
@@ -47,7 +47,7 @@ from tokend.shedding import (
     steps_for,
     unverified_sub,
 )
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 __all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
 

@@ -20,15 +20,15 @@ from testkit.events import EventLog
 from testkit.net import free_port
 from testkit.redis_servers import RedisProcess
 from testkit.stores import WARN_MS, control, proof_of, redis_ms, started, store, sweep
-from tokend.answers import ReleaseOutcome, heartbeat_outcome
 from tokend.config import Settings
+from tokend.core.store_messages import ReleaseOutcome, heartbeat_outcome
 from tokend.store.keyspace import Keyspace
 from tokend.store.packing import FASTER, HiredisConnection, HiredisPacking
 from tokend.store.redis_client import DirectCalls, open_client
 from tokend.store.scripts import HEARTBEAT
 from tokend.store.sessions import HelloRequest, Store, proof_digest
 from tokend.store.unavailable import StoreUnavailable
-from tokend.tokens import store_digest
+from tokend.tokens.service import store_digest
 
 __all__ = ["control", "store"]  # fixtures of testkit
 

@@ -1,4 +1,4 @@
-"""The sweeper (tokend/sweeper.py, sweep.lua) on a real Redis: each due transition made
+"""The sweeper (tokend/store/sweeper.py, sweep.lua) on a real Redis: each due transition made
 exactly once, whoever sweeps and whatever is lost on the way, WARN before EXPIRED, and at
 most a batch a shard per call (docs/protocol.md "Session states and clocks", Sweeping).
 """
@@ -23,12 +23,12 @@ from testkit.redis_servers import RedisProcess
 from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.metrics import Metrics
-from tokend.server import App
+from tokend.ops.app import App
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import HelloRequest, Store
+from tokend.store.sweeper import Sweeper
 from tokend.store.unavailable import StoreUnavailable
-from tokend.sweeper import Sweeper
-from tokend.tokens import TokenService
+from tokend.tokens.service import TokenService
 
 # Long clocks: nothing falls due unless a test makes it due.
 WARN_MS, EXPIRE_MS = 30_000, 60_000

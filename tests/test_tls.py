@@ -1,10 +1,10 @@
-"""TLS on the main port (tokend/tls.py): wss:// and https:// with a certificate made by
+"""TLS on the main port (tokend/edge/tls.py): wss:// and https:// with a certificate made by
 the test, verified by clients tokend's authors did not write (Python's ``ssl`` and the
 websockets client, urllib), the certificate reloaded from disk without a restart, and
 a PROXY protocol header before the TLS handshake.
 
 In-process nodes run on asyncio's loop (its TLS protocol); the node started as
-``tokend serve`` runs on uvloop (uvloop's): tokend/tls.py begins TLS with either.
+``tokend serve`` runs on uvloop (uvloop's): tokend/edge/tls.py begins TLS with either.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from testkit.clients import RawClient, open_socket
 from testkit.net import LOOPBACK
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
-from tokend import protocol as p
 from tokend.config import ConfigError, Settings
-from tokend.server import App
-from tokend.tokens import TokenService
+from tokend.core import protocol as p
+from tokend.ops.app import App
+from tokend.tokens.service import TokenService
 
 SERIAL, NEW_SERIAL = 1001, 2002
 

@@ -1,4 +1,4 @@
-"""Unit tests of signing keys, minting and verification (tokend/tokens.py). No network."""
+"""Unit tests of signing keys, minting and verification (tokend/tokens/service.py). No network."""
 
 from __future__ import annotations
 
@@ -26,16 +26,12 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from tokend import config
-from tokend import tokens as tokens_module
 from tokend.config import Settings
-from tokend.tokens import (
-    KID_PATTERN,
-    Claims,
-    KeyRing,
-    KeySchedule,
-    TokenError,
-    TokenService,
-)
+from tokend.core.claims import Claims, TokenError
+from tokend.tokens import service as tokens_module
+from tokend.tokens.keys import KID_PATTERN, KeyRing
+from tokend.tokens.schedule import KeySchedule
+from tokend.tokens.service import TokenService
 
 # --- helpers ----------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
-"""``tokend serve --workers N`` (tokend/workers.py): N nodes on one port whose sockets the
+"""``tokend serve --workers N`` (tokend/ops/supervisor.py): N nodes on one port whose sockets the
 supervisor holds, the rolling reload (SIGHUP, ``tokend reload``), the pid file; socket
-activation and readiness notification (tokend/activation.py) for one process too."""
+activation and readiness notification (tokend/ops/activation.py) for one process too."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, free_port, http_get
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
-from tokend import activation, pidfile
 from tokend.config import ConfigError, Settings
-from tokend.embedded import socket_url
-from tokend.tokens import TokenService
+from tokend.ops import activation, pidfile
+from tokend.ops.embedded import socket_url
+from tokend.tokens.service import TokenService
 
 # A reload's drain, short: each old worker closes its connections within a second or
 # two (reload_drain_period apart from drain_period, to see which one a drain uses).
@@ -566,7 +566,7 @@ async def test_one_process_tells_systemd_ready_and_stopping(
         notify.close()
 
 
-# --- tokend/activation.py on its own ----------------------------------------------------------
+# --- tokend/ops/activation.py on its own ----------------------------------------------------------
 
 
 def test_listen_fds_follow_sd_listen_fds():

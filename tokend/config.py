@@ -308,7 +308,7 @@ class Settings:
         return round(getattr(self, name) * 1000)
 
 
-# Seconds between two reads of the keys directory by a node (tokend.node, off the event
+# Seconds between two reads of the keys directory by a node (tokend.server.node, off the event
 # loop): a key rotated in or deleted by another process is used, published or dropped
 # within this long.
 KEYS_REFRESH_INTERVAL = 1.0

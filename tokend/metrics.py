@@ -99,7 +99,7 @@ class Metrics:
         )
         self.gc_seconds = Histogram(
             "tokend_gc_pass_seconds",
-            "One garbage collection pass of the serving process (tokend.collector): of the "
+            "One garbage collection pass of the serving process (tokend.ops.collector): of the "
             "objects made since the last (recent) or of every object (whole).",
             ["kind"],
             buckets=LATENCY_BUCKETS,
@@ -119,7 +119,7 @@ class Metrics:
         self.close_codes: Counter[int] = Counter()
         # Connections dropped without a close frame (none could reach the client), by why.
         self.dropped: Counter[str] = Counter()
-        # Load shed (tokend.shedding): sessions refused with 1013 by token prio, and
+        # Load shed (tokend.server.shedding): sessions refused with 1013 by token prio, and
         # handshakes refused with 503 meanwhile.
         self.shed: Counter[int] = Counter()
         self.shed_handshakes = 0

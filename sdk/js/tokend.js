@@ -20,7 +20,7 @@
  * session with a {@link TokendError} naming the family.
  *
  * It mirrors the Python SDK (tokend/client/core.py) and the frame codec
- * (tokend/protocol.py) byte for byte; the wire format is docs/protocol.md
+ * (tokend/core/protocol.py) byte for byte; the wire format is docs/protocol.md
  * (section 2, "Frames"), the behaviour docs/client.md. Usage: sdk/js/README.md.
  *
  * WebCrypto needs a secure context: serve the page over https, or from localhost.

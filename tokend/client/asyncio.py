@@ -30,7 +30,6 @@ from websockets.exceptions import (
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from tokend import protocol as p
 from tokend.client.backoff import Backoff
 from tokend.client.core import (
     MAX_SERVER_MESSAGE,
@@ -42,6 +41,7 @@ from tokend.client.core import (
     SessionStats,
 )
 from tokend.client.errors import CertificateError, ProtocolViolation, TokendError
+from tokend.core import protocol as p
 
 
 def _tls_context(

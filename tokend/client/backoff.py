@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokend import protocol as p
+from tokend.core import protocol as p
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,6 @@ from typing import NamedTuple, Protocol
 
 import jwt
 
-from tokend import protocol as p
 from tokend.client.backoff import Backoff, going_away_limit, retry_after
 from tokend.client.errors import (
     CLIENT_SIDE_VIOLATIONS,
@@ -52,7 +51,8 @@ from tokend.client.errors import (
     classify,
     describe,
 )
-from tokend.protocol import CloseCode, SessionState
+from tokend.core import protocol as p
+from tokend.core.protocol import CloseCode, SessionState
 
 
 class Change(StrEnum):

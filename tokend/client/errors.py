@@ -7,8 +7,8 @@ the same families (sdk/js/tokend.js mirrors them).
 
 from __future__ import annotations
 
-from tokend import protocol as p
-from tokend.protocol import CloseCode
+from tokend.core import protocol as p
+from tokend.core.protocol import CloseCode
 
 # Close codes a client itself sends when the server breaks the protocol below protocol
 # v1 (RFC 6455 §7.4.1: 1002 protocol error, 1007 invalid data, 1009 message too big).

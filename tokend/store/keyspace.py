@@ -17,7 +17,7 @@ Redis Cluster slot:
 * ``<prefix>:{<prefix>:nodes}:names``  the nodes that wrote the two above
 * ``<prefix>:events``  pub/sub channel of the events
 * ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
-* ``<prefix>:ctl``  pub/sub channel of revocations, heard by every node (tokend.revocations)
+* ``<prefix>:ctl``  pub/sub channel of revocations, heard by every node (tokend.store.revocations)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from tokend.answers import Ended
+from tokend.core.store_messages import Ended
 from tokend.store.keyspace import SHARDS, Keyspace, node_of
 from tokend.store.redis_client import Client
 from tokend.store.unavailable import Deadline
@@ -56,7 +56,7 @@ class SessionView:
 @dataclass(frozen=True, slots=True)
 class Counts:
     """Sessions of every node by state (connected or not), and the sessions ended since the
-    store began, by tombstone (an :class:`tokend.answers.Ended` value)."""
+    store began, by tombstone (an :class:`tokend.core.store_messages.Ended` value)."""
 
     active: int
     warn: int

@@ -18,7 +18,10 @@ from typing import Any, TypeVar
 
 from redis import exceptions as rexc
 
-from tokend.answers import (
+from tokend.config import Settings
+from tokend.core.lifecycle import ExpiryReason, State
+from tokend.core.protocol import CloseCode
+from tokend.core.store_messages import (
     Ended,
     EndOutcome,
     HeartbeatOutcome,
@@ -26,9 +29,6 @@ from tokend.answers import (
     ReleaseOutcome,
     Swept,
 )
-from tokend.clocks import ExpiryReason, State
-from tokend.config import Settings
-from tokend.protocol import CloseCode
 from tokend.store.durability import known_replicas, then_wait
 from tokend.store.keyspace import HEARTBEAT_FIELDS, NUMERIC_FIELDS, SESSION_FIELDS, Keyspace
 from tokend.store.redis_client import Client

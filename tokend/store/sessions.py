@@ -2,7 +2,7 @@
 
 HELLOs and heartbeats go in batches (one round trip for many sessions, grouped by shard);
 the sweep makes the due transitions (one atomic script per shard); BYE and revocation end a
-session. Each call's reply becomes one of :mod:`tokend.answers`' enums and tuples here,
+session. Each call's reply becomes one of :mod:`tokend.core.store_messages`' enums and tuples here,
 so that no raw reply leaves this module.
 """
 
@@ -17,7 +17,10 @@ import structlog
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from tokend.answers import (
+from tokend.config import Settings
+from tokend.core.lifecycle import HELD_LIVE_SLACK_MS
+from tokend.core.protocol import CloseCode
+from tokend.core.store_messages import (
     Ended,
     EndOutcome,
     HeartbeatAnswer,
@@ -32,9 +35,6 @@ from tokend.answers import (
     Swept,
     heartbeat_outcome,
 )
-from tokend.clocks import HELD_LIVE_SLACK_MS
-from tokend.config import Settings
-from tokend.protocol import CloseCode
 from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.queries import Queries
 from tokend.store.redis_client import Client, DirectCalls
@@ -48,7 +48,7 @@ from tokend.store.scripts import (
     ScriptRunner,
 )
 from tokend.store.unavailable import NotConfirmed
-from tokend.tokens import store_digest
+from tokend.tokens.service import store_digest
 
 log = structlog.get_logger("tokend.store")
 
@@ -58,7 +58,7 @@ SessionPart = tuple[int, Sequence[str], Sequence[Any]]
 
 def proof_digest(proof: bytes | None) -> str:
     """What the store keeps of a resume proof (spec "Resume proof", revision 2), and what
-    hello.lua compares: its :func:`tokend.tokens.store_digest`; "" for no proof.
+    hello.lua compares: its :func:`tokend.tokens.service.store_digest`; "" for no proof.
 
     Not the proof itself: a digest cannot be turned back into a proof, so a copy of Redis
     does not let anyone take over a live session, and an equality of digests in Lua takes
@@ -80,7 +80,7 @@ class HelloRequest(NamedTuple):
     # this connection's session key makes, which the next resume of the session must show.
     shown: bytes | None = None
     proof: bytes = b""
-    # The token's digest (tokend.tokens.token_digest), kept with the session when
+    # The token's digest (tokend.tokens.service.token_digest), kept with the session when
     # ``verified``; when not (its signature unchecked), the HELLO goes on only if the
     # session keeps this digest, else it is answered VERIFY.
     token: str = ""
@@ -129,7 +129,7 @@ class Store(ScriptRunner):
         ]
         # heartbeat.lua's batches, written as Redis reads them, on one Redis.
         self._wire = _HeartbeatWire(self) if self._direct is not None else None
-        # Whether this node knows the token as revoked (tokend.revocations sets it): such a
+        # Whether this node knows the token as revoked (tokend.store.revocations sets it): such a
         # HELLO is refused without asking Redis, which a failover may have made forget it.
         self.known_revoked: Callable[[str], bool] = _never
 
@@ -214,7 +214,7 @@ class Store(ScriptRunner):
         outage): the script does not judge it for silence. One heartbeat.lua call for
         the whole batch on one Redis; on a Cluster, one per shard (a call's keys must be
         of one slot there). A plain OK is answered by the session's exp_ms alone
-        (:data:`tokend.answers.HeartbeatReply`).
+        (:data:`tokend.core.store_messages.HeartbeatReply`).
 
         A session the store answers gone without a tombstone, or taken, is asked about
         again with what its connection knows (``known(i)``): Redis may have lost it, or

@@ -13,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 from tokend.store.redis_client import Client, initialized
 
 if TYPE_CHECKING:
-    from tokend.answers import EndOutcome
+    from tokend.core.store_messages import EndOutcome
 
 T = TypeVar("T")
 

@@ -1,8 +1,8 @@
 -- Prepended to every tokend script, after the constants that tokend/store/scripts.py generates
 -- from Python, so that neither side spells the other's values: CLOSE (close codes,
--- tokend.protocol.CloseCode), EXPIRY (tokend.clocks.ExpiryReason), ENDED (tombstones,
--- tokend.answers.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME,
--- RELEASE_OUTCOME and SWEPT (tokend.answers), SESSION_FIELDS (the session hash's fields)
+-- tokend.core.protocol.CloseCode), EXPIRY (tokend.core.lifecycle.ExpiryReason), ENDED (tombstones,
+-- tokend.core.store_messages.Ended), the replies HELLO_OUTCOME, HEARTBEAT_OUTCOME, END_OUTCOME,
+-- RELEASE_OUTCOME and SWEPT (tokend.core.store_messages), SESSION_FIELDS (the session hash's fields)
 -- and session_fields (an HMGET reply of those as a table by name).
 --
 -- Calling convention: KEYS[1] is the shard's deadline set, KEYS[2] its event stream; every

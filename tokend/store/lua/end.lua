@@ -18,7 +18,7 @@ local now = NOW
 
 -- A revocation is told to every node (on CONTROL itself, no node named): each keeps it
 -- until its tombstone would expire, to bar the token and to write the tombstone again
--- should a failover lose it (tokend/revocations.py).
+-- should a failover lose it (tokend/store/revocations.py).
 local function revoked(outcome)
   local left = redis.call('PTTL', tkey)
   if left > 0 then

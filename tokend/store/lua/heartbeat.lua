@@ -95,7 +95,7 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known, token)
       emit('TOKEN_RENEWED', tid, sub, now, conn)
     end
   end
-  -- Same deadline as tokend.clocks.deadline(ACTIVE, now, exp).
+  -- Same deadline as tokend.core.lifecycle.deadline(ACTIVE, now, exp).
   redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
   if was_warn == 0 and renewed == 0 then
     -- st is ACTIVE (the only other state is WARN) and exp, iat are unchanged: write hb alone.

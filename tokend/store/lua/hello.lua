@@ -1,12 +1,12 @@
 -- HELLO for a batch of sessions (spec 0x01): start each, or resume the live one with its
 -- tid. KEYS and ARGV: grouped by shard (see for_each_session in the prelude); the fixed
 -- arguments are warn_after (ms), grace (ms), expire_after (ms) and held_live (ms:
--- heartbeat_interval + tokend.clocks.HELD_LIVE_SLACK_MS); each session's are (tid, sub,
+-- heartbeat_interval + tokend.core.lifecycle.HELD_LIVE_SLACK_MS); each session's are (tid, sub,
 -- prio, iat (s), exp (s), conn, shown, proof, token, verified): shown is the digest of the
 -- HELLO's resume proof ('' for none), proof the digest of the proof this connection's
 -- session key makes, kept with the session (field `proof`) for the next resume to show
 -- (tokend.store.sessions.proof_digest); token the digest of the HELLO's token
--- (tokend.tokens.token_digest), kept with the session (field `tok`) when verified is '1'.
+-- (tokend.tokens.service.token_digest), kept with the session (field `tok`) when verified is '1'.
 -- A HELLO whose token's signature was not checked (verified '0') goes on only if the
 -- session keeps that digest: the very token it was last verified with; else {VERIFY},
 -- nothing written, before anything about the session is told (docs/security.md).
@@ -37,7 +37,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
     if s.sub ~= sub then
       return {HELLO_OUTCOME.MISMATCH}
     end
-    -- Spec "Resume proof": another connection holds the session live (tokend.clocks.held_live)
+    -- Spec "Resume proof": another connection holds the session live (tokend.core.lifecycle.held_live)
     -- and this HELLO does not show the proof of its last WELCOME's key: it goes on there, and
     -- nothing is written. Both sides are digests (SHA-256), so the time this comparison takes
     -- tells nothing about the proof itself.

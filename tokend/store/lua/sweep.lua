@@ -3,10 +3,10 @@
 -- lease is needed: nodes sweeping the shard at the same time run one after the other, the
 -- second finding only what the first left, and a node that dies mid-sweep leaves either
 -- the whole of a call done or none of it. Each transition happens, and emits, once.
--- The judgement is tokend.clocks.due_transition's and the deadlines tokend.clocks.deadline's;
+-- The judgement is tokend.core.lifecycle.due_transition's and the deadlines tokend.core.lifecycle.deadline's;
 -- tests/test_lua_contract.py holds them to it.
 -- KEYS: the shard's deadline set and event stream (the prelude's DUE and STREAM).
--- ARGV: limit (due sessions judged at most: tokend.sweeper.SWEEP_BATCH), warn_after (ms),
+-- ARGV: limit (due sessions judged at most: tokend.store.sweeper.SWEEP_BATCH), warn_after (ms),
 -- expire_after (ms), then what the shard's session hash and tombstone keys start with
 -- (tokend.store.keyspace.Keyspace.session_prefixes; the tid follows). The session keys are
 -- made here, not named in KEYS, because the script finds the tids itself; they carry the
@@ -62,12 +62,12 @@ for _, tid in ipairs(due) do
     elseif s.st == STATE.ACTIVE and now - hb >= warn_ms then
       redis.call('HSET', skey, 'st', STATE.WARN)
       warned(tid)
-      -- Same deadline as tokend.clocks.deadline(WARN, hb, exp).
+      -- Same deadline as tokend.core.lifecycle.deadline(WARN, hb, exp).
       redis.call('ZADD', DUE, math.min(hb + expire_ms, exp), tid)
       emit('SESSION_WARN', tid, s.sub, now, holder(s))
       made(tid, SWEPT.WARN, tell('notice', tid, s.conn))
     else
-      -- Not due after all (its deadline entry was behind): tokend.clocks.deadline(st, hb, exp).
+      -- Not due after all (its deadline entry was behind): tokend.core.lifecycle.deadline(st, hb, exp).
       local after = warn_ms
       if s.st == STATE.WARN then
         after = expire_ms

@@ -1,0 +1,368 @@
+"""The node's batchers: many connections' store requests in one Redis round trip.
+
+* :class:`HeartbeatBatcher` stores the heartbeats of many connections in one
+  Redis round trip per flush and writes their ACKs from the flush; it holds and
+  later replays those Redis could not take. :class:`HelloBatcher` does the same
+  for HELLOs, :class:`ReleaseBatcher` for the sessions of connections that ended
+  (flushed once more when the node stops)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
+
+import structlog
+
+from tokend.core.protocol import CloseCode
+from tokend.core.store_messages import HeartbeatRequest, ReleaseOutcome
+from tokend.server.seams import Peer
+from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
+from tokend.store.unavailable import StoreUnavailable
+
+if TYPE_CHECKING:
+    from tokend.server.node import Node
+
+log = structlog.get_logger("tokend.node")
+
+Item = TypeVar("Item")
+
+
+class Batcher(Generic[Item]):
+    """Peers (or requests) waiting for one store round trip; the next starts when one
+    ends.
+
+    A lone request waits for no timer (but a heartbeat may: ``HeartbeatBatcher.gather``),
+    while a busy node sends large batches. An item waits at most once (a dict keyed by
+    it, in arrival order).
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.waiting: dict[Item, None] = {}
+        self._wake = asyncio.Event()
+
+    def submit(self, item: Item) -> None:
+        self.waiting[item] = None
+        self._wake.set()
+
+    def forget(self, item: Item) -> None:
+        self.waiting.pop(item, None)
+
+    @property
+    def pending(self) -> int:
+        """How many wait for the next flush."""
+        return len(self.waiting)
+
+    def is_waiting(self, item: Item) -> bool:
+        return item in self.waiting
+
+    async def run(self, node: Node, lanes: int = 1) -> None:
+        """Flush until the node stops, with up to ``lanes`` round trips in flight at once:
+        while Redis runs one batch's scripts, the node reads and answers the next."""
+        await asyncio.gather(*(self._lane(node) for _ in range(lanes)))
+
+    async def _lane(self, node: Node) -> None:
+        while node.running:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        raise NotImplementedError
+
+
+class HelloBatcher(Batcher[Peer]):
+    """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush.
+
+    Invariant: the connections of this node that ended before a HELLO came are released
+    in Redis before that HELLO is sent (:meth:`ReleaseBatcher.settle`), so a client that
+    closes and comes straight back to the same node resumes, proof or not, instead of
+    meeting its own ended connection as a live holder (4509).
+
+    One round trip at a time (one lane, whatever ``flush_lanes``): the HELLOs that come
+    while it is out go together in the next. A round trip costs the node ~75 us of CPU
+    whatever it carries, and with two lanes a resume storm sent 1-2 HELLOs per round trip
+    (0.44-0.94 round trips per resume; 0.24 with one lane: docs/performance.md "Resume");
+    the node goes on reading handshakes and HELLOs meanwhile.
+    """
+
+    def __init__(self, store: Store, releases: ReleaseBatcher) -> None:
+        super().__init__(store)
+        self.releases = releases
+
+    async def flush(self) -> None:
+        batch, self.waiting = list(self.waiting), {}
+        await self.releases.settle()
+        requests = []
+        for peer in batch:
+            session = peer.session
+            assert session.claims is not None
+            c = session.claims
+            requests.append(
+                HelloRequest(
+                    c.tid,
+                    c.sub,
+                    c.prio,
+                    c.iat,
+                    c.exp,
+                    session.conn,
+                    session.shown_proof,
+                    session.next_proof,
+                    session.token_digest,
+                    session.unverified is None,
+                )
+            )
+        try:
+            answers = await self.store.hellos(requests)
+        except Exception as exc:  # StoreUnavailable (1013) or a script error (1011)
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("hello flush failed")
+            unavailable = isinstance(exc, StoreUnavailable)
+            for peer in batch:
+                peer.hello_failed(unavailable)
+            return
+        for peer, answer in zip(batch, answers, strict=True):
+            peer.hello_answered(answer)
+
+
+class HeartbeatBatcher(Batcher[Peer]):
+    """Heartbeats of many peers in one store call per flush; ACKs written from it.
+
+    A flush takes at most ``batch_size`` connections; when more wait (Redis or the
+    node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
+    :func:`tokend.core.lifecycle.serving_rank`)
+    and the rest wait for the next flush. A heartbeat that finds no round trip in flight
+    waits up to ``gather`` seconds for others to share its trip; under load one is always
+    in flight, and nothing waits.
+
+    While Redis is unavailable the heartbeats are acknowledged from what the session
+    knows and kept in :attr:`unstored`; they are stored, marked as replayed (not
+    judged late), in the first flush after Redis is back. The outage is logged once
+    when it starts and once when it ends, with counts.
+    """
+
+    def __init__(self, store: Store, batch_size: int, gather: float = 0.0) -> None:
+        super().__init__(store)
+        self.batch_size = batch_size
+        # Seconds a heartbeat that finds no round trip in flight waits for others to share
+        # its round trip (settings.heartbeat_gather): a round trip costs the node and Redis
+        # about as much for one heartbeat as for ten (docs/performance.md, "Gathering heartbeats").
+        self.gather = gather
+        self.in_flight = 0  # store round trips of this batcher awaiting their answer
+        # Peers with heartbeats acknowledged during an outage, not yet stored.
+        self.unstored: dict[Peer, None] = {}
+        self.held = 0  # heartbeats acknowledged unstored since the outage began
+        # Work for a lane came (a heartbeat to wait, a kick) since a lane last took some.
+        self.due = False
+        # The lanes waiting for work, each on its own future: one is woken at a time (an
+        # event would wake all of them, and all but one would find nothing to take).
+        self.idle: deque[asyncio.Future[None]] = deque()
+
+    def submit(self, peer: Peer) -> None:
+        # A peer whose heartbeats are in a flight already is submitted again when that
+        # flush answers (see flush): one flight per peer at a time.
+        if not peer.session.storing:
+            waiting = self.waiting
+            waiting[peer] = None
+            count = len(waiting)
+            if count == 1:
+                # Only the first of those that wait calls a lane: a lane takes them all at
+                # once (_take, which calls another for those it leaves). While a round trip
+                # is in flight the node is busy enough to make batches as it is: at once.
+                if self.gather and not self.in_flight and self.batch_size > 1:
+                    asyncio.get_running_loop().call_later(self.gather, self._call_lane)
+                else:
+                    self._call_lane()
+            elif count == self.batch_size:
+                self._call_lane()  # a flush's worth waits for nothing more
+
+    def forget(self, peer: Peer) -> None:
+        super().forget(peer)
+        self.unstored.pop(peer, None)
+
+    def kick(self) -> None:
+        if self.unstored:
+            self._call_lane()
+
+    def _call_lane(self) -> None:
+        """Work is due: wake one idle lane; with none idle, a busy one takes it when its
+        flush ends."""
+        self.due = True
+        idle = self.idle
+        while idle:
+            lane = idle.pop()
+            if not lane.done():  # not cancelled (the node stops)
+                lane.set_result(None)
+                return
+
+    async def _lane(self, node: Node) -> None:
+        loop = asyncio.get_running_loop()
+        while node.running:
+            if not self.due:
+                woken = loop.create_future()
+                self.idle.append(woken)
+                await woken
+                continue
+            self.due = False
+            await self.flush()
+
+    @property
+    def unstored_peers(self) -> int:
+        """How many peers have heartbeats acknowledged during an outage and not stored yet."""
+        return len(self.unstored)
+
+    def _take(self) -> list[Peer]:
+        """Remove and return the next flush's peers, best-ranked first."""
+        if len(self.waiting) <= self.batch_size:  # all of them: no copy
+            taken, self.waiting = list(self.waiting), {}
+        else:
+            taken = heapq.nsmallest(
+                self.batch_size,
+                self.waiting,
+                key=lambda peer: peer.session.batch_rank,
+            )
+            self._call_lane()  # the rest go in the next flush
+            for peer in taken:
+                del self.waiting[peer]
+        for peer in taken:
+            peer.session.take_heartbeats()
+        return taken
+
+    async def flush(self) -> None:
+        batch = self._take()
+        unstored = self.unstored
+        if not batch and not unstored:  # the other lane took them: no round trip to make
+            return
+        replays = []
+        if unstored:
+            taken = set(batch)
+            replays = [c for c in unstored if c not in taken]
+        # A peer whose earlier heartbeat is still unstored was not silent, whatever
+        # Redis last recorded: its new heartbeat is not judged late either.
+        peers = batch + replays
+        # Every peer here was attached (given its request) at WELCOME, before its heartbeats.
+        requests = cast(list[HeartbeatRequest], [peer.heartbeat_request for peer in peers])
+        replayed = [p in unstored for p in batch] + [True] * len(replays) if unstored else ()
+        self.in_flight += 1
+        try:
+            answers = await self.store.record_heartbeats(
+                requests, replayed, lambda i: peers[i].known()
+            )
+        except StoreUnavailable as exc:
+            if not self.held:
+                log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))
+            for peer in batch:
+                self.held += len(peer.session.unanswered)
+                unstored[peer] = None
+                peer.heartbeats_held()
+            return
+        except Exception:  # a script error: close these peers, keep serving the rest
+            log.exception("heartbeat flush failed")
+            for peer in batch:
+                peer.close(CloseCode.INTERNAL_ERROR, "internal_error")
+            return
+        finally:
+            self.in_flight -= 1
+        if self.held:
+            log.warning("store back: heartbeats held stored", held=self.held, replayed=len(replays))
+            self.held = 0
+        for peer, answer in zip(batch, answers, strict=False):
+            if unstored:
+                unstored.pop(peer, None)
+            peer.heartbeats_stored(answer)
+            if peer.session.unanswered:  # more came in meanwhile
+                self.submit(peer)
+        for peer, answer in zip(replays, answers[len(batch) :], strict=True):
+            unstored.pop(peer, None)
+            peer.replayed(answer)
+
+
+class ReleaseBatcher(Batcher[ReleaseRequest]):
+    """Sessions whose connection ended, released in one store call per flush (release.lua):
+    no connection holds them now, and those the server closed with 1001 are parked
+    (docs/protocol.md §5, "When a connection ends").
+
+    A release Redis could not take is not retried: its session keeps its clocks, and
+    counts as held live by the ended connection (spec "Resume proof") until that has been
+    silent for ``heartbeat_interval`` + 15 s. An outage is logged when it starts and
+    when it ends, with the count; the node's stop (:meth:`finish`) once, with its own.
+    """
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.in_flight = 0  # releases sent to Redis and not answered yet
+        self._none_in_flight = asyncio.Event()
+        self._none_in_flight.set()
+        self.lost = 0  # releases Redis could not take since the outage began
+        self.stopping = False
+        self.released: Counter[ReleaseOutcome] = Counter()
+        self.round_trips = 0  # answered, and the seconds they took
+        self.seconds = 0.0
+
+    async def record(self, batch: list[ReleaseRequest]) -> bool:
+        """Release ``batch`` in one round trip; False when Redis could not take it."""
+        self.in_flight += len(batch)  # still counted if the stop cancels the call
+        self._none_in_flight.clear()
+        started = time.perf_counter()
+        try:
+            outcomes = await self.store.releases(batch)
+        except Exception as exc:  # StoreUnavailable, or a script error
+            self._landed(batch)
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("release failed")
+            return False
+        self._landed(batch)
+        self.round_trips += 1
+        self.seconds += time.perf_counter() - started
+        self.released.update(outcomes)
+        if self.lost and not self.stopping:
+            log.warning("store back: sessions not released meanwhile", count=self.lost)
+            self.lost = 0
+        return True
+
+    def _landed(self, batch: list[ReleaseRequest]) -> None:
+        self.in_flight -= len(batch)
+        if not self.in_flight:
+            self._none_in_flight.set()
+
+    async def settle(self) -> None:
+        """Record the releases waiting now and wait for those under way (answered or
+        failed): what ended before this call is released in Redis when it returns."""
+        if self.waiting:
+            await self.flush()
+        await self._none_in_flight.wait()
+
+    async def flush(self) -> None:
+        batch, self.waiting = list(self.waiting), {}
+        if batch and not await self.record(batch):
+            if not self.lost and not self.stopping:
+                log.warning("store unavailable: sessions not released", count=len(batch))
+            self.lost += len(batch)
+
+    async def finish(self, lanes: asyncio.Task[None] | None, timeout: float) -> None:
+        """At the node's stop (it no longer runs): record the releases under way and those
+        waiting, within ``timeout``; what Redis could not take is logged once, counted."""
+        self.stopping = True
+        lost_before = self.lost
+        self._wake.set()  # a lane waiting for work flushes what waits, then ends
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                if lanes is not None:
+                    await lanes  # the flush under way, if any, ends first
+                await self.flush()  # what came in meanwhile
+        lost = self.lost - lost_before + self.in_flight + len(self.waiting)
+        if lost:
+            log.warning("sessions not released at stop: store unavailable", count=lost)
+        if self.released:
+            log.info(
+                "sessions released",
+                parked=self.released[ReleaseOutcome.PARKED],
+                released=self.released[ReleaseOutcome.RELEASED],
+                not_held=self.released[ReleaseOutcome.NOT_HELD],
+                round_trips=self.round_trips,
+                seconds=round(self.seconds, 3),
+            )
