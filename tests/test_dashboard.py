@@ -237,8 +237,8 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
         assert page["stats"]["connections"] == str(server["connections"]) == "3"
         assert page["stats"]["held.ACTIVE"] == str(server["held"]["ACTIVE"]) == "3"
         assert page["stats"]["nodes"] == "1"
-        assert server["expiries_total"] == {"heartbeat_timeout": 1}
-        assert page["expiries"] == {"heartbeat_timeout": ["1"]}
+        assert server["expiries_total"] == {"heartbeat_timeout": 1, "token_expired": 0}
+        assert page["expiries"] == {"heartbeat_timeout": ["1"], "token_expired": ["0"]}
         assert page["closeCodes"]["4505"] == ["1"] == [str(server["close_codes"]["4505"])]
         assert set(page["stages"]) == set(server["heartbeat_stage_ms"])
         assert page["nodes"]["node-a"][:2] == ["yes", "3"]

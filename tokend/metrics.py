@@ -66,6 +66,13 @@ REFUSALS = (
     (4029, "too_many_pings"),
 )
 RATE_LIMITED = 4029
+# The values of the other labelled counters: expiry reasons (tokend.core.lifecycle's
+# ExpiryReason), token prios (tokend.core.claims.PRIO_RANGE), why a connection was dropped,
+# how a TLS reload ended.
+EXPIRY_REASONS = ("heartbeat_timeout", "token_expired")
+PRIOS = range(10)
+DROP_REASONS = ("not_reading",)
+TLS_RELOAD_RESULTS = ("ok", "failed")
 # How sessions end, as the store counts them (tokend.core.store_messages.Ended's values).
 ENDED = ("expired", "revoked", "closed")
 
@@ -144,19 +151,21 @@ class Metrics:
         # counts it down in place: one call less per heartbeat).
         self.until_sample = STAGE_SAMPLE_EVERY
         self.renewals = 0
-        self.expiries: Counter[str] = Counter()
+        # The labelled counters start at 0 for each value they know (EXPIRY_REASONS...),
+        # so that a rate has a start and a dashboard finds every series.
+        self.expiries: Counter[str] = Counter(dict.fromkeys(EXPIRY_REASONS, 0))
         self.close_codes: Counter[int] = Counter()
         # Connections dropped without a close frame (none could reach the client), by why.
-        self.dropped: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter(dict.fromkeys(DROP_REASONS, 0))
         # Load shed (tokend.server.shedding): sessions refused with 1013 by token prio, and
         # handshakes refused with 503 meanwhile.
-        self.shed: Counter[int] = Counter()
+        self.shed: Counter[int] = Counter(dict.fromkeys(PRIOS, 0))
         self.shed_handshakes = 0
         # Connections refused (REFUSALS), by (code, reason).
         self.refusals: Counter[tuple[int, str]] = Counter(dict.fromkeys(REFUSALS, 0))
         # TLS certificate reloads by result (ok, failed) and whether the files on disk
         # failed to load last, so that the previous certificate is still served.
-        self.tls_reloads: Counter[str] = Counter()
+        self.tls_reloads: Counter[str] = Counter(dict.fromkeys(TLS_RELOAD_RESULTS, 0))
         self.tls_failing = False
         # Filled in by the node and the server: live values read at scrape time.
         self.sessions_by_state: Callable[[], dict[str, int]] = dict

@@ -184,6 +184,9 @@ class Monitor:
     async def run(self, running: Callable[[], bool]) -> None:
         """Look every :data:`STEP` and sample every ``history_interval`` while ``running()``."""
         lag = asyncio.create_task(self.lag.run(running), name="loop lag")
+        # A node restarted under its name goes on with the history it left in the store.
+        with contextlib.suppress(StoreUnavailable, RedisError):
+            self.samples.extend(await self.board.history(self.node.name))
         try:
             next_look = next_sample = 0.0
             while running():
