@@ -9,22 +9,36 @@ sessions counted from the events in the streams.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from redis import asyncio as aioredis
 from redis.asyncio import Redis
+from websockets.exceptions import ConnectionClosed
 
+from testkit.clients import Closed, RawClient, proof_of
+from testkit.net import http_request
+from testkit.redis_servers import RedisProcess
 from testkit.stores import EXPIRE_MS, WARN_MS, redis_ms, store, sweep
+from testkit.tokend_process import TokendProcess, running_nodes
+from testkit.waiting import eventually
+from tokend.config import Settings
+from tokend.core import protocol as p
 from tokend.core.store_messages import Ended, Known
-from tokend.store.keyspace import SHARDS
+from tokend.store.keyspace import SHARDS, Keyspace
 from tokend.store.queries import Counts
 from tokend.store.sessions import HelloRequest, Store
+from tokend.tokens.service import TokenService
 
 __all__ = ["store"]  # a fixture of testkit
 
@@ -61,19 +75,19 @@ EVENT_OF = {
 }
 
 
-async def events(store: Store, redis: Redis) -> list[dict[str, Any]]:
+async def events(keys: Keyspace, redis: Redis) -> list[dict[str, Any]]:
     return [
         json.loads(fields["event"])
-        for stream in store.keys.streams()
+        for stream in keys.streams()
         for _, fields in await redis.xrange(stream)
     ]
 
 
-async def census(store: Store, redis: Redis) -> Counts:
+async def census(keys: Keyspace, redis: Redis) -> Counts:
     """The counts as a full reading of the store finds them."""
-    states = json.loads(await redis.eval(CENSUS, 0, store.keys.prefix))
+    states = json.loads(await redis.eval(CENSUS, 0, keys.prefix))
     # A session's end event (a token barred unused has no sub).
-    ended = Counter(e["type"] for e in await events(store, redis) if "sub" in e)
+    ended = Counter(e["type"] for e in await events(keys, redis) if "sub" in e)
     return Counts(
         states.get("ACTIVE", 0),
         states.get("WARN", 0),
@@ -184,10 +198,10 @@ async def test_the_counts_equal_a_census_after_every_script(store: Store, redis:
     driver = Driver(store, redis, random.Random(SEED))
     for n in range(STEPS):
         what = await driver.step()
-        counts, full = await store.queries.counts(), await census(store, redis)
+        counts, full = await store.queries.counts(), await census(store.keys, redis)
         assert counts == full, f"seed {SEED}, step {n}: {what}"
     # The walk made every transition, or it proves little.
-    made = Counter(event["type"] for event in await events(store, redis))
+    made = Counter(event["type"] for event in await events(store.keys, redis))
     assert min(made.values()) >= 3 and len(made) == len(TRANSITIONS), made
     assert min(driver.made.values()) >= 10, driver.made
 
@@ -209,3 +223,93 @@ async def test_the_counts_are_where_the_keyspace_names_them(store: Store, redis:
     written = {key async for key in redis.scan_iter(f"{store.keys.prefix}:*")}
     assert written & counted == {ended}
     assert await store.queries.counts() == Counts(0, 0, {"expired": 0, "revoked": 1, "closed": 0})
+
+
+# --- live: nodes and Redis failing --------------------------------------------------------
+
+ADMIN_TOKEN = "counts-admin-token-of-32-characters"
+LIVE_CLOCKS = {
+    "heartbeat_interval": 0.5,
+    "warn_after": 2.0,
+    "expire_after": 4.0,
+    "sweep_interval": 0.05,
+    "redis_timeout": 1.0,
+}
+
+
+async def beating(client: RawClient) -> None:
+    """Heartbeats at twice the cadence until cancelled or the connection ends."""
+    with contextlib.suppress(Closed, ConnectionClosed, TimeoutError):
+        while True:
+            await client.heartbeat()
+            await asyncio.sleep(0.25)
+
+
+async def test_the_counts_stay_exact_through_a_node_kill_and_a_redis_restart(
+    make_settings: Callable[..., Settings], tokens: TokenService, own_redis: RedisProcess
+) -> None:
+    """Two ``tokend serve`` on a Redis persisting to an AOF: node-a is SIGKILLed (half of
+    its sessions resume on node-b, the others go WARN then EXPIRED), then Redis is killed
+    and restarted. At each stage node-b's /v1/stats equals a census of the store."""
+    settings = make_settings(redis_url=own_redis.url, admin_token=ADMIN_TOKEN, **LIVE_CLOCKS)
+    keys = Keyspace(settings.key_prefix)
+    redis = aioredis.from_url(own_redis.url, decode_responses=True)
+
+    async def agreed(node: TokendProcess, active: int, warn: int, **ended: int) -> Counts:
+        """Until the node's counts and a census agree, and are these."""
+        expected = Counts(active, warn, {how.value: ended.get(how.value, 0) for how in Ended})
+
+        async def both() -> bool:
+            reply = await http_request(
+                node.admin_port,
+                "GET",
+                "/v1/stats",
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            )
+            cluster = reply.json()["cluster"]
+            if not cluster["fresh"]:
+                return False
+            shown = Counts(
+                cluster["sessions"]["ACTIVE"], cluster["sessions"]["WARN"], cluster["ended"]
+            )
+            return shown == await census(keys, redis) == expected
+
+        await eventually(both, 15, interval=0.05, what=f"{expected}")
+        return expected
+
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(redis.aclose)
+        a, b = stack.enter_context(running_nodes(settings, "node-a", "node-b"))
+        beats: list[asyncio.Task[None]] = []
+        stack.callback(lambda: [task.cancel() for task in beats])
+
+        async def held(node: TokendProcess, token: str, proof: bytes | None = None) -> RawClient:
+            client = await stack.enter_async_context(RawClient.connect(node.port))
+            await client.hello(token, proof)
+            beats.append(asyncio.create_task(beating(client)))
+            return client
+
+        on_a = {token: await held(a, token) for token in (tokens.mint(f"a-{n}") for n in range(6))}
+        for n in range(4):
+            await held(b, tokens.mint(f"b-{n}"))
+        await agreed(b, 10, 0)
+
+        assert a.kill() == -signal.SIGKILL
+        moved = list(on_a)[:3]
+        for token in moved:  # resumed on node-b at once, with their proofs
+            welcome = on_a[token].welcome
+            assert welcome is not None
+            await held(b, token, proof_of(welcome))
+        # The other three: held by no node, WARN, then EXPIRED by node-b's sweeper.
+        await agreed(b, 7, 3)
+        await agreed(b, 7, 0, expired=3)
+
+        own_redis.kill()
+        await asyncio.to_thread(own_redis.start)  # same port, same AOF
+        await agreed(b, 7, 0, expired=3)
+        # And the scripts go on moving them: a BYE after the restart.
+        bye = await held(b, tokens.mint("after"))
+        await agreed(b, 8, 0, expired=3)
+        await bye.send(p.encode(p.Bye()))
+        await bye.expect_close()
+        await agreed(b, 7, 0, expired=3, closed=1)
