@@ -100,10 +100,10 @@ async def test_two_nodes_see_each_other_and_the_same_cluster_counts(
                 await client.hello(tokens.mint(f"{app.node.name}-{n}"))
 
         async def both_listed() -> list[dict[str, Any]]:
-            """Both, b's view published since its connection (a look a second)."""
+            """Both, b's view published since its session began (a look a second)."""
             views = (await get(a, "/v1/nodes"))["nodes"]
             names = [v["node"] for v in views]
-            return views if names == ["node-a", "node-b"] and views[1]["connections"] else []
+            return views if names == ["node-a", "node-b"] and views[1]["held"]["ACTIVE"] else []
 
         views = {v["node"]: v for v in await eventually(both_listed, 10)}
         of_b = views["node-b"]
