@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 from websockets.exceptions import ConnectionClosed
 
 from testkit.clients import Closed, RawClient, proof_of
-from testkit.net import http_request
+from testkit.net import admin_json
 from testkit.redis_servers import RedisProcess
 from testkit.stores import EXPIRE_MS, WARN_MS, redis_ms, store, sweep
 from testkit.tokend_process import TokendProcess, running_nodes
@@ -260,13 +260,7 @@ async def test_the_counts_stay_exact_through_a_node_kill_and_a_redis_restart(
         expected = Counts(active, warn, {how.value: ended.get(how.value, 0) for how in Ended})
 
         async def both() -> bool:
-            reply = await http_request(
-                node.admin_port,
-                "GET",
-                "/v1/stats",
-                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-            )
-            cluster = reply.json()["cluster"]
+            cluster = (await admin_json(node.admin_port, ADMIN_TOKEN, "/v1/stats"))["cluster"]
             if not cluster["fresh"]:
                 return False
             shown = Counts(

@@ -24,7 +24,7 @@ from redis import asyncio as aioredis
 
 from testkit.clients import RawClient
 from testkit.events import EventLog
-from testkit.net import LOOPBACK, free_port, http_request, url_of
+from testkit.net import LOOPBACK, admin_json, free_port, http_request, url_of
 from testkit.tokend_process import CALM_CLOCKS
 from testkit.waiting import eventually
 from tokend.client import connect
@@ -54,11 +54,7 @@ CLIENTS = 5
 
 async def admin_get(app: App, path: str) -> Any:
     assert app.admin is not None
-    reply = await http_request(
-        app.admin.port, "GET", path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    )
-    assert reply.status == 200, reply
-    return reply.json()
+    return await admin_json(app.admin.port, ADMIN_TOKEN, path)
 
 
 admin_stats = functools.partial(admin_get, path="/v1/stats")

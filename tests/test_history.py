@@ -11,7 +11,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 from testkit.clients import RawClient
-from testkit.net import http_request
+from testkit.net import admin_json
 from testkit.tokend_process import CALM_CLOCKS
 from testkit.waiting import eventually
 from tests.test_metrics import scrape, value
@@ -27,11 +27,7 @@ StartApp = Callable[..., Awaitable[App]]
 
 async def get(app: App, path: str) -> Any:
     assert app.admin is not None
-    reply = await http_request(
-        app.admin.port, "GET", path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    )
-    assert reply.status == 200, reply
-    return reply.json()
+    return await admin_json(app.admin.port, ADMIN_TOKEN, path)
 
 
 async def start(start_app: StartApp, name: str, **settings: Any) -> App:
