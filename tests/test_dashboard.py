@@ -41,6 +41,7 @@ ADMIN_TOKEN = "dashboard-admin-token-32-characters"
 StartApp = Callable[..., Awaitable[App]]
 LIVE_SESSIONS = 3
 SCREENSHOT = Path(tempfile.gettempdir()) / "tokend-dashboard.png"
+SCREENSHOT_ALL = Path(tempfile.gettempdir()) / "tokend-dashboard-all.png"
 # Clocks a page polling every 200 ms sees each state in: WARN lasts 2 s.
 WATCHED_CLOCKS = {
     "heartbeat_interval": 0.5,
@@ -380,6 +381,8 @@ async def test_two_nodes_show_the_same_cluster_and_each_node_or_all(
             f"{card('connections')} === '5' && {card('held.ACTIVE')} === '5'"
             " && document.querySelectorAll('#health thead th').length === 3"
         )
+        await browser.screenshot(SCREENSHOT_ALL)
+        print(f"dashboard screenshot, all nodes: {SCREENSHOT_ALL}")
         # Clicking a node's row shows it.
         await browser.eval("document.querySelector('#nodes tr[data-key=\"node-a\"]').click()")
         await browser.until(f"{card('connections')} === '2' && {select}.value === 'node-a'")

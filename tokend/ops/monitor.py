@@ -346,13 +346,17 @@ class Monitor:
     ) -> dict[str, Any]:
         """The heartbeat's store stage split: the heartbeat script's round trip, and the
         rest (the gather's wait, up to heartbeat_gather, and the wait for a lane)."""
+        gather_ms = round(self.node.settings.heartbeat_gather * 1000, 3)
+        script = scripts.get("heartbeat")
+        if not (stages["store"]["count"] and script):  # nothing timed yet
+            return {"gather_ms": gather_ms, "store_p50_ms": None, "script_p50_ms": None,
+                    "wait_p50_ms": None}  # fmt: skip
         store = stages["store"]["p50"]
-        script = scripts.get("heartbeat", {}).get("p50", 0.0)
         return {
-            "gather_ms": round(self.node.settings.heartbeat_gather * 1000, 3),
+            "gather_ms": gather_ms,
             "store_p50_ms": store,
-            "script_p50_ms": script,
-            "wait_p50_ms": round(max(0.0, store - script), 3),
+            "script_p50_ms": script["p50"],
+            "wait_p50_ms": round(max(0.0, store - script["p50"]), 3),
         }
 
     async def stats(self) -> dict[str, Any]:
