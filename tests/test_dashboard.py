@@ -248,7 +248,7 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
         assert "too_many_sessions 0" in page["health"]["refused-4029"][0]
         assert page["health"]["files"][0].split()[0].replace(",", "").isdigit()
         assert "gather waits up to 2 ms" in page["health"]["store"][0]
-        assert page["health"]["store"][0].split()[0] != "–"  # heartbeats were timed
+        assert float(page["health"]["store"][0].split()[0]) > 0  # heartbeats were timed
         assert ["SESSION_WARN", quiet_tid] in page["events"]
         started = {tid for kind, tid in page["events"] if kind == "SESSION_STARTED"}
         assert {str(s.tid) for s in live} | {quiet_tid} <= started
