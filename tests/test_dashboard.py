@@ -27,10 +27,10 @@ from testkit.events import EventLog
 from testkit.net import LOOPBACK, admin_json, free_port, http_request, url_of
 from testkit.tokend_process import CALM_CLOCKS
 from testkit.waiting import eventually
-from tokend.client import connect
 from tokend.core import protocol as p
 from tokend.ops.app import App
 from tokend.tokens.service import TokenService
+from tokend_client import connect
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage
