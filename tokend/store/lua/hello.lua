@@ -79,7 +79,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
     if s.pk then
       -- A parked session resumed: its shard's restart is under way (sweep.lua's hold).
       redis.call('HDEL', skey, 'pk')
-      redis.call('SET', DUE .. ':resumed', now)
+      redis.call('SET', count_key('resumed'), now)
     end
     redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
     -- The connection that held it is told it was taken over; not the one resuming, which
@@ -90,6 +90,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
     emit('SESSION_RESUMED', tid, sub, now, conn)
     if s.st == STATE.WARN then
       -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
+      unwarned(tid)
       emit('SESSION_RECOVERED', tid, sub, now, conn)
     end
     return {HELLO_OUTCOME.RESUMED, exp, s.iat, now}

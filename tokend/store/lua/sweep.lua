@@ -30,7 +30,7 @@ if since == 0 then
 end
 -- A parked session (release.lua) that falls due is held while a restart resumes its
 -- shard's sessions: tokend.core.lifecycle.parked_hold, with warn_after as the window.
-local hold = math.max(tonumber(redis.call('GET', DUE .. ':resumed') or 0), since) + warn_ms
+local hold = math.max(tonumber(redis.call('GET', count_key('resumed')) or 0), since) + warn_ms
 local out = {now, '', 0}
 
 -- A transition made, for the reply.
@@ -53,6 +53,7 @@ for _, tid in ipairs(due) do
   local s = load_session(skey)
   if not s then
     redis.call('ZREM', DUE, tid)
+    unwarned(tid)
     made(tid, SWEPT.GONE, '')
   elseif s.pk and now < s.exp and now < hold then
     -- Held: judged again when the hold ends (later, if its shard resumes more meanwhile).
@@ -81,6 +82,7 @@ for _, tid in ipairs(due) do
       made(tid, reason, tell('close', tid, s.conn, CLOSE.SESSION_EXPIRED))
     elseif s.st == STATE.ACTIVE and now - hb >= warn_ms then
       redis.call('HSET', skey, 'st', STATE.WARN)
+      warned(tid)
       -- Same deadline as tokend.core.lifecycle.deadline(WARN, hb, exp).
       redis.call('ZADD', DUE, math.min(hb + expire_ms, exp), tid)
       emit('SESSION_WARN', tid, s.sub, now, holder(s))
