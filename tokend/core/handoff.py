@@ -107,6 +107,7 @@ class Moving:
     unparsed: bytes  # read from the socket, not yet a whole frame
     fragments: bytes | None  # a binary message under way: its fragments so far
     pings: tuple[float, float] | None  # the ping rate bucket: allowance, last taken
+    family: int = 0  # the socket's address family (AF_INET, AF_INET6); 0: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +235,7 @@ def decode_batch(data: bytes) -> Batch:
 # A record: the fixed fields (_RECORD), then the variable ones in this order, each as long
 # as the fixed part says: the tid's text, conn, sub, the two digests, the key, the peer's
 # host, unparsed, fragments.
-_RECORD = struct.Struct("!qqqQqqqBBdddddHHHHHHHHII")
+_RECORD = struct.Struct("!qqqQqqqBBBdddddHHHHHHHHII")
 
 
 def _record(record: Moving) -> bytes:
@@ -269,6 +270,7 @@ def _record(record: Moving) -> bytes:
         s.token_exp_ms,
         c.prio,
         flags,
+        record.family,
         s.last_beat if flags & _FLAG_HEARTBEAT else 0.0,
         *(frames or (0.0, 0.0)),
         *(pings or (0.0, 0.0)),
@@ -291,6 +293,7 @@ def _read_record(data: bytes, offset: int) -> tuple[Moving, int]:
         token_exp_ms,
         prio,
         flags,
+        family,
         last_beat,
         allowance,
         checked,
@@ -336,6 +339,7 @@ def _read_record(data: bytes, offset: int) -> tuple[Moving, int]:
         unparsed=unparsed,
         fragments=fragments if flags & _FLAG_FRAGMENTS else None,
         pings=(ping_allowance, ping_checked) if flags & _FLAG_PINGS else None,
+        family=family,
     )
     return moving, offset
 

@@ -405,12 +405,15 @@ def _record(connection: Connection) -> Moving:
     assert link is not None
     request = link.heartbeat_request
     pings = connection.pings
+    transport = connection.transport
+    assert transport is not None
     return Moving(
         session=export_session(link.session, request.token if request is not None else ""),
         peer=connection.address,
         unparsed=_unparsed(connection),
         fragments=None,
         pings=(pings.allowance, pings.checked) if pings is not None else None,
+        family=transport.get_extra_info("socket").family,
     )
 
 
@@ -456,13 +459,14 @@ class Taker:
         self.accepting = accepting
         self.report = HandoffReport()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.loop = asyncio.get_running_loop()
         # This process's CPU time over its batches but their store round trips (all it
         # did meanwhile: an upper bound).
         self.cpu_s = 0.0
 
     def start(self) -> None:
         self.sock.setblocking(False)
-        asyncio.get_running_loop().add_reader(self.sock, self._readable)
+        self.loop.add_reader(self.sock, self._readable)
 
     def _readable(self) -> None:
         while True:
@@ -563,11 +567,13 @@ class Taker:
         session = adopt_session(
             record.session, self.node, gate.cadence, conn, since, time.monotonic
         )
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
+        # Its family given, the socket is not asked for it (three getsockopt calls); it is
+        # non-blocking already (O_NONBLOCK belongs to the open file, shared with the old
+        # worker's descriptor).
+        sock = socket.socket(record.family or -1, socket.SOCK_STREAM, 0, fd)
         connection = AdoptedConnection(gate, record, session)
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: connection, sock)
+            await self.loop.connect_accepted_socket(lambda: connection, sock)
         except OSError as exc:
             # Gone meanwhile (the client left): its session is released as any other.
             log.info("handed-over connection lost", error=str(exc))
