@@ -24,7 +24,8 @@ from tokend.core import protocol as p
 from tokend.core.session import Session
 from tokend.ops.app import App
 from tokend.ops.collector import NEVER, Collector
-from tokend.server.connection import Connection, SessionLink, TokendProtocol
+from tokend.server.connection import Connection, TokendProtocol
+from tokend.server.link import SessionLink
 from tokend.tokens.service import TokenService
 
 

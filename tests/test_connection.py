@@ -5,7 +5,7 @@ itself when websockets' parser waits for the start of a frame. These tests feed 
 same bytes, cut at every kind of place, to a connection with the fast path and to one
 without it (websockets' debug mode turns it off, as in production), each a real
 :class:`Connection` with its real session, opened by a real handshake and HELLO before a
-fake :class:`tokend.server.seams.Hub`. They require the same round trips asked of the hub, in
+fake :class:`tokend.server.seams.Node`. They require the same round trips asked of the node, in
 the same order, the same bytes written back (pongs, close frames: the closes the session
 makes on either path among them), the same session outcome and the same protocol state:
 split frames (inside the header, the masking key, the payload), several frames coalesced
@@ -40,8 +40,9 @@ from tokend.core.session import Cadence
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.edge.http_responses import HttpAnswer
 from tokend.metrics import Metrics
-from tokend.server.connection import HEARTBEAT_FRAME_LENGTH, Connection, SessionLink, binary_frame
-from tokend.server.seams import Peer
+from tokend.server import seams
+from tokend.server.connection import HEARTBEAT_FRAME_LENGTH, Connection, binary_frame
+from tokend.server.link import SessionLink
 from tokend.server.shedding import Shedder
 
 SETTINGS = config.load({"max_frame_rate": 0}, environ={})
@@ -93,8 +94,9 @@ class Transport(asyncio.Transport):
         self.closed = True
 
 
-class Hub:
-    """The node as a connection sees it (tokend.server.seams.Hub): records the round trips asked."""
+class RecordingNode:
+    """The node as a connection sees it (tokend.server.seams.Node): records the round trips
+    asked."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()
@@ -113,25 +115,25 @@ class Hub:
     def new_conn_id(self) -> str:
         return "test/1"
 
-    def submit_hello(self, peer: Peer) -> None:
+    def submit_hello(self, link: seams.SessionLink) -> None:
         self.asked.append(("hello", 0))
 
-    def forget_hello(self, peer: Peer) -> None:
+    def forget_hello(self, link: seams.SessionLink) -> None:
         self.asked.append(("forget_hello", 0))
 
-    def submit_heartbeat(self, peer: Peer) -> None:
-        self.asked.append(("heartbeat", peer.session.last_seq))
+    def submit_heartbeat(self, link: seams.SessionLink) -> None:
+        self.asked.append(("heartbeat", link.session.last_seq))
 
-    def end(self, peer: Peer) -> None:
+    def end(self, link: seams.SessionLink) -> None:
         self.asked.append(("bye", 0))
 
-    def attach(self, peer: Peer) -> None:
+    def attach(self, link: seams.SessionLink) -> None:
         self.asked.append(("attach", 0))
 
-    def detach(self, peer: Peer) -> None:
+    def detach(self, link: seams.SessionLink) -> None:
         self.asked.append(("detach", 0))
 
-    def release(self, peer: Peer) -> None:
+    def release(self, link: seams.SessionLink) -> None:
         self.asked.append(("release", 0))
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -147,7 +149,7 @@ class Gate:
     origins: Sequence[str | None] | None = None
 
     def __init__(self) -> None:
-        self.node = Hub()
+        self.node = RecordingNode()
 
     def opened(self, connection: Connection) -> None:
         pass
@@ -199,7 +201,7 @@ def masked(frame: Frame, mask: bytes | None = None) -> bytes:
 class Opened(NamedTuple):
     connection: Connection
     link: SessionLink
-    hub: Hub
+    node: RecordingNode
     transport: Transport
     key: bytes  # the session key its WELCOME carried
 
@@ -252,7 +254,7 @@ def feed(parts: Sequence[Part], cuts: Sequence[int], fast: bool) -> Opened:
 def same(parts: Sequence[Part], cuts: Sequence[int]) -> Opened:
     """Feed both connections alike; they must have done the same."""
     fast, slow = feed(parts, cuts, True), feed(parts, cuts, False)
-    assert fast.hub.asked == slow.hub.asked
+    assert fast.node.asked == slow.node.asked
     assert b"".join(fast.transport.written) == b"".join(slow.transport.written)
     assert fast.link.session.ended_by == slow.link.session.ended_by
     assert fast.link.session.last_seq == slow.link.session.last_seq
@@ -319,7 +321,7 @@ def test_whole_heartbeat_reads_take_the_fast_path() -> None:
     """The case the path is for: one read, one heartbeat frame (else it saves nothing)."""
     beats = [Beat(seq) for seq in range(1, 6)]
     fast = same(beats, [HEARTBEAT_FRAME_LENGTH * i for i in range(1, 5)])
-    assert fast.hub.asked == [("heartbeat", seq) for seq in range(1, 6)]
+    assert fast.node.asked == [("heartbeat", seq) for seq in range(1, 6)]
     assert fast.connection.aligned
 
     async def parsed() -> list[bytes]:
@@ -327,7 +329,7 @@ def test_whole_heartbeat_reads_take_the_fast_path() -> None:
         seen = counting_parser(o.connection)
         for beat in beats:
             o.connection.data_received(wire(beat, o.key))
-        assert len(o.hub.asked) == 5
+        assert len(o.node.asked) == 5
         return seen
 
     assert asyncio.run(parsed()) == []  # nothing went through websockets' parser
@@ -339,13 +341,13 @@ def test_a_close_the_session_makes_on_the_fast_path_is_sent_at_once() -> None:
     assert fast.link.session.ended_by == (p.CloseCode.BAD_HEARTBEAT, "old_seq")
     assert fast.connection.ws.close_sent == Close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
     assert b"".join(fast.transport.written).startswith(b"\x88")  # the close frame
-    assert fast.hub.asked == [("heartbeat", 5)]
+    assert fast.node.asked == [("heartbeat", 5)]
 
 
 def test_a_read_starting_mid_frame_is_never_taken_for_a_heartbeat() -> None:
     """[2 header bytes] then [56 bytes: a lookalike masking key, payload, next header]."""
     fast = same([Beat(1, LOOKALIKE_MASK), Beat(2)], [2, 2 + HEARTBEAT_FRAME_LENGTH])
-    assert fast.hub.asked == [("heartbeat", 1), ("heartbeat", 2)]
+    assert fast.node.asked == [("heartbeat", 1), ("heartbeat", 2)]
 
 
 def test_fragments_with_a_ping_between_are_one_message() -> None:
@@ -370,7 +372,7 @@ def test_fragments_with_a_ping_between_are_one_message() -> None:
 
     for _ in range(200):
         o, _ = asyncio.run(run([rng.randrange(200) for _ in range(rng.randrange(6))]))
-        assert o.hub.asked == [("heartbeat", 1), ("heartbeat", 2)]
+        assert o.node.asked == [("heartbeat", 1), ("heartbeat", 2)]
         assert b"".join(o.transport.written) == binary_frame(b"")[:0] + Frame(
             Opcode.PONG, b"x"
         ).serialize(mask=False, extensions=[])
