@@ -135,7 +135,6 @@ class SessionLink:
             self.log = bound_logger(connection.peer, session)
             self.node.attach(self)
             connection.send([welcome])
-            connection.welcomed()
             # debug: in a connect storm an info line per session costs a tenth of the
             # work; SESSION_STARTED / SESSION_RESUMED on the event stream are the record.
             connection.log.debug(
