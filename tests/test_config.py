@@ -20,7 +20,7 @@ from tokend.config import ConfigError, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "config" / "tokend.toml"
-README = ROOT / "README.md"
+SETTINGS_PAGE = ROOT / "docs" / "settings.md"
 
 
 def write_toml(path: Path, text: str) -> Path:
@@ -398,8 +398,9 @@ def comments_of_the_default_file() -> dict[str, list[str]]:
     return found
 
 
-def test_each_setting_has_one_meaning_in_the_help_the_readme_and_the_toml_file() -> None:
-    """config.meaning() is the one text: --help, the README's table and the file's comments."""
+def test_each_setting_has_one_meaning_in_the_help_the_settings_page_and_the_toml_file() -> None:
+    """config.meaning() is the one text: --help, docs/settings.md's table and the file's
+    comments."""
     names = list(config.FIELDS)
     expected = {}
     for name in names:
@@ -408,7 +409,7 @@ def test_each_setting_has_one_meaning_in_the_help_the_readme_and_the_toml_file()
         expected[name] = [f"# {config.meaning(name)}", f"# Env: {config.env_name(name)}.{empty}"]
     assert comments_of_the_default_file() == expected
 
-    rows = re.findall(r"^\| `TOKEND_(\w+)` \| (.+?) \| (.+) \|$", README.read_text(), re.M)
+    rows = re.findall(r"^\| `TOKEND_(\w+)` \| (.+?) \| (.+) \|$", SETTINGS_PAGE.read_text(), re.M)
     assert rows[0][0] == "CONFIG"  # not a setting: where the settings are read from
     documented = [(name.lower(), default.strip("`"), text) for name, default, text in rows[1:]]
     assert documented == [(n, config.shown_default(n), config.meaning(n)) for n in names]

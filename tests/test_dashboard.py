@@ -20,10 +20,10 @@ from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port, http_request
 from testkit.waiting import eventually
-from tokend.client import connect
 from tokend.core import protocol as p
 from tokend.ops.app import App
 from tokend.tokens.service import TokenService
+from tokend_client import connect
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage

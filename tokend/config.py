@@ -31,7 +31,7 @@ def _default_data_dir() -> str:
 
 def _setting(default: Any, meaning: str, *, shown: str = "") -> Any:
     """A setting's default and its one-line meaning, the one text of ``tokend serve
-    --help``, the README's settings table and config/tokend.toml (held equal by
+    --help``, docs/settings.md's table and config/tokend.toml (held equal by
     tests/test_config.py); ``shown`` writes a default that an empty value stands for."""
     return field(default=default, metadata={"meaning": meaning, "shown": shown})
 
@@ -196,7 +196,11 @@ class Settings:
         "replaces them one at a time on SIGHUP (tokend reload); each a node "
         "<node_name>-w<i>; more than 1 needs a fixed port",
     )
-    log_format: str = _setting("json", "json or console")
+    log_format: str = _setting(
+        "",
+        "json or console lines on stderr",
+        shown="console when stderr is a terminal, else json",
+    )
     log_level: str = _setting("info", "debug, info, warning or error")
     admin_token: str = _setting(
         "",
@@ -335,7 +339,10 @@ _DURATIONS = (
     "failover_check_interval",
     "tls_reload_interval",
 )
-_CHOICES = {"log_format": ("json", "console"), "log_level": ("debug", "info", "warning", "error")}
+_CHOICES = {
+    "log_format": ("", "json", "console"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
 FIELDS = {f.name: f for f in fields(Settings)}
 
 
@@ -349,7 +356,7 @@ def meaning(name: str) -> str:
 
 
 def shown_default(name: str) -> str:
-    """The setting's default as the help and the README write it."""
+    """The setting's default as the help and docs/settings.md write it."""
     default = FIELDS[name].default
     shown = FIELDS[name].metadata["shown"]
     if shown or default == "":
@@ -474,7 +481,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("durable_timeout: must be less than redis_timeout")
     for name, allowed in _CHOICES.items():
         if getattr(settings, name) not in allowed:
-            raise ConfigError(f"{name}: must be one of {', '.join(allowed)}")
+            named = ", ".join(choice for choice in allowed if choice)
+            raise ConfigError(f"{name}: must be one of {named}")
     return settings
 
 

@@ -184,7 +184,7 @@ class _Switch(NamedTuple):
 
 class _Known:
     """Heads parsed before, by their bytes but the Sec-WebSocket-Key's value: a resume
-    storm's requests differ in nothing else (docs/performance.md, "Resume").
+    storm's requests differ in nothing else (bench/results/2026-12-04-resume.md).
 
     The same bytes with a key of another 24 characters of base64 parse the same way
     whatever the parser: those characters are token characters (RFC 9110 5.6.2) and

@@ -494,9 +494,9 @@ class Connection(asyncio.Protocol):
         self.gate.closed(self)
         # No cycle outlives the connection: with the link's way back to it gone, its
         # objects are freed as soon as the last reference goes, not by the cyclic
-        # collector, whose whole passes stall a busy node's loop (docs/performance.md,
-        # "The garbage collector"). Whatever the node still asks of the link (an answer
-        # in flight) finds the session closed and writes nothing.
+        # collector, whose whole passes stall a busy node's loop
+        # (bench/results/2026-12-04-garbage-collector.md). Whatever the node still asks of
+        # the link (an answer in flight) finds the session closed and writes nothing.
         self.link = None
 
     def pause_writing(self) -> None:
