@@ -17,7 +17,7 @@ import pytest
 from testkit.pure import FakeClock
 from tokend.core import protocol as p
 from tokend.core.claims import Claims
-from tokend.core.session import Ask, Cadence, Session
+from tokend.core.session import Ask, Cadence, Session, Welcome
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.tokens.service import TokenService
 
@@ -65,8 +65,8 @@ def welcome(
     assert session.receive(p.Hello(tokens.mint("alice", ttl_s=ttl_s, iat=IAT_S))) is Ask.START
     outcome = HelloOutcome.RESUMED if resumed else HelloOutcome.STARTED
     out = session.started(HelloAnswer(outcome, EXP_MS, IAT_S, SINCE_MS))
-    assert isinstance(out, bytes)
-    frame = p.decode(out)
+    assert isinstance(out, Welcome)
+    frame = p.decode(out.frame)
     assert isinstance(frame, p.Welcome)
     return frame
 

@@ -28,7 +28,7 @@ from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.core.claims import Claims
-from tokend.core.session import Ask, Cadence, Close, Session
+from tokend.core.session import Ask, Cadence, Close, Session, Welcome
 from tokend.core.store_messages import (
     HeartbeatReply,
     HeartbeatRequest,
@@ -82,8 +82,8 @@ class Waiter:
     def hello_answered(self, answer: HelloAnswer) -> None:
         out = self.session.started(answer)
         self.calls.append(("hello_answered", answer))
-        if isinstance(out, bytes):
-            welcome = p.decode(out)
+        if isinstance(out, Welcome):
+            welcome = p.decode(out.frame)
             assert isinstance(welcome, p.Welcome) and self.session.claims is not None
             self.welcome = welcome
             self.heartbeat_request = self.store.heartbeat_request(

@@ -28,7 +28,7 @@ from testkit.session_core import (
 )
 from tokend.core import protocol as p
 from tokend.core.lifecycle import serving_rank
-from tokend.core.session import Ask, Close, Phase, Release, Session
+from tokend.core.session import Ask, Close, Phase, Release, Session, Welcome
 from tokend.core.store_messages import (
     Ended,
     HeartbeatAnswer,
@@ -172,8 +172,8 @@ def test_the_key_is_made_before_the_store_is_asked_and_welcome_carries_it(
     assert session.claims is not None
     assert session.next_proof == p.resume_proof(key, session.claims.tid.bytes)
     out = session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S, SINCE_MS))
-    assert isinstance(out, bytes)
-    w = p.decode(out)
+    assert isinstance(out, Welcome)
+    w = p.decode(out.frame)
     assert isinstance(w, p.Welcome) and w.session_key == key
     # The client proves with it: the proof its next HELLO shows is the one the store keeps.
     assert p.resume_proof(w.session_key, w.tid) == session.next_proof

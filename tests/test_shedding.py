@@ -34,7 +34,7 @@ from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.core.lifecycle import RANKS, serving_rank
-from tokend.core.session import OVERLOADED, Ask, Close, Session
+from tokend.core.session import OVERLOADED, Ask, Close, Session, Welcome
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.ops.app import App
 from tokend.server.shedding import (
@@ -57,8 +57,8 @@ SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
 def heartbeat_key(session: Session) -> p.Welcome:
     """The store starts the session asked for (HELLO given): its WELCOME."""
     out = session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S))
-    assert isinstance(out, bytes)
-    frame = p.decode(out)
+    assert isinstance(out, Welcome)
+    frame = p.decode(out.frame)
     assert isinstance(frame, p.Welcome)
     return frame
 

@@ -80,6 +80,12 @@ _NOT_HELD_AFTER = frozenset(
 )
 
 
+class Welcome(NamedTuple):
+    """The store gave this connection its session: send the WELCOME ``frame`` (encoded)."""
+
+    frame: bytes
+
+
 class Release(NamedTuple):
     """A connection that held its session ended: the store is to record that no connection
     holds it now (docs/protocol.md §5, "When a connection ends")."""
@@ -397,9 +403,12 @@ class Session:
 
     # The store's answers
 
-    def started(self, answer: HelloAnswer) -> bytes | Ask | Close | None:
-        """The store's answer to :attr:`Ask.START`: WELCOME, the refusal, or (VERIFY)
-        :attr:`Ask.START` again once the token is verified."""
+    def started(self, answer: HelloAnswer) -> Welcome | Ask | Close | None:
+        """The store's answer to :attr:`Ask.START`: :class:`Welcome`, the refusal, or
+        (VERIFY) :attr:`Ask.START` again once the token is verified; None once closed.
+
+        (:meth:`stored`, on the heartbeat path, answers its ACK frames as a plain list: a
+        typed wrapper would cost an object per connection per flush.)"""
         outcome = answer.outcome
         if outcome is HelloOutcome.VERIFY and self.phase is Phase.STARTING:
             # The store does not know the token: verified now, then asked again.
@@ -430,15 +439,17 @@ class Session:
         if self.cadence.max_frame_rate:
             self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock())
         cadence = self.cadence
-        return p.encode(
-            p.Welcome(
-                self.tid_bytes,
-                self.exp_ms,
-                cadence.heartbeat_ms,
-                cadence.warn_ms,
-                cadence.expire_ms,
-                self.key,
-                resumed=self.resumed,
+        return Welcome(
+            p.encode(
+                p.Welcome(
+                    self.tid_bytes,
+                    self.exp_ms,
+                    cadence.heartbeat_ms,
+                    cadence.warn_ms,
+                    cadence.expire_ms,
+                    self.key,
+                    resumed=self.resumed,
+                )
             )
         )
 

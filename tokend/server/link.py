@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from tokend.core import protocol as p
-from tokend.core.session import OVERLOADED, Ask, Close, Session
+from tokend.core.session import OVERLOADED, Ask, Close, Session, Welcome
 from tokend.core.store_messages import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.metrics import STAGE_SAMPLE_EVERY
 from tokend.server import seams
@@ -118,23 +118,26 @@ class SessionLink:
     # The store's answers (called by the node)
 
     def hello_answered(self, answer: HelloAnswer) -> None:
+        match self.session.started(answer):
+            case Welcome(frame):
+                self._welcome(frame)
+            case Ask.START:  # the store asks for the token verified first
+                self.outcome(Ask.START)
+            case refused:
+                self.connection.close_with(refused)
+                # Closed before the answer came, which gave it the session: released at once.
+                self.node.release(self)
+
+    def _welcome(self, frame: bytes) -> None:
+        """The store gave this connection its session: WELCOME, and the node holds it."""
         session = self.session
         connection = self.connection
-        welcome = session.started(answer)
-        if welcome is Ask.START:  # the store asks for the token verified first
-            self.outcome(welcome)
-            return
-        if not isinstance(welcome, bytes):
-            connection.close_with(welcome)
-            # Closed before the answer came, which gave it the session: released at once.
-            self.node.release(self)
-            return
         transport = connection.transport
         if transport is not None and not transport.is_closing():
             connection.disarm()
             self.log = bound_logger(connection.peer, session)
             self.node.attach(self)
-            connection.send([welcome])
+            connection.send([frame])
             # debug: in a connect storm an info line per session costs a tenth of the
             # work; SESSION_STARTED / SESSION_RESUMED on the event stream are the record.
             connection.log.debug(
