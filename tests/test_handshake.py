@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
-from websockets.http11 import Request
+from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 
 from tokend.core import protocol as p
@@ -574,3 +575,17 @@ def test_a_known_heads_origin_is_checked_against_each_connections_origins(
     if request is not None and b"Sec-WebSocket-Key: " in data:
         assert request.known is not None
     assert_same(data + HELLO_FRAME, origins=origins)
+
+
+@pytest.mark.parametrize("after", [b"GET / HTTP/1.1\r\n\r\n", HELLO_FRAME, b"\r\n"])
+def test_bytes_after_a_request_whose_answer_is_awaited_are_not_read(after: bytes) -> None:
+    """The gate may answer later (/readyz asks Redis): whatever the client sends meanwhile
+    is neither parsed as another request nor in the way of that answer."""
+    for head in (request_bytes(line="GET /readyz HTTP/1.1"), request_bytes(eol="\n")):
+        opening = Handshake(None)
+        if not opening.receive_data(head):
+            continue  # websockets refused it: nothing is awaited
+        assert not opening.receive_data(after)
+        opening.answer(Response(200, "OK", Headers([("Content-Length", "0")]), b""))
+        writes = opening.data_to_send()
+        assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[-1] == b""

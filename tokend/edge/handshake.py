@@ -33,7 +33,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from websockets.datastructures import Headers
 from websockets.exceptions import NegotiationError
@@ -362,7 +362,7 @@ class Handshake:
     def _websockets(self) -> ServerProtocol:
         if self.protocol is None:
             self.protocol = ServerProtocol(
-                origins=self.origins,  # type: ignore[arg-type]
+                origins=cast("Sequence[Origin | None] | None", self.origins),
                 select_subprotocol=select_subprotocol,
                 logger=_ws_logger,
             )
@@ -379,7 +379,10 @@ class Handshake:
     def receive_data(self, data: bytes) -> bool:
         """Bytes of the connection: True once the request's head is whole (the bytes
         after it are :attr:`rest`); False while it is not, or when websockets refused it
-        (its answer is then among the data to send)."""
+        (its answer is then among the data to send). Bytes that come after the request
+        while its answer is awaited are not read: a client sends frames after the 101."""
+        if self.parsed is not None or self.request is not None:
+            return False
         head = self.head
         if head is not None:
             fed = head.feed(data)

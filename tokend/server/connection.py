@@ -279,9 +279,10 @@ class Connection(asyncio.Protocol):
             and (websocket := self.websocket) is not None
             and websocket.at_frame_boundary
             and self.fast_path
+            and (link := self.link) is not None
         ):
             try:
-                self.link.message(unmask(data[6:], data[2:6]))  # type: ignore[union-attr]
+                link.message(unmask(data[6:], data[2:6]))
             except Exception:
                 self._internal_error()
             return
