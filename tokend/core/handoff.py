@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 
 from tokend.core.claims import Claims, Tid
-from tokend.core.session import Cadence, Host, Phase, Session, TokenBucket
+from tokend.core.session import Cadence, Node, Phase, Session, TokenBucket
 
 HANDOFF_VERSION = 1
 # Linux's SCM_MAX_FD: the most descriptors one message may carry.
@@ -152,7 +152,7 @@ def export_session(session: Session, stored_token: str) -> SessionState:
 
 def adopt_session(
     state: SessionState,
-    host: Host,
+    node: Node,
     cadence: Cadence,
     conn: str,
     since_ms: int,
@@ -160,7 +160,7 @@ def adopt_session(
 ) -> Session:
     """A session OPEN on connection ``conn`` (which took it in the store at ``since_ms``),
     going on from ``state``: the same key, seq rules, clocks and token."""
-    session = Session(host, cadence, conn, clock)
+    session = Session(node, cadence, conn, clock)
     session.phase = Phase.OPEN
     session.claims = state.claims
     session.tid_bytes = state.claims.tid.bytes

@@ -29,10 +29,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import structlog
-from websockets.protocol import State
 
 from tokend.core.handoff import (
     HANDOFF_VERSION,
@@ -51,16 +49,8 @@ from tokend.core.handoff import (
     encode_reply,
     export_session,
 )
-from tokend.core.session import Phase, Session
-from tokend.server.connection import (
-    WRITE_HIGH,
-    WRITE_LOW,
-    Connection,
-    Gate,
-    SessionLink,
-    at_frame_start,
-    restart_parser,
-)
+from tokend.core.session import Phase
+from tokend.server.connection import Connection, Gate
 from tokend.server.node import Node
 from tokend.store.sessions import MoveRequest
 
@@ -326,20 +316,14 @@ def _cannot_move(connection: Connection) -> FallbackReason | None:
 
 def _hold(connection: Connection) -> bool:
     """Hold the connection's reading (kept held until it goes or falls back); whether it
-    is quiet now: no heartbeat waiting for the store, nothing unsent, the parser between
-    two frames."""
+    is quiet now: no heartbeat waiting for the store, nothing unsent, no message under
+    way (the bytes of a frame begun go along: Connection.unparsed)."""
     transport = connection.transport
-    assert transport is not None and connection.link is not None
+    assert transport is not None
     if not connection.moving:
         connection.moving = True
         transport.pause_reading()
-    return (
-        not connection.link.session.unanswered
-        and not transport.get_write_buffer_size()
-        and connection.stall is None
-        and connection.fragments is None
-        and at_frame_start(connection.ws)
-    )
+    return connection.quiet
 
 
 def _not_ready(connection: Connection) -> FallbackReason:
@@ -369,35 +353,12 @@ def _unseal(connection: Connection, transport: asyncio.Transport) -> None:
 
 def _handed_over(connection: Connection, transport: asyncio.Transport) -> None:
     """The new worker took the connection: drop this worker's copy without a word. Its
-    session is the new worker's: nothing is released here, nothing is sent, and the
-    WebSocket is not closed (the transport's connection_lost goes to no one)."""
-    link = connection.link
-    if link is not None:
-        session = link.session
-        session.abandon()
-        session.released = True
-        connection.gate.node.detach(link)
-        connection.link = None  # no cycle outlives the connection (Connection.connection_lost)
-    for timer in (connection.deadline, connection.stall):
-        if timer is not None:
-            timer.cancel()
-    connection.deadline = connection.stall = None
-    connection.gate.closed(connection)
-    transport.set_protocol(_GONE)
-    transport.abort()
-
-
-class _Gone(asyncio.Protocol):
-    """The protocol of a transport whose connection went to another process."""
-
-
-_GONE = _Gone()
-
-
-def _unparsed(connection: Connection) -> bytes:
-    """The bytes read from the connection and not parsed yet (:func:`_hold` found it
-    between two frames)."""
-    return b""
+    session is the new worker's: nothing is released here, nothing is sent."""
+    connection.transport = transport
+    session = connection.session
+    if session is not None:
+        session.released = True  # whatever happened to it here meanwhile
+    connection.let_go()
 
 
 def _record(connection: Connection) -> Moving:
@@ -410,8 +371,8 @@ def _record(connection: Connection) -> Moving:
     return Moving(
         session=export_session(link.session, request.token if request is not None else ""),
         peer=connection.address,
-        unparsed=_unparsed(connection),
-        fragments=None,
+        unparsed=connection.unparsed(),
+        fragments=None,  # quiet: no message under way
         pings=(pings.allowance, pings.checked) if pings is not None else None,
         family=transport.get_extra_info("socket").family,
     )
@@ -571,55 +532,21 @@ class Taker:
         # non-blocking already (O_NONBLOCK belongs to the open file, shared with the old
         # worker's descriptor).
         sock = socket.socket(record.family or -1, socket.SOCK_STREAM, 0, fd)
-        connection = AdoptedConnection(gate, record, session)
+        connection = Connection.adopt(gate, session, record.unparsed, record.peer)
         try:
             await self.loop.connect_accepted_socket(lambda: connection, sock)
         except OSError as exc:
             # Gone meanwhile (the client left): its session is released as any other.
             log.info("handed-over connection lost", error=str(exc))
             sock.close()
-
-
-class AdoptedConnection(Connection):
-    """A connection handed over by an old worker: its WebSocket open and its session
-    WELCOMEd already; it goes on at the frame boundary where the old worker left it."""
-
-    __slots__ = ("moved",)
-    moved: Moving | None
-
-    def __init__(self, gate: Gate, moved: Moving, session: Session) -> None:
-        super().__init__(gate)
-        self.moved = moved
-        ws = self.ws
-        ws.state = State.OPEN
-        restart_parser(ws)
-        self.preface = None
-        self.head = None
-        self.address = moved.peer
-        self.link = SessionLink(self, gate.node, session)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)
-        transport.set_write_buffer_limits(WRITE_HIGH, WRITE_LOW)
-        self.transport = transport
-        gate = self.gate
-        gate.opened(self)
-        peer = self.address or self._tcp_peer()
-        self._addressed(peer[0] if peer else "?")
-        link = self.link
-        assert link is not None
-        moved, self.moved = self.moved, None
-        assert moved is not None
-        # Its logger is bound when it first logs (Connection.log), not here: most never do.
-        gate.node.attach(link)
-        stored = moved.session.stored_token
-        if stored and link.heartbeat_request is not None:
+            return
+        # Attached to the node as the connection was made: what the store has yet to keep.
+        link = connection.link
+        stored = record.session.stored_token
+        if stored and link is not None and link.heartbeat_request is not None:
             link.heartbeat_request = link.heartbeat_request._replace(token=stored)
-        if moved.pings is not None and gate.settings.max_frame_rate:
-            self.pings = bucket(gate.settings.max_frame_rate, moved.pings, time.monotonic())
-        self.aligned = self.fast_path
-        if moved.unparsed:
-            self.data_received(moved.unparsed)
+        if record.pings is not None and gate.settings.max_frame_rate:
+            connection.pings = bucket(gate.settings.max_frame_rate, record.pings, time.monotonic())
 
 
 def _close_all(fds: Sequence[int]) -> None:
