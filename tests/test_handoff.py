@@ -23,14 +23,16 @@ from typing import Any
 
 import pytest
 from redis import asyncio as aioredis
+from websockets.frames import Frame, Opcode
 
 from testkit.certificates import Authority
-from testkit.clients import RawClient, tid_of
+from testkit.clients import RawClient, WireClient, tid_of
 from testkit.events import read_events
 from testkit.reconnects import HeldSession
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend.config import Settings
+from tokend.core import protocol as p
 from tokend.core.handoff import (
     HANDOFF_VERSION,
     MAX_BATCH,
@@ -272,3 +274,41 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
                 assert (await client.heartbeat()).seq == 1  # still here, reading again
                 served += 1
         assert served == count - MAX_BATCH
+
+
+async def test_a_heartbeat_split_across_the_sighup_is_acked_by_the_new_worker(
+    make_settings: Callable[..., Settings], tokens: TokenService, redis: aioredis.Redis
+) -> None:
+    """Half a heartbeat frame before the reload, the rest after it: the old worker hands
+    the half it read over with the connection, and the new worker ACKs the whole."""
+    settings = make_settings(**RELOAD, node_name="split")
+    supervisor = supervisor_of(settings, 2)
+    supervisor.start()
+    client = await WireClient.open(supervisor.port)
+    try:
+        await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(tokens.mint("split")))))
+        welcome = await client.welcome()
+        tid = tid_of(welcome)
+        holder_before = await holder(redis, settings, tid)
+        beat = p.encode(p.make_heartbeat(welcome.session_key, welcome.tid, 1, welcome.exp_ms))
+        frame = Frame(Opcode.BINARY, beat).serialize(mask=True)
+        half = len(frame) // 2
+        await client.send_raw(frame[:half])
+        finished = await asyncio.to_thread(supervisor.reload)
+        await client.send_raw(frame[half:])
+        async with asyncio.timeout(10):
+            while len(client.frames) < 2:
+                assert await client._read(), "closed"
+        ack = p.decode(client.frames[1].data)
+        holder_after = await holder(redis, settings, tid)
+    finally:
+        client.close()
+        assert await asyncio.to_thread(supervisor.stop) == 0
+
+    assert finished["result"] == "ok" and finished["moved"] == 1, finished
+    assert isinstance(ack, p.HeartbeatAck) and ack.seq == 1, ack
+    # The new worker held the session when it stored that heartbeat, on the connection
+    # the client never left.
+    assert node_of(holder_before) in ("split-w1", "split-w2")
+    assert node_of(holder_after) == node_of(holder_before) + ".2"
+    assert client.protocol.close_rcvd is None

@@ -9,7 +9,16 @@ import math
 import pytest
 
 from testkit.pure import FakeClock, clock, tokens
-from testkit.session_core import CADENCE, EXP_MS, SINCE_MS, Host, heartbeat, host, session, welcome
+from testkit.session_core import (
+    CADENCE,
+    EXP_MS,
+    SINCE_MS,
+    TokenNode,
+    heartbeat,
+    node,
+    session,
+    welcome,
+)
 from tokend.core import protocol as p
 from tokend.core.handoff import (
     HANDOFF_VERSION,
@@ -29,7 +38,7 @@ from tokend.core.handoff import (
 from tokend.core.session import Ask, Close, Phase, Session
 from tokend.tokens.service import TokenService
 
-__all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
+__all__ = ["clock", "node", "session", "tokens"]  # fixtures of testkit
 
 
 def moved(session: Session, **connection: object) -> Moving:
@@ -44,7 +53,7 @@ def moved(session: Session, **connection: object) -> Moving:
 
 
 def test_a_handed_over_session_acks_the_next_heartbeat_with_the_same_key_and_seq_rules(
-    session: Session, tokens: TokenService, host: Host, clock: FakeClock
+    session: Session, tokens: TokenService, node: TokenNode, clock: FakeClock
 ) -> None:
     w = welcome(session, tokens)
     assert session.receive(heartbeat(w, 1)) is Ask.HEARTBEAT
@@ -56,13 +65,13 @@ def test_a_handed_over_session_acks_the_next_heartbeat_with_the_same_key_and_seq
     assert batch.number == 7
     state = batch.records[0].session
     assert state.conn == "node-a/1" and state.stored_token == "digest-to-store"
-    adopted = adopt_session(state, host, CADENCE, "node-a.2/1", SINCE_MS + 5, clock)
+    adopted = adopt_session(state, node, CADENCE, "node-a.2/1", SINCE_MS + 5, clock)
 
     assert adopted.phase is Phase.OPEN and adopted.conn == "node-a.2/1"
     assert adopted.since_ms == SINCE_MS + 5
     assert adopted.next_proof == session.next_proof  # the resume proof of the same key
     assert adopted.receive(heartbeat(w, 1)) == Close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
-    adopted = adopt_session(state, host, CADENCE, "node-a.2/1", SINCE_MS + 5, clock)
+    adopted = adopt_session(state, node, CADENCE, "node-a.2/1", SINCE_MS + 5, clock)
     assert adopted.receive(heartbeat(w, 2)) is Ask.HEARTBEAT
     adopted.take_heartbeats()
     out = adopted.stored(EXP_MS)
