@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import NamedTuple
 
 from tokend.core.claims import Claims, Tid
 from tokend.core.session import Cadence, Node, Phase, Session, TokenBucket
@@ -73,8 +73,7 @@ class Taken(IntEnum):
     STORE_UNAVAILABLE = 2
 
 
-@dataclass(frozen=True, slots=True)
-class SessionState:
+class SessionState(NamedTuple):
     """What a :class:`Session` needs to go on in another process (its OPEN phase only).
 
     ``last_beat`` and ``frames`` are CLOCK_MONOTONIC readings (``time.monotonic``), one
@@ -98,8 +97,7 @@ class SessionState:
     frames: tuple[float, float] | None  # the frame rate bucket: allowance, last taken
 
 
-@dataclass(frozen=True, slots=True)
-class Moving:
+class Moving(NamedTuple):
     """One connection handed over: its session, and the connection's own state."""
 
     session: SessionState
@@ -110,14 +108,12 @@ class Moving:
     family: int = 0  # the socket's address family (AF_INET, AF_INET6); 0: unknown
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(NamedTuple):
     number: int
     records: list[Moving]
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
+class Reply(NamedTuple):
     number: int
     status: BatchStatus
     taken: list[Taken]

@@ -422,7 +422,7 @@ class Connection(asyncio.Protocol):
         self.websocket = WebSocket(self.gate.settings.max_message_size)
         self.stage = Connection._frames
         link.node.attach(link)
-        link.log = bound_logger(self.peer, link.session)
+        # Its logger is bound when it first logs (Connection.log): most never do.
         unparsed, self.preface = self.preface + data, b""
         if unparsed:
             self._frames(unparsed)
