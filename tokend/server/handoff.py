@@ -26,7 +26,7 @@ import contextlib
 import os
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,9 +68,9 @@ REPLY_TIMEOUT_S = 10.0
 # socket's buffer (net.core.wmem_default: 212,992 bytes on Linux).
 MAX_MESSAGE = 128 * 1024
 RECEIVE_BUFFER = MAX_MESSAGE
-# Batches sent and not yet answered, at most: the new worker's store round trip for one
-# overlaps the next one's packing.
-WINDOW = 2
+# Batches sent and not yet answered, at most: the new worker's store round trips and
+# adoptions of some overlap the packing of the next.
+WINDOW = 4
 
 
 @dataclass
@@ -108,48 +108,52 @@ class Giver:
 
     async def run(self) -> HandoffReport:
         """Hand every connection over, or decide why it stays: each is counted once, as
-        moved or by the reason it fell back."""
+        moved or by the reason it fell back.
+
+        A batch at a time: its connections' reading is held only from when the batch is
+        gathered to when the new worker answers (a heartbeat sent meanwhile waits that
+        long, no more). One not quiet yet (a heartbeat at the store, bytes unsent) waits,
+        held, for a later batch, at most SETTLE_S; one before WELCOME is looked at again
+        until SETTLE_S after the start."""
         loop = asyncio.get_running_loop()
         cpu = time.process_time()
         began = loop.time()
-        deadline = began + SETTLE_S
-        pending = list(self.connections)
-        while pending and self.failed is None:
-            later: list[Connection] = []
+        pending = deque(self.connections)
+        settling: dict[Connection, float] = {}  # held, not quiet yet: since when
+        while (pending or settling) and self.failed is None:
+            now = loop.time()
             batch: list[Connection] = []
-            for index, connection in enumerate(pending):
-                if self.failed is not None:
-                    later += pending[index:]
-                    break
+            for connection, since in list(settling.items()):
+                if connection.quiet:
+                    del settling[connection]
+                    batch.append(connection)
+                elif now - since > SETTLE_S or _cannot_move(connection) is not None:
+                    del settling[connection]
+                    _release(connection)
+                    self._fall_back(connection, _not_ready(connection))
+            greeting = []  # before WELCOME: looked at again next time
+            while pending and len(batch) < MAX_BATCH and len(settling) < MAX_BATCH:
+                connection = pending.popleft()
                 reason = _cannot_move(connection)
-                if reason is FallbackReason.BEFORE_WELCOME:
-                    later.append(connection)
+                if reason is FallbackReason.BEFORE_WELCOME and now - began <= SETTLE_S:
+                    greeting.append(connection)
                 elif reason is not None:
                     self._fall_back(connection, reason)
                 elif _hold(connection):
                     batch.append(connection)
-                    if len(batch) == MAX_BATCH:
-                        await self._send(batch)
-                        batch = []
                 else:
-                    later.append(connection)
+                    settling[connection] = now
+            pending.extend(greeting)
             if batch:
                 await self._send(batch)
-            pending = later
-            if pending and self.failed is None:
-                if loop.time() > deadline:
-                    for connection in pending:
-                        _release(connection)
-                        self._fall_back(connection, _not_ready(connection))
-                    pending = []
-                else:
-                    await asyncio.sleep(ROUND_PAUSE_S)
+            else:
+                await asyncio.sleep(ROUND_PAUSE_S)
         while self.sent and self.failed is None:
             await self._answered()
         if self.failed is not None:
             self._last_replies()
             await self._take_back()
-            for connection in pending:
+            for connection in [*settling, *pending]:
                 _release(connection)
                 self._fall_back(connection, self.failed)
         with contextlib.suppress(OSError):
@@ -327,7 +331,8 @@ def _hold(connection: Connection) -> bool:
 
 
 def _not_ready(connection: Connection) -> FallbackReason:
-    return FallbackReason.BEFORE_WELCOME if _cannot_move(connection) else FallbackReason.NOT_QUIET
+    """Why a connection held for the handoff never became quiet enough to go."""
+    return _cannot_move(connection) or FallbackReason.NOT_QUIET
 
 
 def _release(connection: Connection) -> None:
@@ -421,8 +426,9 @@ class Taker:
         self.report = HandoffReport()
         self.tasks: set[asyncio.Task[None]] = set()
         self.loop = asyncio.get_running_loop()
-        # This process's CPU time over its batches but their store round trips (all it
-        # did meanwhile: an upper bound).
+        # This process's CPU time from its first batch to its last adoption (all it did
+        # meanwhile: an upper bound).
+        self.first_cpu: float | None = None
         self.cpu_s = 0.0
 
     def start(self) -> None:
@@ -452,7 +458,8 @@ class Taker:
         log.info("took over", moved=self.report.moved, cpu_s=round(self.cpu_s, 3))
 
     async def _take(self, data: bytes, fds: list[int], flags: int) -> None:
-        cpu = time.process_time()
+        if self.first_cpu is None:
+            self.first_cpu = time.process_time()
         try:
             version, number = batch_number(data)
         except HandoffFormatError as exc:
@@ -480,7 +487,6 @@ class Taker:
             MoveRequest.of(r.session.claims.tid, r.session.conn, r.session.since_ms, conn)
             for r, conn in zip(records, conns, strict=True)
         ]
-        cpu_s = time.process_time() - cpu
         try:
             sinces = await node.store.moves(requests)
         except Exception as exc:  # StoreUnavailable, or a script error
@@ -490,7 +496,6 @@ class Taker:
                 encode_reply(number, BatchStatus.READ, [Taken.STORE_UNAVAILABLE] * len(records))
             )
             return
-        cpu = time.process_time()
         taken = [Taken.TAKEN if since else Taken.NOT_HELD for since in sinces]
         if not await self._reply(encode_reply(number, BatchStatus.READ, taken)):
             # The old worker gave up on this batch: the connections stay with it.
@@ -514,7 +519,7 @@ class Taker:
                 os.close(fd)
         self.report.moved += adopted
         node.metrics.handoff_taken += adopted
-        self.cpu_s += cpu_s + time.process_time() - cpu
+        self.cpu_s = time.process_time() - self.first_cpu
 
     async def _reply(self, message: bytes) -> bool:
         try:
