@@ -19,13 +19,13 @@ slots' sockets (SO_REUSEPORT hashes the connection's addresses); the spread is k
 across reloads because the sockets are (docs/operations.md, "Restarts that keep the
 port open").
 
-* SIGHUP (``tokend reload``) replaces the workers (:meth:`Supervisor._reload`). Slot by
-  slot, the new worker starts and must be ready within :data:`WORKER_READY_TIMEOUT`;
-  then the old one stops accepting (SIGUSR1) and keeps its connections. Then the old
-  ones are sent SIGTERM together and drain side by side, each over
-  ``reload_drain_period`` (1001 spread over it; their clients resume on the new
-  workers): the reload's closes, and so the new workers' resumes, come at one steady
-  rate, sessions / reload_drain_period, with no gap between one old worker's last close
+* SIGHUP (``tokend reload``) replaces the workers (:meth:`Supervisor._reload`). The new
+  workers start together; slot by slot, once the slot's new worker is ready (within
+  :data:`WORKER_READY_TIMEOUT`), the old one stops accepting (SIGUSR1) and hands it its
+  live connections over a socketpair made for the two (tokend/server/handoff.py). Then
+  the old ones are sent SIGTERM together and close, with 1001, what they could not hand
+  over (spread over their share of ``reload_drain_period``; their clients resume on the
+  new workers), the same everywhere, with no gap between one old worker's last close
   and the next one's first. A new worker that exits or is not ready in time is killed,
   its slot's old one kept, the reload ended there and logged (``reload finished``,
   result ``failed``); the supervisor keeps serving. A SIGHUP during a reload is logged
@@ -438,14 +438,13 @@ class Supervisor:
         """Replace every slot's worker: "ok" or "failed" (the supervisor goes on either
         way), or "stop" or "died".
 
-        Two steps. First, slot by slot, the new worker starts; once it is ready, the old
-        one stops accepting (SIGUSR1) and keeps its connections. Then the old workers
-        drain together (SIGTERM), each over reload_drain_period: their clients reconnect
-        to the new workers alone, each session moves once, and the new workers share
-        them evenly. (Draining each old worker as soon as its slot's new one is ready
-        would send a quarter of a slot's clients to each old worker not yet replaced:
-        with 4 workers, the last one would drain half of all sessions;
-        docs/operations.md.)
+        Two steps. First, the new workers start together; slot by slot, once the slot's
+        new worker is ready, the old one stops accepting (SIGUSR1) and hands it its live
+        connections (tokend/server/handoff.py). Then the old workers drain together
+        (SIGTERM) what they could not hand over: those clients reconnect to the new
+        workers alone, each session moves once, and the new workers share them evenly.
+        (Draining each old worker as soon as its slot's new one is ready would send a
+        quarter of its clients to each old worker not yet replaced; docs/operations.md.)
         """
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -461,9 +460,12 @@ class Supervisor:
         self._write_status("reloading")
         outcome, reason = "ok", ""
         superseded = []
+        # Every new worker starts at once (their starts overlap rather than add up); then,
+        # slot by slot, each replaces its slot's old one once ready.
+        starting = {slot.index: self._start(slot) for slot in self.slots}
         for slot in self.slots:
             old = slot.worker
-            outcome, reason = await self._supersede(slot)
+            outcome, reason = await self._supersede(slot, starting.pop(slot.index))
             if outcome != "ok":
                 break
             assert old is not None
@@ -471,6 +473,10 @@ class Supervisor:
             if self.handoff_failed:  # a new worker died in its handoff: the reload ends
                 outcome, reason = "failed", self.handoff_failed
                 break
+        for new in starting.values():  # the later slots keep their old workers
+            new.process.kill()
+        for new in starting.values():
+            await new.exited.wait()
         if outcome in ("ok", "failed"):
             # After a failure, the slots already replaced finish their move.
             drained = await self._drain(superseded)
@@ -495,10 +501,10 @@ class Supervisor:
         )
         return outcome
 
-    async def _supersede(self, slot: Slot) -> tuple[str, str]:
-        """Start the slot's new worker; once it is ready, the old one stops accepting.
-        ("ok", ""), ("failed", why), ("stop", "") or ("died", "")."""
-        old, new = slot.worker, self._start(slot)
+    async def _supersede(self, slot: Slot, new: Worker) -> tuple[str, str]:
+        """Once the slot's ``new`` worker is ready, the old one stops accepting and hands
+        it its connections. ("ok", ""), ("failed", why), ("stop", "") or ("died", "")."""
+        old = slot.worker
         assert old is not None
         outcome = await self._first(
             WORKER_READY_TIMEOUT, ready=new.ready.wait(), exited=new.exited.wait()
