@@ -53,11 +53,13 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
       redis.call('HSET', skey, 'exp', s.exp, 'iat', iat)
       redis.call('PEXPIREAT', skey, s.exp + grace_ms)
     end
-    -- Due but not yet swept: expire it now rather than bring it back.
+    -- Due but not yet swept: expire it now rather than bring it back. A parked session's
+    -- clocks are held while a restart brings its clients back (sweep.lua): its silence
+    -- since the close does not count, only its token's exp.
     local reason = nil
     if s.exp <= now then
       reason = EXPIRY.TOKEN_EXPIRED
-    elseif now - s.hb >= expire_ms then
+    elseif now - s.hb >= expire_ms and not s.pk then
       reason = EXPIRY.HEARTBEAT_TIMEOUT
     end
     if reason then
