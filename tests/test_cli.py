@@ -61,9 +61,9 @@ def test_help_explains_each_command():
 
 
 def setting_flags(help_text: str) -> set[str]:
-    """The flags of the help's "settings" section, but --config."""
-    section = help_text.split("\nsettings:\n", 1)[1]
-    return set(re.findall(r"^  (--[a-z-]+) [A-Z]+", section, re.M)) - {"--config"}
+    """The flags of the help's "... settings" sections."""
+    sections = re.split(r"^\S.* settings:$", help_text, flags=re.M)[1:]
+    return {flag for text in sections for flag in re.findall(r"^  (--[a-z-]+) [A-Z]+", text, re.M)}
 
 
 @pytest.mark.parametrize("command", list(COMMAND_SETTINGS))

@@ -337,9 +337,9 @@ async def test_a_proxy_header_then_wss(
 @pytest.mark.parametrize(
     ("overrides", "error"),
     [
-        ({"tls_cert_file": "cert.pem"}, "tls_cert_file: set both"),
-        ({"tls_key_file": "key.pem"}, "tls_cert_file: set both"),
-        ({"tls_reload_interval": 0}, "tls_reload_interval: must be a positive"),
+        ({"tls_cert_file": "cert.pem"}, "tls_cert_file: must be set with tls_key_file"),
+        ({"tls_key_file": "key.pem"}, "tls_cert_file: must be set with tls_key_file"),
+        ({"tls_reload_interval": 0}, "tls_reload_interval: must be more than 0"),
     ],
 )
 def test_settings_are_checked(
