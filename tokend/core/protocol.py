@@ -226,8 +226,7 @@ def heartbeat_mac_key(session_key: bytes) -> HeartbeatMacKey:
     """A session key made ready for :func:`heartbeat_proof_holds`: HMAC-SHA256's inner and
     outer hashes with the key's padded block already hashed (RFC 2104 section 2), made
     once per session. Each heartbeat then hashes one block for each, where a one-shot
-    HMAC hashes two (and OpenSSL's looks its algorithm up by name every time: about
-    21,000 instructions a heartbeat, against 10,000 here; bench/hotpath_profile.py)."""
+    HMAC hashes two (and OpenSSL's looks its algorithm up by name every time)."""
     if len(session_key) > _SHA256_BLOCK:
         session_key = _sha256(session_key).digest()
     block = session_key.ljust(_SHA256_BLOCK, b"\0")
@@ -247,7 +246,7 @@ def heartbeat_proof_holds(data: bytes, mac_key: HeartbeatMacKey) -> bool:
 
 _SIGNED_LENGTH = _HEARTBEAT_SIGNED.size
 # CPython's own SHA-256 (C, no OpenSSL): a copy of its state is a plain memory copy,
-# where OpenSSL's allocates a context (12,800 instructions a MAC, against 10,600).
+# where OpenSSL's allocates a context.
 try:
     from _sha256 import sha256 as _sha256  # Python 3.11
 except ImportError:  # pragma: no cover

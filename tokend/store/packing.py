@@ -1,9 +1,9 @@
 """Redis connections that pack commands with hiredis (C) instead of redis-py's Python.
 
 redis-py's asyncio client packs every command in pure Python
-(``AbstractConnection.pack_command``: ~6.7 µs per heartbeat of a batched EVALSHA),
-although ``hiredis.pack_command``, installed with ``redis[hiredis]``, produces the same
-bytes in ~0.8 µs; only the synchronous client uses it. The classes here use it, and
+(``AbstractConnection.pack_command``), although ``hiredis.pack_command``, installed
+with ``redis[hiredis]``, produces the same bytes in C; only the synchronous client uses
+it. The classes here use it, and
 fall back to redis-py's packer for what hiredis refuses (a bool, None or bytearray
 argument, for which redis-py raises its own DataError or packs it itself) and for an
 encoding other than UTF-8. :func:`tokend.store.redis_client.open_client` gives them to every kind of

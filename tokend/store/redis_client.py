@@ -163,8 +163,8 @@ class DirectCalls:
             if not connection.is_connected:
                 await connection.connect()
             # Written to the connection's stream itself: send_packed_command wraps the
-            # write in asyncio.wait_for(socket_timeout), a task and a timer per call (~40,000
-            # instructions a batch); the caller's deadline bounds the write as the read.
+            # write in asyncio.wait_for(socket_timeout), a task and a timer per call; the
+            # caller's deadline bounds the write as the read.
             writer = connection._writer
             assert writer is not None  # connected
             writer.writelines(connection.pack_command(*command) if packed is None else [packed])

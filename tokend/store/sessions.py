@@ -450,12 +450,13 @@ class Store(ScriptRunner):
 
 class _HeartbeatWire:
     """heartbeat.lua's EVALSHA for a batch on one Redis, written as Redis reads it (RESP:
-    an array of bulk strings) rather than argument by argument by hiredis' packer (about
-    1,500 instructions an argument, seven a heartbeat: bench/hotpath_profile.py).
+    an array of bulk strings) rather than argument by argument by hiredis' packer, whose
+    work per argument a heartbeat's seven arguments would each pay
+    (bench/hotpath_profile.py profiles it).
 
     The sessions go in groups by shard (``for_each_session`` in lua/_prelude.lua), in
-    the order of their shards: a group per session would cost Redis ~3,400 instructions
-    more a heartbeat. What a session adds is two string formats of parts made here once
+    the order of their shards: a group per session would cost Redis a group's setup on
+    every heartbeat. What a session adds is two string formats of parts made here once
     per shard.
     """
 
