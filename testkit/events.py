@@ -9,7 +9,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -85,7 +85,11 @@ async def read_events(
     events = []
     for stream in Keyspace(prefix).streams():
         start = f"({positions[stream]}" if positions and stream in positions else f"{since_ms}-0"
-        while entries := await client.xrange(stream, start, "+", count=READ_CHUNK):
+        # The client decodes replies (redis-py types them wider).
+        while entries := cast(
+            "list[tuple[str, dict[str, str]]]",
+            await client.xrange(stream, start, "+", count=READ_CHUNK),
+        ):
             events += [json.loads(fields["event"]) for _, fields in entries]
             start = f"({entries[-1][0]}"
             if positions is not None:

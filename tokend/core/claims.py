@@ -55,6 +55,7 @@ class Tid(uuid.UUID):
     "Resume"). Equal to, and hashed as, the ``uuid.UUID`` of the same value."""
 
     __slots__ = ("_text",)
+    _text: str
 
     def __init__(self, text: str) -> None:
         super().__init__(text)

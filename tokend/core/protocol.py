@@ -8,13 +8,17 @@ integer is unsigned big-endian, every time is Unix epoch milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import hmac
+import importlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from hmac import compare_digest
-from typing import Any
+from typing import Protocol
 
 VERSION = 1
 SUBPROTOCOL = "tokend.v1"
@@ -247,18 +251,32 @@ def heartbeat_proof_holds(data: bytes, mac_key: HeartbeatMacKey) -> bool:
 _SIGNED_LENGTH = _HEARTBEAT_SIGNED.size
 # CPython's own SHA-256 (C, no OpenSSL): a copy of its state is a plain memory copy,
 # where OpenSSL's allocates a context.
-try:
-    from _sha256 import sha256 as _sha256  # Python 3.11
-except ImportError:  # pragma: no cover
-    try:
-        from _sha2 import sha256 as _sha256  # Python 3.12 and later
-    except ImportError:
-        from hashlib import sha256 as _sha256
+
+
+class Sha256(Protocol):
+    """A SHA-256 in progress, as :func:`heartbeat_proof_holds` uses one."""
+
+    def copy(self) -> Sha256: ...
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def _own_sha256() -> Callable[[bytes], Sha256]:
+    for module in ("_sha256", "_sha2"):  # Python 3.11; 3.12 and later
+        with contextlib.suppress(ImportError):
+            found: Callable[[bytes], Sha256] = importlib.import_module(module).sha256
+            return found
+    return hashlib.sha256  # pragma: no cover - a build without them
+
+
+_sha256 = _own_sha256()
 _SHA256_BLOCK = 64
 _IPAD = bytes(b ^ 0x36 for b in range(256))
 _OPAD = bytes(b ^ 0x5C for b in range(256))
 # What a session keeps of its key for its heartbeats' macs: the inner and outer hashes.
-HeartbeatMacKey = tuple[Any, Any]
+HeartbeatMacKey = tuple[Sha256, Sha256]
 # A well-formed HEARTBEAT's (tid, seq, exp_ms): the struct's own method, no Python frame.
 heartbeat_fields = _HEARTBEAT_FIELDS.unpack_from
 

@@ -490,8 +490,8 @@ class Supervisor:
         self._write_status("stopping")
         for slot in self.slots:
             slot.close()  # the port closes as the workers close their copies
-        for worker in self.processes.values():
-            worker.terminate()
+        for running in self.processes.values():
+            running.terminate()
         await _all_set(w.exited for w in list(self.processes.values()))
         for slot in self.slots:
             worker = slot.worker

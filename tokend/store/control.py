@@ -15,6 +15,7 @@ from typing import Protocol
 
 import structlog
 
+from tokend.core.session import Session
 from tokend.store.redis_client import (
     Client,
     close_quietly,
@@ -22,7 +23,6 @@ from tokend.store.redis_client import (
     subscription,
     through_sentinel,
 )
-from tokend.core.session import Session
 from tokend.store.unavailable import UNAVAILABLE, Retry
 
 log = structlog.get_logger("tokend.control")

@@ -335,7 +335,7 @@ class Store(ScriptRunner):
             answered = await self._eval_many(calls)
             replies = answered[0] if len(answered) == 1 else [r for c in answered for r in c]
         if len(parts) == 1:
-            return replies  # type: ignore[no-any-return]  # one group: its positions are the batch's, in order
+            return replies  # one group: its positions are the batch's, in order
         results: list[Any] = [None] * count
         at = 0
         for g in parts:
@@ -364,7 +364,7 @@ class Store(ScriptRunner):
             )
         except rexc.ResponseError as exc:
             raise RuntimeError(f"script failed: {exc}") from None
-        return self._answered(reply)  # type: ignore[no-any-return]
+        return self._answered(reply)
 
     def release_request(
         self, tid: uuid.UUID, conn: str, since_ms: int, reason: str
