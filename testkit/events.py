@@ -9,10 +9,11 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import redis
 
+from testkit import replies
 from testkit.net import http_request, url_of
 from testkit.waiting import eventually
 from tokend.client import Backoff, connect
@@ -85,11 +86,7 @@ async def read_events(
     events = []
     for stream in Keyspace(prefix).streams():
         start = f"({positions[stream]}" if positions and stream in positions else f"{since_ms}-0"
-        # The client decodes replies (redis-py types them wider).
-        while entries := cast(
-            "list[tuple[str, dict[str, str]]]",
-            await client.xrange(stream, start, "+", count=READ_CHUNK),
-        ):
+        while entries := replies.entries(await client.xrange(stream, start, "+", count=READ_CHUNK)):
             events += [json.loads(fields["event"]) for _, fields in entries]
             start = f"({entries[-1][0]}"
             if positions is not None:

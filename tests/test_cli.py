@@ -18,17 +18,16 @@ import redis as redis_lib
 from testkit.clients import RawClient
 from testkit.net import http_get
 from testkit.tokend_process import CLEAN_ENV, TokendProcess, tokend
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
 from tokend import config
 from tokend.cli import COMMAND_SETTINGS
 from tokend.core import protocol as p
 from tokend.store.keyspace import Keyspace
 from tokend.store.sessions import proof_digest
-from tokend.tokens.service import TokenService
 
 
-def verifier(data_dir: Path) -> TokenService:
+def verifier(data_dir: Path) -> WallClockTokens:
     settings = config.load({"data_dir": str(data_dir)}, environ={})
     return minter(settings)
 

@@ -37,7 +37,7 @@ from testkit.reconnects import (
     resumed_at,
 )
 from testkit.redis_servers import RedisProcess
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
 from tokend.client import (
     AuthError,
@@ -97,7 +97,7 @@ def test_a_token_that_is_not_a_jwt_is_refused_before_connecting():
 
 
 async def test_heartbeats_renew_and_bye(
-    start_app: StartApp, tokens: TokenService, events: EventLog
+    start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     app = await start_app(token_ttl=3, renew_window=2)
     token = tokens.mint("alice", ttl_s=3)
@@ -125,7 +125,7 @@ async def test_heartbeats_renew_and_bye(
 
 
 async def test_no_renewal_missed_over_accelerated_minutes(
-    start_app: StartApp, tokens: TokenService, events: EventLog
+    start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     """10 s at a 0.2 s cadence is 50 heartbeat periods (25 min at the default 30 s);
     a 4 s token renewed 3 s before its exp renews every second: ~10 renewal cycles.
@@ -238,7 +238,7 @@ async def test_survives_a_redis_outage(
     assert session.error is None
 
 
-async def test_revocation_is_terminal(start_app: StartApp, tokens: TokenService):
+async def test_revocation_is_terminal(start_app: StartApp, tokens: WallClockTokens):
     app = await start_app()
     token = tokens.mint("revoked")
     async with connect(url_of(app.port), token, backoff=FAST) as session:
@@ -262,7 +262,7 @@ async def test_revocation_is_terminal(start_app: StartApp, tokens: TokenService)
 
 
 async def test_takeover_is_terminal_and_the_newcomer_gets_the_current_token(
-    start_app: StartApp, tokens: TokenService
+    start_app: StartApp, tokens: WallClockTokens
 ):
     app = await start_app(token_ttl=30, renew_window=9)
     old_token = tokens.mint("twice", ttl_s=5)
@@ -664,7 +664,7 @@ async def locust_users(url: str, users: int, keys_dir: Path, *args: str) -> Asyn
 
 
 async def test_the_load_generator_spreads_its_first_reconnects_after_a_drain(
-    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
+    start_app: StartApp, tokens: WallClockTokens, events: EventLog, tmp_path: Path
 ):
     minted = [tokens.mint(f"g{n}") for n in range(SPREAD_SESSIONS)]
     tids = [str(tokens.verify(token).tid) for token in minted]

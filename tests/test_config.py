@@ -199,7 +199,7 @@ def test_bad_type_in_file_is_named(tmp_path: Path, text: str, name: str) -> None
 )
 def test_bad_type_in_env_is_named(var: str, value: str) -> None:
     name = var.removeprefix("TOKEND_").lower()
-    message = config_error(**{var: value})
+    message = config_error(None, **{var: value})
     assert message.startswith(name), message
     assert var in message  # and says where
 

@@ -19,11 +19,11 @@ from redis import asyncio as aioredis
 from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port, http_request
+from testkit.tokens import WallClockTokens
 from testkit.waiting import eventually
 from tokend.client import connect
 from tokend.core import protocol as p
 from tokend.ops.app import App
-from tokend.tokens.service import TokenService
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage
@@ -80,7 +80,7 @@ async def shown(page: BrowserPage) -> dict[str, Any]:
 async def test_dashboard_shows_the_servers_numbers_and_events(
     browser: BrowserPage,
     start_app: StartApp,
-    tokens: TokenService,
+    tokens: WallClockTokens,
     events: EventLog,
     redis: aioredis.Redis,
 ):
@@ -174,7 +174,7 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
 
 
 async def test_dashboard_follows_a_blip_and_a_restarted_node(
-    browser: BrowserPage, start_app: StartApp, tokens: TokenService, redis: aioredis.Redis
+    browser: BrowserPage, start_app: StartApp, tokens: WallClockTokens, redis: aioredis.Redis
 ):
     admin_port = free_port()
     settings = {"admin_token": ADMIN_TOKEN, "admin_port": admin_port}

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from testkit import replies
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog
 from tokend.core import protocol as p
@@ -80,7 +81,8 @@ async def resume(app: App, token: str, welcome: p.Welcome) -> p.Welcome | tuple[
 
 async def kept_digest(app: App, redis: Redis, tid: bytes) -> str | None:
     key = app.node.store.keys.session_keys(uuid.UUID(bytes=tid))[0]
-    return await redis.hget(key, "tok")  # type: ignore[no-any-return]
+    kept = await redis.hget(key, "tok")
+    return None if kept is None else replies.text(kept)
 
 
 def digest_of(app: App, token: str) -> str:

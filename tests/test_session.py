@@ -26,6 +26,7 @@ from testkit.session_core import (
     session,
     welcome,
 )
+from testkit.tokens import WallClockTokens
 from tokend.core import protocol as p
 from tokend.core.lifecycle import serving_rank
 from tokend.core.session import Ask, Close, Phase, Release, Session
@@ -310,7 +311,7 @@ def test_a_plain_ok_the_store_answers_with_the_exp_alone_is_acknowledged(
 
 
 def test_a_renewal_hands_over_a_new_token(
-    session: Session, host: Host, tokens: TokenService
+    session: Session, host: Host, tokens: WallClockTokens
 ) -> None:
     w = welcome(session, tokens)
     session.receive(heartbeat(w, 1))

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
+from websockets.typing import Subprotocol
 
 from testkit.certificates import Authority, served_serial
 from testkit.clients import RawClient, open_socket
@@ -111,7 +112,9 @@ async def test_a_websockets_client_with_verification_on_speaks_protocol_v1_over_
     app = await tls_app()
     assert trusting.verify_mode is ssl.CERT_REQUIRED and trusting.check_hostname
     async with connect(
-        f"wss://{LOOPBACK}:{app.port}{p.WS_PATH}", ssl=trusting, subprotocols=[p.SUBPROTOCOL]
+        f"wss://{LOOPBACK}:{app.port}{p.WS_PATH}",
+        ssl=trusting,
+        subprotocols=[Subprotocol(p.SUBPROTOCOL)],
     ) as ws:
         ssl_object = ws.transport.get_extra_info("ssl_object")
         assert ssl_object.version() in ("TLSv1.2", "TLSv1.3")

@@ -174,6 +174,7 @@ def test_tokens_are_the_bytes_pyjwt_makes(
     body = jwt.decode(token, options={"verify_signature": False})
     assert token == sign(ring, body)
     public = ring.public_key(ring.kids[-1])
+    assert public is not None
     assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == sub
 
 
@@ -191,6 +192,7 @@ def test_a_renewed_token_is_the_bytes_pyjwt_makes_of_its_new_times(
     assert (body["iat"], body["exp"], body["jti"]) == (iat, exp, str(first.tid))
     assert token.decode() == sign(ring, body)
     public = ring.public_key(ring.kids[-1])
+    assert public is not None
     assert jwt.decode(token, public, algorithms=["EdDSA"], audience="tokend")["sub"] == "alice"
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from redis import exceptions as rexc
@@ -74,7 +74,7 @@ def _honour_cancellation() -> None:
         raise asyncio.CancelledError
 
 
-async def live(redis: Client, keys: Keyspace) -> AsyncIterator[Event]:
+async def live(redis: Client, keys: Keyspace) -> AsyncGenerator[Event, None]:
     """Events as they are published, from now on (at-most-once)."""
     pubsub = await subscription(redis)
     await pubsub.subscribe(keys.events_channel)
@@ -90,7 +90,7 @@ async def live(redis: Client, keys: Keyspace) -> AsyncIterator[Event]:
 
 async def from_start(
     redis: Client, keys: Keyspace, *, follow: bool = True, block_ms: int = 1000
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Every event still in the stream shards, in stream-id order per read, then new ones.
 
     One XREAD covers all shards on one Redis; on a Cluster, one per slot.
@@ -130,7 +130,7 @@ async def durable(
     claim_idle_ms: int = 30_000,
     block_ms: int = 500,
     count: int = 100,
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Events through consumer group ``group`` as member ``consumer`` (at-least-once).
 
     The group is created on every shard if missing (MKSTREAM), starting at

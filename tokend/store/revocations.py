@@ -11,7 +11,7 @@ expired, and
   subscription is made again): a new id (a replica promoted, a master restarted) means
   acknowledged writes may be gone, and the node revokes again every token it keeps. A
   tombstone that survived is left as it is; a lost one is written again, and a session that
-  came back with it is ended (closed 4506, TOKEN_REVOKED emitted anew).
+  came back with it is ended (closed as revoked, TOKEN_REVOKED emitted anew).
 """
 
 from __future__ import annotations
