@@ -13,6 +13,8 @@ RUN useradd --system --uid 10001 --home-dir /data tokend \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY tokend ./tokend
+# The Python SDK, which the server's wheel carries (tokend connect, the load tests).
+COPY sdk/python/tokend_client ./sdk/python/tokend_client
 COPY load_tests ./load_tests
 RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
 

@@ -12,7 +12,7 @@ one token per line), ``first`` and ``count`` (this process's slice of that file)
 address has its own ephemeral ports, so many processes can hold more connections
 than one address's port range); optionally ``ca_file`` (for a ``wss://`` url: the CA
 whose certificates it trusts; it verifies the server's, as a real client does) and
-``going_away_window`` (seconds; the SDK's :class:`tokend.client.Backoff` default, 5 s,
+``going_away_window`` (seconds; the SDK's :class:`tokend_client.Backoff` default, 5 s,
 when absent) and ``connect_timeout`` (seconds a connect may take to WELCOME, 20 by
 default; one given up is counted by its stage: ``timeout before the upgrade`` or
 ``timeout awaiting WELCOME``).
@@ -86,8 +86,8 @@ from picows import (
     ws_connect,
 )
 
-from tokend.client.backoff import Backoff, going_away_limit, retry_after
 from tokend.core import protocol as p
+from tokend_client.backoff import Backoff, going_away_limit, retry_after
 
 # The heartbeat's signed part, as in tokend.core.protocol; checked against the codec once
 # per connection (Conn._welcome), then built here without the codec's dataclasses.

@@ -1,6 +1,6 @@
 """Locust load test for tokend: the SDK's client core driven over ``websockets.sync.client``.
 
-Each simulated user holds one session, spoken by a :class:`tokend.client.core.ClientCore`
+Each simulated user holds one session, spoken by a :class:`tokend_client.core.ClientCore`
 (the Python SDK's protocol rules, Sans-I/O) that this user drives with a blocking
 WebSocket: connect + HELLO -> WELCOME, then one heartbeat per interval (the server's
 cadence from WELCOME, or ``--heartbeat-ms``), each timed until its ACK. Every step is
@@ -18,7 +18,7 @@ interrupted (:class:`Interrupted`, with the close code or what happened). As the
 decides, the user then reconnects and resumes with its newest token, proving with the
 session key of its last WELCOME, after a reconnectable code or a lost connection; and
 starts over with a new token after a terminal one. It waits before each attempt as the
-SDK does (:class:`tokend.client.backoff.Backoff`): the first reconnect after a 1001 (the
+SDK does (:class:`tokend_client.backoff.Backoff`): the first reconnect after a 1001 (the
 server drains, reloads or stops) at a random time within ``--going-away-window`` seconds
 (default 5), an HTTP 503 or 429 at least its Retry-After, anything else full-jitter
 backoff.
@@ -50,8 +50,11 @@ from websockets.sync.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from tokend import config
-from tokend.client.backoff import Backoff
-from tokend.client.core import (
+from tokend.tokens.keys import KeyRing
+from tokend.tokens.service import TokenService
+from tokend_client import protocol as p
+from tokend_client.backoff import Backoff
+from tokend_client.core import (
     MAX_SERVER_MESSAGE,
     ON_A_CONNECTION,
     Change,
@@ -59,9 +62,6 @@ from tokend.client.core import (
     Lifecycle,
     Phase,
 )
-from tokend.core import protocol as p
-from tokend.tokens.keys import KeyRing
-from tokend.tokens.service import TokenService
 
 # How long the opening handshake, a WELCOME, or the server's close after BYE may take.
 REPLY_TIMEOUT = 10.0

@@ -16,12 +16,12 @@ import redis
 from testkit import replies
 from testkit.net import http_request, url_of
 from testkit.waiting import eventually
-from tokend.client import Backoff, connect
 from tokend.ops.app import App
 from tokend.store.events import Event
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, subscription
 from tokend.tokens.service import TokenService
+from tokend_client import Backoff, connect
 
 READ_CHUNK = 5000  # stream entries per XRANGE call
 

@@ -1,6 +1,6 @@
 """Reconnection scenarios the Python and browser SDK tests share: a session held live by
 a connection its client lost (the resume proof), and a drained node's clients spread
-over the going-away window behind a balancer (issue 20 point 5)."""
+over the going-away window behind a balancer."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ StartApp = Callable[..., Awaitable[App]]
 PROOF_CLOCKS = {"heartbeat_interval": 0.5, "warn_after": 20, "expire_after": 40}
 HELD_LIVE_FOR = PROOF_CLOCKS["heartbeat_interval"] + 15
 
-# No stampede after a drain (issue 20 point 5).
+# No stampede after a drain.
 SPREAD_WINDOW = 3.0  # s: the going_away_window of the drained clients
 SPREAD_SESSIONS = 16
 # drain_period 0: every 1001 at once. A spread reconnect cannot harm these clocks: the

@@ -382,7 +382,7 @@ async def test_redis_down_is_503_store_unavailable(
     assert (await call(app, "GET", "/metrics")).status == 200
 
 
-# --- malformed requests, Host, connection cap (issue 21.4) --------------------------------------
+# --- malformed requests, Host, connection cap --------------------------------------
 
 GOOD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 

@@ -494,7 +494,7 @@ async def test_open_timeout_still_ends_a_connection_without_welcome(
     assert ended["detail"] == "closed before a session was made"
 
 
-# No stampede after a drain (issue 20 point 5)
+# No stampede after a drain
 
 
 async def test_after_a_drain_the_first_reconnects_spread_over_the_window(

@@ -6,11 +6,16 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
+import pty
 import re
 import signal
+import socket
+import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as redis_lib
@@ -270,3 +275,81 @@ async def test_events_group_delivers_each_event_once(home: dict[str, str], redis
     # A restarted reader of the same group gets the next event, not the first again.
     assert (await next_event_of_a_fresh_reader())["tid"] == second
     client.close()
+
+
+# --- commands that say what went wrong ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", [("revoke", str(uuid.uuid4())), ("sessions", "list"), ("events",)]
+)
+def test_without_the_servers_redis_a_command_names_the_data_dir_it_tried(
+    home: dict[str, str], tmp_path: Path, command: tuple[str, ...]
+):
+    failed = tokend(*command, env=home, timeout=60)
+    data_dir = tmp_path / "home/.local/share/tokend"
+    assert failed.returncode == 1
+    assert failed.stderr.count("\n") == 1, failed.stderr  # one line, no traceback
+    assert failed.stderr.startswith(f"tokend {command[0]}: cannot reach the embedded Redis")
+    assert f"of data directory {data_dir} (" in failed.stderr
+    assert "TOKEND_DATA_DIR" in failed.stderr
+
+
+@pytest.mark.parametrize("command", [("sessions", "list"), ("events",)])
+def test_without_the_configured_redis_a_command_names_its_url_without_the_password(
+    command: tuple[str, ...],
+):
+    with socket.socket() as closed:  # a port nothing listens on: bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        url = f"redis://user:secret@127.0.0.1:{closed.getsockname()[1]}/0"
+        failed = tokend(*command, "--redis-url", url, "--redis-timeout", "1", env={})
+    assert failed.returncode == 1 and failed.stderr.count("\n") == 1, failed.stderr
+    shown = url.replace("secret", "***")
+    assert failed.stderr.startswith(f"tokend {command[0]}: cannot reach Redis at {shown} (")
+    assert "secret" not in failed.stderr
+
+
+def test_issue_says_when_it_makes_a_new_key_ring(home: dict[str, str], tmp_path: Path):
+    first = tokend("issue", "--sub", "alice", env=home)
+    keys_dir = tmp_path / "home/.local/share/tokend/keys"
+    assert first.returncode == 0 and first.stdout.count(".") == 2  # the token alone
+    assert first.stderr.startswith(f"tokend issue: no signing key in {keys_dir}: made a new")
+    assert "4501 unknown_kid" in first.stderr and first.stderr.count("\n") == 1
+    again = tokend("issue", "--sub", "alice", env=home)
+    assert again.returncode == 0 and again.stderr == ""
+
+
+def test_an_empty_listing_says_so_on_stderr(redis_server: Any):
+    env = {"TOKEND_REDIS_URL": redis_server.url, "TOKEND_KEY_PREFIX": f"empty{uuid.uuid4().hex}"}
+    listed = tokend("sessions", "list", env=env)
+    assert (listed.returncode, listed.stdout) == (0, "")
+    assert listed.stderr == "tokend sessions: no live sessions\n"
+    warned = tokend("sessions", "list", "--state", "WARN", env=env)
+    assert warned.stderr == "tokend sessions: no live sessions in state WARN\n"
+
+
+LOG_ONE_LINE = (
+    "import sys, structlog; from tokend import logs; logs.configure(sys.argv[1]); "
+    "structlog.get_logger('tokend.test').info('hello', answer=42)"
+)
+
+
+def logged(log_format: str, terminal: bool) -> str:
+    """What one log line looks like on stderr: a terminal's (a pty), or a pipe's."""
+    reader, writer = pty.openpty() if terminal else os.pipe()
+    with subprocess.Popen(
+        [sys.executable, "-c", LOG_ONE_LINE, log_format], stderr=writer, env=CLEAN_ENV
+    ) as child:
+        os.close(writer)
+        assert child.wait(timeout=30) == 0
+    with contextlib.suppress(OSError):  # a pty's reader ends with EIO once drained
+        return os.read(reader, 4096).decode()
+    raise AssertionError("nothing logged")
+
+
+def test_logs_are_for_a_person_on_a_terminal_and_json_elsewhere():
+    assert json.loads(logged("", terminal=False))["event"] == "hello"
+    console = logged("", terminal=True)
+    assert "hello" in console and "answer" in console and not console.startswith("{")
+    assert json.loads(logged("json", terminal=True))["answer"] == 42  # the setting wins
+    assert not logged("console", terminal=False).startswith("{")

@@ -1,4 +1,4 @@
-"""The Python SDK (tokend.client) against a real tokend and a real Redis."""
+"""The Python SDK (tokend_client) against a real tokend and a real Redis."""
 
 from __future__ import annotations
 
@@ -39,7 +39,12 @@ from testkit.reconnects import (
 from testkit.redis_servers import RedisProcess
 from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
-from tokend.client import (
+from tokend.core import protocol as p
+from tokend.core.protocol import CloseCode
+from tokend.ops.app import App
+from tokend.server.admission import RETRY_AFTER_S
+from tokend.tokens.service import TokenService
+from tokend_client import (
     AuthError,
     Backoff,
     CertificateError,
@@ -53,11 +58,7 @@ from tokend.client import (
     TakenOver,
     connect,
 )
-from tokend.core import protocol as p
-from tokend.core.protocol import CloseCode, SessionState
-from tokend.ops.app import App
-from tokend.server.admission import RETRY_AFTER_S
-from tokend.tokens.service import TokenService
+from tokend_client.protocol import SessionState
 
 FAST = Backoff(base=0.05, cap=0.5, going_away_window=0.5)
 StartApp = Callable[..., Awaitable[App]]
@@ -488,7 +489,7 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
         ClientSession(url_of(free_port()), token, session_key=b"short")
 
 
-# The resume proof end to end: a real tokend that checks it (branch park-proof)
+# The resume proof end to end: a real tokend that checks it
 
 
 async def test_a_copied_token_cannot_take_a_live_session_from_its_client(
@@ -537,7 +538,7 @@ async def test_a_client_that_lost_its_network_takes_its_session_back_at_once(
         await eventually(lambda: session.stats.acks > acks)
 
 
-# No stampede after a drain or a refusal (issue 20 point 5), against real tokend nodes
+# No stampede after a drain or a refusal, against real tokend nodes
 
 
 async def test_after_a_drain_the_first_reconnects_spread_over_the_window(
@@ -587,7 +588,7 @@ async def test_a_503_with_retry_after_is_waited_out_then_the_session_starts(
         await session.close()
 
 
-# Our load generators after a drain: the same spread (issue 20 point 5)
+# Our load generators after a drain: the same spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -817,7 +818,7 @@ async def test_the_load_generators_prove_their_resumes(
     assert all(sent == made for sent, made in proofs.values()), proofs
 
 
-# wss:// with the server's certificate verified (issue 21 point 2)
+# wss:// with the server's certificate verified
 
 
 async def test_wss_verifies_the_certificate_and_trusts_the_ca_file_given(

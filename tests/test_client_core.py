@@ -1,4 +1,5 @@
-"""The client core (tokend/client/core.py), rule by rule: no socket, no event loop, a fake clock.
+"""The client core (sdk/python/tokend_client/core.py), rule by rule: no socket, no event
+loop, a fake clock.
 
 What the server says goes in as bytes made with the codec, how the connection went as
 the shell would say it (opened, refused, lost, closed); what comes out is decoded back
@@ -18,9 +19,10 @@ from websockets.frames import Close
 
 from testkit.pure import FakeClock, clock, tokens
 from testkit.tokens import WallClockTokens
-from tokend.client.backoff import Backoff, going_away_limit, retry_after
-from tokend.client.core import ON_A_CONNECTION, Change, ClientCore, Disconnect, Lifecycle, Phase
-from tokend.client.errors import (
+from tokend.core import protocol as p
+from tokend_client.backoff import Backoff, going_away_limit, retry_after
+from tokend_client.core import ON_A_CONNECTION, Change, ClientCore, Disconnect, Lifecycle, Phase
+from tokend_client.errors import (
     AuthError,
     CertificateError,
     ProtocolViolation,
@@ -31,8 +33,7 @@ from tokend.client.errors import (
     TokendError,
     classify,
 )
-from tokend.core import protocol as p
-from tokend.core.protocol import CloseCode, SessionState
+from tokend_client.protocol import CloseCode, SessionState
 
 # WELCOME's clocks: a heartbeat a second, WARN after 3 s, expiry after 4 s. A session
 # can then spare (4 - 1) / 2 = 1.5 s for a spread reconnect after 1001.

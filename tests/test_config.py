@@ -21,7 +21,7 @@ from tokend.config import ConfigError, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "config" / "tokend.toml"
-README = ROOT / "README.md"
+SETTINGS_PAGE = ROOT / "docs" / "settings.md"
 
 
 def write_toml(path: Path, text: str) -> Path:
@@ -359,10 +359,10 @@ def test_tokend_serve_refuses_a_short_admin_token_in_one_line(tmp_path: Path) ->
     ]
 
 
-# --- config/tokend.toml and the README, written from the declarations --------------------
+# --- config/tokend.toml and docs/settings.md, written from the declarations ------------
 
-README_START = "<!-- settings: written from tokend/config.py by python -m tests.test_config -->\n"
-README_END = "<!-- end of settings -->\n"
+TABLES_START = "<!-- settings: written from tokend/config.py by python -m tests.test_config -->\n"
+TABLES_END = "<!-- end of settings -->\n"
 REGENERATE = "out of step with tokend/config.py: python -m tests.test_config writes it again"
 
 
@@ -396,7 +396,7 @@ def default_file() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def readme_default(name: str) -> str:
+def table_default(name: str) -> str:
     shown = config.shown_default(name)
     return (
         shown
@@ -405,38 +405,38 @@ def readme_default(name: str) -> str:
     )
 
 
-def readme_settings() -> str:
-    """The README's settings: a table per group."""
-    lines = [README_START]
+def settings_tables() -> str:
+    """docs/settings.md's tables: one per group."""
+    lines = [TABLES_START]
     for group, names in grouped().items():
         lines += [
-            f"\n**{group.capitalize() if group.islower() else group}**: "
-            f"{config.GROUP_MEANINGS[group]}.\n\n",
+            f"\n## {group.capitalize() if group.islower() else group}\n\n",
+            f"{config.GROUP_MEANINGS[group].capitalize()}.\n\n",
             "| variable | default | values | meaning |\n",
             "|---|---|---|---|\n",
         ]
         lines += [
-            f"| `{config.env_name(name)}` | {readme_default(name)} | {config.values(name)} | "
+            f"| `{config.env_name(name)}` | {table_default(name)} | {config.values(name)} | "
             f"{config.meaning(name)} |\n"
             for name in names
         ]
-    return "".join([*lines, "\n", README_END])
+    return "".join([*lines, "\n", TABLES_END])
 
 
-def readme_parts() -> tuple[str, str, str]:
-    """The README before its settings, the settings, and after them."""
-    text = README.read_text()
-    before, rest = text.split(README_START, 1)
-    settings, after = rest.split(README_END, 1)
-    return before, README_START + settings + README_END, after
+def settings_page_parts() -> tuple[str, str, str]:
+    """docs/settings.md before its tables, the tables, and after them."""
+    text = SETTINGS_PAGE.read_text()
+    before, rest = text.split(TABLES_START, 1)
+    tables, after = rest.split(TABLES_END, 1)
+    return before, TABLES_START + tables + TABLES_END, after
 
 
 def test_default_file_is_written_from_the_declarations() -> None:
     assert DEFAULT_FILE.read_text() == default_file(), f"config/tokend.toml {REGENERATE}"
 
 
-def test_readme_settings_are_written_from_the_declarations() -> None:
-    assert readme_parts()[1] == readme_settings(), f"README.md's settings {REGENERATE}"
+def test_the_settings_page_is_written_from_the_declarations() -> None:
+    assert settings_page_parts()[1] == settings_tables(), f"docs/settings.md {REGENERATE}"
 
 
 def test_default_file_lists_every_field_at_its_default() -> None:
@@ -516,5 +516,5 @@ def test_every_declared_rule_names_a_setting() -> None:
 
 if __name__ == "__main__":
     DEFAULT_FILE.write_text(default_file())
-    before, _, after = readme_parts()
-    README.write_text(before + readme_settings() + after)
+    before, _, after = settings_page_parts()
+    SETTINGS_PAGE.write_text(before + settings_tables() + after)

@@ -21,9 +21,9 @@ from testkit.events import EventLog
 from testkit.net import LOOPBACK, free_port, http_request
 from testkit.tokens import WallClockTokens
 from testkit.waiting import eventually
-from tokend.client import connect
 from tokend.core import protocol as p
 from tokend.ops.app import App
+from tokend_client import connect
 
 if TYPE_CHECKING:
     from tests.browser.harness import BrowserPage

@@ -129,6 +129,8 @@ def missing_tests() -> list[str]:
 def missing_paths() -> list[str]:
     missing = []
     for doc, text in ticked():
+        if text.startswith("@"):
+            continue  # an npm package's scoped name (@tokend/client), not a path
         for match in PATH.finditer(text.split("::")[0]):
             path = match.group(0).rstrip(".")
             if path.split("/")[0] not in TREE_ROOTS or re.search(r"[<*{]|\.\.\.", text):
@@ -201,8 +203,9 @@ def missing_names() -> list[str]:
 
 
 # A cited section: README, "Title" or docs/x.md (§ n), "Title", in docs and code alike.
+# A title starts with a word character: a list of quoted strings is not a citation.
 CITED = re.compile(
-    r'(README(?:\.md)?|docs/[\w-]+\.md)\s*(?:,|§\s*\d+,?)?\s*(?:section\s+)?"([^"\n]+)"'
+    r'(README(?:\.md)?|docs/[\w-]+\.md)\s*(?:,|§\s*\d+,?)?\s*(?:section\s+)?"(\w[^"\n]*)"'
 )
 CITING_DIRS = ("tokend", "tests", "testkit", "sdk", "bench", "load_tests")
 

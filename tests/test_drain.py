@@ -237,7 +237,7 @@ async def test_a_held_reload_drain_ends_by_itself(
             await drain
 
 
-# A planned close costs no session (issue 20.2; docs/protocol.md §5, "Planned close") --------
+# A planned close costs no session (docs/protocol.md §5, "Planned close") --------
 
 # A session silent for PARK_AT_S of its EXPIRE_S when the drain closes it: still ACTIVE
 # (WARN_S away), and expired by its old clocks long before the grace runs out.

@@ -1,4 +1,4 @@
-"""Durability across a Redis failover (issue 15; docs/scaling.md, "What survives a failover").
+"""Durability across a Redis failover (docs/scaling.md, "What survives a failover").
 
 Redis replicates asynchronously: a write the master acknowledged can be missing from the
 replica promoted after it. The first tests take one piece at a time on a lone Redis (the

@@ -20,7 +20,7 @@ from testkit.waiting import eventually
 from tokend.core import protocol as p
 from tokend.tokens.service import TokenService
 
-# Issue 6: "Redis unavailable for 30 s". The held session's clocks are far shorter, so
+# Redis unavailable for 30 s. The held session's clocks are far shorter, so
 # a node that judged silence by Redis's clock across the outage would expire it.
 OUTAGE_S = 30.0
 OUTAGE_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 3.0, "expire_after": 6.0}

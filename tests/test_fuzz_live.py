@@ -1,4 +1,4 @@
-"""Live fuzz (issue 6): a running tokend under random and mutated traffic.
+"""Live fuzz: a running tokend under random and mutated traffic.
 
 Hundreds of connections send what a broken or hostile client would: random bytes,
 valid HELLO/HEARTBEAT/BYE frames with bits flipped, cut short, extended or retyped,

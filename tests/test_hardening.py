@@ -1,5 +1,5 @@
 """Hardening with real sockets: a client that stops reading, descriptors running out,
-a reconnect storm after a restart (issue 6; docs/security.md)."""
+a reconnect storm after a restart (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from structlog.testing import CapturingLogger
 from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
 
+import tokend_client
 from testkit.clients import RawClient, WireClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, http_get
@@ -22,7 +23,6 @@ from testkit.procs import proc_running
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
 from testkit.waiting import eventually
-from tokend import client
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.ops.app import App
@@ -167,12 +167,12 @@ STORM_SPREAD = 2.0  # the SDK's backoff base and cap: first retries spread over 
 STORM_PENDING_CAP = 40  # max_pending_hellos: the storm must run into it
 
 
-async def resumed_at(session: client.ClientSession) -> float:
+async def resumed_at(session: tokend_client.ClientSession) -> float:
     """Loop time of the session's first RESUMED change (it reconnected)."""
     async for change in session.changes():
-        if change.kind is client.Change.RESUMED:
+        if change.kind is tokend_client.Change.RESUMED:
             return asyncio.get_running_loop().time()
-        assert change.kind is not client.Change.ENDED, change
+        assert change.kind is not tokend_client.Change.ENDED, change
     raise AssertionError("changes ended")
 
 
@@ -183,9 +183,9 @@ async def test_reconnect_storm_after_a_restart(start_app, make_settings, tokens:
     app = await start_app(**limits, **clocks)
     port = app.port
     url = f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
-    backoff = client.Backoff(base=STORM_SPREAD, cap=STORM_SPREAD)
+    backoff = tokend_client.Backoff(base=STORM_SPREAD, cap=STORM_SPREAD)
     sessions = [
-        client.ClientSession(url, tokens.mint(f"storm-{i}"), backoff=backoff)
+        tokend_client.ClientSession(url, tokens.mint(f"storm-{i}"), backoff=backoff)
         for i in range(STORM_CLIENTS)
     ]
     loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""The keys directory as a node follows it (issue 21.5): key files readable by group or
+"""The keys directory as a node follows it: key files readable by group or
 others refused (at start and at a refresh), malformed files logged once and shown in
 /readyz while the good keys serve, refreshes off the event loop, and verification at
 a time given by the caller."""

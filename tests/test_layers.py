@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tokend"
 
 # Lowest first. A module may import from its own layer and the layers before it.
-LAYERS = ("foundation", "core", "client", "tokens", "edge", "store", "server", "ops", "cli")
+LAYERS = ("foundation", "core", "tokens", "edge", "store", "server", "ops", "cli")
 # The modules at the top of the package: what every layer may use.
 FOUNDATION = {"tokend", "tokend.config", "tokend.logs", "tokend.metrics"}
 # What the pure core must never import: it is driven by bytes, answers and a clock.

@@ -1,4 +1,4 @@
-"""Several tokend nodes as real processes on one Redis (issue 5): any node accepts any
+"""Several tokend nodes as real processes on one Redis: any node accepts any
 session, revocation reaches every node, a SIGKILLed node's clocks live on.
 (``tokend serve --workers N``, N nodes on one port: tests/test_workers.py.)"""
 

@@ -36,7 +36,7 @@ from tokend.core.store_messages import (
     Known,
     heartbeat_outcome,
 )
-from tokend.server import node as node_module
+from tokend.server import batchers as batchers_module
 from tokend.server.batchers import HeartbeatBatcher, HelloBatcher, ReleaseBatcher
 from tokend.server.node import Node
 from tokend.store.redis_client import open_client
@@ -487,7 +487,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
         own_redis.kill()
         with capture_logs() as logs:
             # A logger made now, so that it is not one cached before the capture.
-            monkeypatch.setattr(node_module, "log", structlog.get_logger("tokend.node"))
+            monkeypatch.setattr(batchers_module, "log", structlog.get_logger("tokend.node"))
             for _ in range(3):  # three heartbeats each, three failed flushes
                 for waiter in waiters:
                     waiter.beat()
@@ -572,7 +572,7 @@ async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Nod
 async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
     """HELLOs that come while one hello round trip is out go together in the next, two
     lanes of flush_lanes or not (a round trip costs the node the same whatever it carries:
-    docs/performance.md "Resume")."""
+    bench/results/2026-12-04-resume.md)."""
     assert node.settings.flush_lanes > 1
     await node.start()
     host = Host(node.tokens)
@@ -669,7 +669,7 @@ async def test_releases_redis_cannot_take_at_the_stop_are_logged_once_and_the_st
         waiters = await started(Host(node.tokens), node.store, ["gone-1", "gone-2"])
         own_redis.kill()
         with capture_logs() as logs:
-            monkeypatch.setattr(node_module, "log", structlog.get_logger("tokend.node"))
+            monkeypatch.setattr(batchers_module, "log", structlog.get_logger("tokend.node"))
             for waiter in waiters:
                 waiter.session.close(p.CloseCode.GOING_AWAY, "going_away")
                 node.release(waiter)

@@ -1,4 +1,4 @@
-"""A copied token cannot take a live session (spec "Resume proof", revision 2; issue 21.6).
+"""A copied token cannot take a live session (spec "Resume proof", revision 2).
 
 Real tokend apps on the test Redis, clients built from the spec's bytes (testkit's
 RawClient): a thief who holds only the token against the rightful client, which drops

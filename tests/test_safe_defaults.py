@@ -1,4 +1,4 @@
-"""The limits tokend applies with no configuration at all (issue 21.3): nothing here sets
+"""The limits tokend applies with no configuration at all: nothing here sets
 them, so each test holds a default a deployment keeps."""
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ async def test_a_heartbeat_backlog_makes_the_node_shed() -> None:
         await task
 
 
-# The penalty of a client just shed (issue 20.6) ------------------------------------------
+# The penalty of a client just shed ------------------------------------------
 
 # Far longer than a test: a penalty seen ending was ended by its class being served.
 PENALTY_S = 60.0

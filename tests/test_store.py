@@ -176,8 +176,9 @@ async def test_a_direct_call_on_a_connection_redis_closed_is_made_once_more(
 async def test_the_session_hash_is_a_listpack_with_its_digests_in_22_characters(
     store: Store, redis: Redis
 ) -> None:
-    """Redis memory per session is mostly this hash (docs/performance.md, "Latest"): it stays
-    in listpack encoding, and its two digests (128 bits each) take 22 characters, not hex's 32."""
+    """Redis memory per session is mostly this hash (docs/performance.md, "Sizing"): it
+    stays in listpack encoding, and its two digests (128 bits each) take 22 characters,
+    not hex's 32."""
     tid, now = uuid.uuid4(), int(time.time())
     token = store_digest(b"a token")
     await store.hello(tid, "alice", 5, now, now + 60, "node-a/1", proof=b"p" * 16, token=token)

@@ -3,9 +3,9 @@
 Every field of :class:`Settings` is one setting, declared once: its default, its meaning,
 its group, its unit and the values it may take. Its TOML key is the field name, its
 environment variable ``TOKEND_`` + the upper-cased name. Durations are seconds and accept
-fractions. ``tokend serve --help``, the README's settings tables and
-``config/tokend.toml`` are written from these declarations (tests/test_config.py holds
-them equal; ``python -m tests.test_config`` writes the README's tables and the file).
+fractions. ``tokend serve --help``, docs/settings.md's tables and ``config/tokend.toml``
+are written from these declarations (tests/test_config.py holds them equal;
+``python -m tests.test_config`` writes the tables and the file).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 
 class Group(StrEnum):
-    """The sections settings are shown in: ``tokend serve --help``, the README, the file."""
+    """The sections settings are shown in: ``tokend serve --help``, docs/settings.md, the
+    file."""
 
     NETWORK = "network"
     TLS = "TLS"
@@ -440,7 +441,13 @@ class Settings:
         Group.OPERATIONS,
         at_least=1,
     )
-    log_format: str = _setting("json", "log lines", Group.OPERATIONS, choices=("json", "console"))
+    log_format: str = _setting(
+        "",
+        "lines on stderr",
+        Group.OPERATIONS,
+        choices=("", "json", "console"),
+        shown="console when stderr is a terminal, else json",
+    )
     log_level: str = _setting(
         "info",
         "least level logged",
@@ -666,7 +673,8 @@ def _range(spec: Declared) -> str:
 
 
 def _choices(spec: Declared) -> str:
-    *most, last = spec.choices or ("",)
+    """The choices in words; an empty one goes without saying (``shown`` says it)."""
+    *most, last = [choice for choice in spec.choices if choice] or [""]
     return f"{', '.join(most)} or {last}" if most else last
 
 
@@ -680,7 +688,7 @@ def values(name: str) -> str:
 
 
 def shown_default(name: str) -> str:
-    """The setting's default as the help and the README write it."""
+    """The setting's default as the help and docs/settings.md write it."""
     default = FIELDS[name].default
     shown = declared(name).shown
     if shown or default == "":

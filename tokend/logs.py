@@ -1,4 +1,6 @@
-"""structlog configuration, done once per process (JSON or console lines on stderr).
+"""structlog configuration, done once per process: JSON lines on stderr, or lines for a
+person to read (structlog's ConsoleRenderer); by default the latter when stderr is a
+terminal.
 
 Every line names its logger (``get_logger``'s name) and, once :func:`serving_as` was
 called, the node it was logged for: no module binds the node name itself.
@@ -62,11 +64,14 @@ class Sampled:
         self.logger.warning(event, **fields)
 
 
-def configure(fmt: str = "json", level: str = "info") -> None:
+def configure(fmt: str = "", level: str = "info") -> None:
+    """``fmt`` "json" or "console"; empty: console when stderr is a terminal (a person
+    reads it), JSON otherwise (a collector does)."""
+    console = fmt == "console" or (not fmt and sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if console
+        else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[

@@ -19,7 +19,7 @@
  * `ws` an HTTP 503 or 429 with Retry-After is honoured. Any other close ends the
  * session with a {@link TokendError} naming the family.
  *
- * It mirrors the Python SDK (tokend/client/core.py) and the frame codec
+ * It mirrors the Python SDK (sdk/python/tokend_client/core.py) and its frame codec
  * (tokend/core/protocol.py) byte for byte; the wire format is docs/protocol.md
  * (section 2, "Frames"), the behaviour docs/client.md. Usage: sdk/js/README.md.
  *

@@ -3,7 +3,7 @@
 The first thing to run against ``tokend serve``: it connects, heartbeats at the
 server's cadence, and prints one line per change (connected, renewed, warned,
 recovered, reconnecting, resumed, ended) until the session ends or SIGINT/SIGTERM
-logs it out with BYE. Being the SDK's :class:`~tokend.client.ClientSession`, it proves its
+logs it out with BYE. Being the SDK's :class:`~tokend_client.ClientSession`, it proves its
 resumes with the last WELCOME's session key, spreads its first reconnect after a
 1001, honours Retry-After, and verifies a ``wss://`` server's certificate
 (``--ca-file`` names a CA to trust).
@@ -18,10 +18,10 @@ import sys
 import time
 from typing import TextIO
 
-from tokend.cli.common import LOGS, MINT, run_async
-from tokend.client import Change, ClientSession, Lifecycle
+from tokend.cli.common import LOGS, MINT, run_async, token_service
 from tokend.config import Settings
 from tokend.core import protocol as p
+from tokend_client import Change, ClientSession, Lifecycle
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
@@ -145,14 +145,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(settings: Settings, args: argparse.Namespace) -> int:
     from websockets.exceptions import InvalidURI
 
-    from tokend.client import Backoff, TokendError
+    from tokend_client import Backoff, TokendError
 
     token = args.token
     if token is None:
-        from tokend.tokens.keys import KeyRing
-        from tokend.tokens.service import TokenService
-
-        tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+        tokens = token_service("connect", settings)
         token = tokens.mint(args.sub, ttl_s=args.ttl)
     url = args.url or default_url(settings)
     try:

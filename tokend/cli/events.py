@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 
-from tokend.cli.common import LOGS, REDIS, redis_url, run_async
+from tokend.cli.common import LOGS, REDIS, redis_url, run_async, unreachable
 from tokend.config import Settings
 
 # The settings `tokend events` reads; its --help shows these alone.
@@ -39,6 +40,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     from tokend.store import events
     from tokend.store.keyspace import Keyspace
     from tokend.store.redis_client import open_client
+    from tokend.store.unavailable import UNAVAILABLE
 
     async def main() -> None:
         redis = open_client(redis_url(settings), settings)
@@ -54,6 +56,10 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         async for event in stream:
             print(json.dumps(event, separators=(",", ":")), flush=True)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        run_async(main())
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            run_async(main())
+    except UNAVAILABLE as exc:
+        print(unreachable("events", settings, exc), file=sys.stderr)
+        return 1
     return 0

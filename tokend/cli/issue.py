@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokend.cli.common import LOGS, MINT
+from tokend.cli.common import LOGS, MINT, token_service
 from tokend.config import Settings
 
 # The settings `tokend issue` reads; its --help shows these alone.
@@ -34,10 +34,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    from tokend.tokens.keys import KeyRing
-    from tokend.tokens.service import TokenService
-
-    tokens = TokenService(settings, KeyRing.open(settings.resolved_keys_dir))
+    tokens = token_service("issue", settings)
     if args.count is None:
         print(tokens.mint(args.sub, ttl_s=args.ttl, prio=args.prio))
         return 0

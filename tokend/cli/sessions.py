@@ -62,6 +62,9 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             for view in page:
                 print(json.dumps(view.as_json()))
             printed += len(page)
+        if not printed:  # said on stderr: stdout stays one JSON object per line
+            where = f" in state {args.state}" if args.state else ""
+            print(f"tokend sessions: no live sessions{where}", file=sys.stderr)
         return 0
 
     return with_store("sessions", settings, listing)

@@ -51,8 +51,9 @@ class Tid(uuid.UUID):
     """A token's jti, a UUID that keeps the canonical text it came as (what ``str``
     of a UUID writes): ``str`` answers that instead of formatting 128 bits again, which
     costs more than the rest of a UUID's use. A session's tid goes into its log fields
-    and the store's keys and arguments several times a resume (docs/performance.md,
-    "Resume"). Equal to, and hashed as, the ``uuid.UUID`` of the same value."""
+    and the store's keys and arguments several times a resume
+    (bench/results/2026-12-04-resume.md). Equal to, and hashed as, the ``uuid.UUID`` of
+    the same value."""
 
     __slots__ = ("_text",)
     _text: str

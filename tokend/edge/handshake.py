@@ -2,7 +2,7 @@
 
 websockets parses the upgrade request with a generator per line, a regex per header
 and a ``Headers`` built one call at a time: a tenth of what a resume costs in Python
-(docs/performance.md, "Resume"). Here the parser both listeners read with
+(bench/results/2026-12-04-resume.md). Here the parser both listeners read with
 (:class:`tokend.edge.http_request.RequestParser`: httptools, llhttp as uvicorn uses it)
 splits the request's head, and the result is handed to websockets as the ``Request``
 its own parser would have made, queued as its parser queues it (then
@@ -162,7 +162,7 @@ KNOWN_HEADS = 64
 
 class _Known:
     """Heads parsed before, by their bytes but the Sec-WebSocket-Key's value: a resume
-    storm's requests differ in nothing else (docs/performance.md, "Resume").
+    storm's requests differ in nothing else (bench/results/2026-12-04-resume.md).
 
     The same bytes with a key of another 24 characters of base64 parse the same way
     whatever the parser: those characters are token characters (RFC 9110 5.6.2) and

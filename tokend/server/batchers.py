@@ -86,7 +86,7 @@ class HelloBatcher(Batcher[Peer]):
     One round trip at a time (one lane, whatever ``flush_lanes``): the HELLOs that come
     while it is out go together in the next. A round trip costs the node ~75 us of CPU
     whatever it carries, and with two lanes a resume storm sent 1-2 HELLOs per round trip
-    (0.44-0.94 round trips per resume; 0.24 with one lane: docs/performance.md "Resume");
+    (0.44-0.94 round trips per resume; 0.24 with one lane: bench/results/2026-12-04-resume.md);
     the node goes on reading handshakes and HELLOs meanwhile.
     """
 
@@ -150,7 +150,7 @@ class HeartbeatBatcher(Batcher[Peer]):
         self.batch_size = batch_size
         # Seconds a heartbeat that finds no round trip in flight waits for others to share
         # its round trip (settings.heartbeat_gather): a round trip costs the node and Redis
-        # about as much for one heartbeat as for ten (docs/performance.md, "Gathering heartbeats").
+        # about as much for one heartbeat as for ten (bench/results/2026-12-04-heartbeat-gather.md).
         self.gather = gather
         self.in_flight = 0  # store round trips of this batcher awaiting their answer
         # Peers with heartbeats acknowledged during an outage, not yet stored.

@@ -481,9 +481,9 @@ class Connection(asyncio.Protocol):
         # frame and the parser's error (whose traceback holds the frame of the parser
         # that raised it) gone, each holding websockets' protocol, its objects are freed
         # as soon as the last reference goes, not by the cyclic collector, whose whole
-        # passes stall a busy node's loop (docs/performance.md, "The garbage
-        # collector"). Whatever the node still asks of the link (an answer in flight)
-        # finds the session closed and writes nothing.
+        # passes stall a busy node's loop (bench/results/2026-12-04-garbage-collector.md).
+        # Whatever the node still asks of the link (an answer in flight) finds the session
+        # closed and writes nothing.
         self.link = None
         self.ws.parser.close()
         self.ws.parser_exc = None
@@ -984,7 +984,7 @@ def restart_parser(ws: ServerProtocol) -> None:
     two frames: the same state (``Protocol.parse`` at its first wait), without what its
     suspended generators held, the opening handshake's request (its headers: ~3 KB) and
     the last frame parsed (the HELLO). The heartbeats that follow take the fast path, so
-    an idle session would keep those for its whole life (docs/performance.md, idle memory).
+    an idle session would keep those for its whole life (docs/performance.md, "Current figures").
     """
     ws.parser = WebSocketProtocol.parse(ws)
     next(ws.parser)

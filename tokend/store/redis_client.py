@@ -111,7 +111,7 @@ class DirectCalls:
 
     A batch is one EVALSHA; through a pipeline, each paid the pool's checkout and
     return, a pipeline object, redis-py's event dispatch and its per-command bookkeeping
-    (docs/performance.md, "Hot path"). Here a call takes one of the connections it keeps
+    (bench/results/2026-12-04-hot-path.md). Here a call takes one of the connections it keeps
     (checked out of the client's pool once, so the pool still counts, and closes, them),
     writes the command and reads its reply. Concurrent calls (the batchers' lanes) each
     hold their own; it keeps up to a quarter of the pool between calls, and gives the

@@ -2,7 +2,7 @@
 
 ::
 
-    from tokend.client import connect
+    from tokend_client import connect
 
     async with connect("ws://127.0.0.1:8765/v1/ws", token) as session:
         async for change in session.changes():
@@ -24,16 +24,16 @@ other close ends the session for good with a :class:`TokendError` subclass namin
 the family: :class:`AuthError`, :class:`SessionExpired`, :class:`Revoked` (and
 :class:`TakenOver`), :class:`ProtocolViolation`, :class:`CertificateError`.
 
-The package's modules, one noun each: :mod:`tokend.client.core` (the protocol state
-machine, Sans-I/O: every rule above), :mod:`tokend.client.asyncio` (the session over
-websockets' asyncio client), :mod:`tokend.client.backoff` (the waits between attempts),
-:mod:`tokend.client.errors` (the error families). See ``docs/client.md``.
+The package's modules, one noun each: :mod:`tokend_client.core` (the protocol state
+machine, Sans-I/O: every rule above), :mod:`tokend_client.asyncio` (the session over
+websockets' asyncio client), :mod:`tokend_client.backoff` (the waits between attempts),
+:mod:`tokend_client.errors` (the error families). See ``docs/client.md``.
 """
 
-from tokend.client.asyncio import ClientSession, connect
-from tokend.client.backoff import Backoff
-from tokend.client.core import Change, Lifecycle, SessionStats
-from tokend.client.errors import (
+from tokend_client.asyncio import ClientSession, connect
+from tokend_client.backoff import Backoff
+from tokend_client.core import Change, Lifecycle, SessionStats
+from tokend_client.errors import (
     AuthError,
     CertificateError,
     ProtocolViolation,

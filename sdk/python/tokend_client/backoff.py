@@ -1,7 +1,7 @@
 """How long a client waits before its next connection attempt: full-jitter exponential
 backoff, the spread first reconnect after a close 1001, and ``Retry-After``.
 
-Pure: no I/O, no clock. :mod:`tokend.client.core` asks it for each wait; the load
+Pure: no I/O, no clock. :mod:`tokend_client.core` asks it for each wait; the load
 generators (load_tests/locustfile.py through the core, bench/loadgen.py directly) wait
 the same way.
 """
@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokend.core import protocol as p
+from tokend_client import protocol as p
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,14 @@
 """Why a client's session ended for good: the :class:`TokendError` families, and which
 close codes end a session (docs/protocol.md §7; the spec's table "Close codes").
 
-Pure: no I/O. :mod:`tokend.client.core` decides with :func:`classify`; both SDKs name
+Pure: no I/O. :mod:`tokend_client.core` decides with :func:`classify`; both SDKs name
 the same families (sdk/js/tokend.js mirrors them).
 """
 
 from __future__ import annotations
 
-from tokend.core import protocol as p
-from tokend.core.protocol import CloseCode
+from tokend_client import protocol as p
+from tokend_client.protocol import CloseCode
 
 # Close codes a client itself sends when the server breaks the protocol below protocol
 # v1 (RFC 6455 §7.4.1: 1002 protocol error, 1007 invalid data, 1009 message too big).

@@ -3,7 +3,7 @@
 What happens to the connection (opened, refused, lost, a message, a close), clock ticks
 and the application's logout go in; frames to send, what to do with the connection,
 when to tick next and the session's :class:`Lifecycle` changes come out. Nothing here
-waits, reads a clock of its own or touches a socket: :mod:`tokend.client.asyncio`
+waits, reads a clock of its own or touches a socket: :mod:`tokend_client.asyncio`
 drives a :class:`ClientCore` over websockets' asyncio client, the locust user
 (load_tests/locustfile.py) over websockets' sync client, and tests/test_client_core.py
 from lists of frames and a fake clock.
@@ -16,8 +16,8 @@ last WELCOME's session key (§2 0x01, "Resume proof", revision 2); WELCOME namin
 NOTICE (§2 0x06, §5), BYE (§2 0x05); a server that breaks the protocol (closed 1002,
 never retried); a link that stops answering (no ACK for ``warn_after``: dropped,
 reconnected); which closes reconnect and which end the session with which
-:mod:`~tokend.client.errors` family (§7); and how long to wait before the next
-attempt (:class:`~tokend.client.backoff.Backoff`: full jitter, the first reconnect after
+:mod:`~tokend_client.errors` family (§7); and how long to wait before the next
+attempt (:class:`~tokend_client.backoff.Backoff`: full jitter, the first reconnect after
 a 1001 spread over a window no longer than the session can spare, an HTTP 503 or 429
 waited out for its ``Retry-After``).
 
@@ -33,16 +33,15 @@ the phase is none of those it lets the connection go (closing it if still open).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import NamedTuple, Protocol
 
-import jwt
-
-from tokend.client.backoff import Backoff, going_away_limit, retry_after
-from tokend.client.errors import (
+from tokend_client import protocol as p
+from tokend_client.backoff import Backoff, going_away_limit, retry_after
+from tokend_client.claims import TokenClaims, TokenClaimsError, read_claims
+from tokend_client.errors import (
     CLIENT_SIDE_VIOLATIONS,
     AuthError,
     ProtocolViolation,
@@ -51,8 +50,7 @@ from tokend.client.errors import (
     classify,
     describe,
 )
-from tokend.core import protocol as p
-from tokend.core.protocol import CloseCode, SessionState
+from tokend_client.protocol import CloseCode, SessionState
 
 
 class Change(StrEnum):
@@ -152,24 +150,16 @@ PROTOCOL_VIOLATED = Disconnect(1002, "protocol error")
 ABORT = Disconnect(None)
 
 
-def token_claims(token: str) -> tuple[uuid.UUID, str, int]:
+def token_claims(token: str) -> TokenClaims:
     """``(tid, sub, exp ms)`` read from a token without verifying it (the server does).
 
     Raises :class:`AuthError` for a token that is not a JWT with a UUID ``jti`` and an
     integer ``exp``.
     """
     try:
-        claims = jwt.decode(token, options={"verify_signature": False})
-    except jwt.PyJWTError as exc:
-        raise AuthError(None, f"not a JWT: {exc}") from None
-    try:
-        tid = uuid.UUID(claims["jti"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise AuthError(None, "the token's jti is not a UUID") from None
-    exp = claims.get("exp")
-    if not isinstance(exp, int) or isinstance(exp, bool):
-        raise AuthError(None, "the token has no integer exp claim")
-    return tid, str(claims.get("sub", "")), exp * 1000
+        return read_claims(token)
+    except TokenClaimsError as exc:
+        raise AuthError(None, str(exc)) from None
 
 
 class _Violation(Exception):
@@ -377,18 +367,15 @@ class ClientCore:
 
     # Frames
 
-    def _decode(self, data: bytes | str) -> p.Frame:
+    def _decode(self, data: bytes | str) -> p.ServerFrame:
         if isinstance(data, str):
             raise _Violation("text message")
         try:
-            frame = p.decode(data)
+            return p.decode(data)
         except p.ProtocolError as exc:
             raise _Violation(str(exc)) from None
-        if not isinstance(frame, p.SERVER_FRAMES):
-            raise _Violation(f"client frame {type(frame).__name__} from the server")
-        return frame
 
-    def _welcome(self, welcome: p.Frame) -> None:
+    def _welcome(self, welcome: p.ServerFrame) -> None:
         if not isinstance(welcome, p.Welcome):
             raise _Violation(f"expected WELCOME, got {type(welcome).__name__}")
         if welcome.tid != self.tid.bytes:

@@ -1,4 +1,4 @@
-"""The asyncio client: a :class:`ClientSession` drives a :class:`~tokend.client.core.ClientCore`
+"""The asyncio client: a :class:`ClientSession` drives a :class:`~tokend_client.core.ClientCore`
 over websockets' asyncio client.
 
 This shell owns only I/O: opening connections (TLS included, and what their failures
@@ -30,8 +30,9 @@ from websockets.exceptions import (
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from tokend.client.backoff import Backoff
-from tokend.client.core import (
+from tokend_client import protocol as p
+from tokend_client.backoff import Backoff
+from tokend_client.core import (
     MAX_SERVER_MESSAGE,
     ON_A_CONNECTION,
     Change,
@@ -40,8 +41,7 @@ from tokend.client.core import (
     Phase,
     SessionStats,
 )
-from tokend.client.errors import CertificateError, ProtocolViolation, TokendError
-from tokend.core import protocol as p
+from tokend_client.errors import CertificateError, ProtocolViolation, TokendError
 
 
 def _tls_context(
