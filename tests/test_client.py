@@ -247,7 +247,11 @@ async def test_revocation_is_terminal(start_app: StartApp, tokens: WallClockToke
         await recorder.until(Change.CONNECTED)
         assert app.node is not None
         await app.node.store.end(
-            session.tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506
+            session.tid,
+            conn="",
+            event="TOKEN_REVOKED",
+            tomb="revoked",
+            code=CloseCode.TOKEN_REVOKED,
         )
         ended = await recorder.until(Change.ENDED)
         assert ended.code == CloseCode.TOKEN_REVOKED
@@ -393,7 +397,7 @@ async def test_blocked_past_expiry_ends_with_session_expired(
 
 async def test_a_server_breaking_the_protocol_is_terminal():
     async def handler(ws: ServerConnection) -> None:
-        await ws.send(welcome_for(await ws.recv(), 50, 300))
+        await ws.send(welcome_for(await ws.recv(decode=False), 50, 300))
         await ws.send(b"\x09")  # unknown frame type
         await ws.wait_closed()
 
@@ -413,7 +417,7 @@ async def test_a_silent_server_is_left_and_the_client_reconnects():
     async def handler(ws: ServerConnection) -> None:
         nonlocal connections
         connections += 1
-        await ws.send(welcome_for(await ws.recv(), 50, 300))
+        await ws.send(welcome_for(await ws.recv(decode=False), 50, 300))
         async for message in ws:  # take heartbeats, never ACK them
             if message == p.encode(p.Bye()):
                 return
@@ -439,7 +443,7 @@ async def test_every_resume_proves_with_the_key_of_the_last_welcome():
     hellos: list[p.Hello] = []
 
     async def handler(ws: ServerConnection) -> None:
-        data = await ws.recv()
+        data = await ws.recv(decode=False)
         hello = p.decode(data)
         assert isinstance(hello, p.Hello)
         hellos.append(hello)
@@ -476,7 +480,7 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
     hellos: list[p.Hello] = []
 
     async def handler(ws: ServerConnection) -> None:
-        data = await ws.recv()
+        data = await ws.recv(decode=False)
         hellos.append(p.decode(data))  # type: ignore[arg-type]
         await ws.send(welcome_for(data, 50, 300, resumed=True))
         await ws.recv()  # BYE
@@ -741,7 +745,7 @@ class FirstCloser:
         self.resumes: dict[bytes, p.Hello] = {}  # tid -> the HELLO that came next
 
     async def handler(self, ws: ServerConnection) -> None:
-        data = await ws.recv()
+        data = await ws.recv(decode=False)
         hello = p.decode(data)
         assert isinstance(hello, p.Hello)
         claims = jwt.decode(hello.token, options={"verify_signature": False})
