@@ -63,6 +63,9 @@ ADMIN_TOKEN_MIN_LENGTH = 32
 # Fewer different characters is a placeholder ("changeme" x 4), not a random token: 32
 # random hex digits have 8 or more different ones but for a chance under 1e-7.
 ADMIN_TOKEN_MIN_DISTINCT = 8
+# Samples of history a node keeps at most (history_span / history_interval): its memory
+# and its list in the store stay bounded.
+MAX_HISTORY = 100_000
 
 
 def _items(text: str) -> list[str]:
@@ -498,6 +501,21 @@ class Settings:
         Group.OPERATIONS,
         at_least=1,
     )
+    history_interval: float = _setting(
+        10.0,
+        "how often a node samples its history (its rates and the sessions by state), which "
+        "the dashboard charts",
+        Group.OPERATIONS,
+        unit=SECONDS,
+        more_than=0,
+    )
+    history_span: float = _setting(
+        3600.0,
+        "how much history each node keeps, in memory and in the store",
+        Group.OPERATIONS,
+        unit=SECONDS,
+        more_than=0,
+    )
     drain_period: float = _setting(
         10.0,
         "on SIGTERM, open connections are closed with 1001 spread over this long; 0: all at once",
@@ -627,6 +645,11 @@ ACROSS = (
     ),
     # Port 0 would give every worker a port of its own.
     Across("workers", "1 when port is 0", lambda s: s.workers == 1 or s.port != 0),
+    Across(
+        "history_span",
+        f"at most {MAX_HISTORY:,} times history_interval",
+        lambda s: s.history_span / s.history_interval <= MAX_HISTORY,
+    ),
     # WAIT's answer has to arrive within the socket timeout.
     Across(
         "durable_timeout",

@@ -642,7 +642,7 @@ class Connection(asyncio.Protocol):
                 self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)
-        metrics.closed(close.code)
+        metrics.closed(close.code, close.reason)
         if self.ws.state is State.OPEN:
             self.ws.send_close(close.code, close.reason)
         self._write()
