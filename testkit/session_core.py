@@ -1,9 +1,10 @@
-"""The session core (tokend/core/session.py) driven by hand: its cadence, the node's part
-(:class:`Host`) with real tokens, a session on a fake clock, and the HELLO/WELCOME and
-HEARTBEAT a client would send. For tests/test_session.py and the tests that drive the
-core the same way (load shedding, capacity fixes).
+"""The session core (tokend/core/session.py) driven by hand: its cadence, its node
+(:class:`TokenNode`, a :class:`tokend.core.session.Node`) with real tokens, a session on a
+fake clock, and the HELLO/WELCOME and HEARTBEAT a client would send. For
+tests/test_session.py and the tests that drive the core the same way (load shedding,
+capacity fixes).
 
-The fixtures ``host`` and ``session`` need ``tokens`` and ``clock``
+The fixtures ``node`` and ``session`` need ``tokens`` and ``clock``
 (:mod:`testkit.pure`); a test module imports all four.
 """
 
@@ -16,7 +17,7 @@ import pytest
 from testkit.pure import FakeClock
 from tokend.core import protocol as p
 from tokend.core.claims import Claims
-from tokend.core.session import Ask, Cadence, Session
+from tokend.core.session import Ask, Cadence, Session, Welcome
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.tokens.service import TokenService
 
@@ -27,8 +28,8 @@ EXP_MS = (IAT_S + SESSION_S) * 1000  # the session's exp, as the store says it
 SINCE_MS = IAT_S * 1000 + 7  # when the connection took the session, as the store says it
 
 
-class Host:
-    """The node's part, with real tokens: verify and sign; a sub cap of ``full`` subs."""
+class TokenNode:
+    """A session's node with real tokens: verify and sign; a sub cap of ``full`` subs."""
 
     def __init__(self, tokens: TokenService) -> None:
         self.tokens = tokens
@@ -47,13 +48,13 @@ class Host:
 
 
 @pytest.fixture
-def host(tokens: TokenService) -> Host:
-    return Host(tokens)
+def node(tokens: TokenService) -> TokenNode:
+    return TokenNode(tokens)
 
 
 @pytest.fixture
-def session(host: Host, clock: FakeClock) -> Session:
-    return Session(host, CADENCE, "node-a/1", clock)
+def session(node: TokenNode, clock: FakeClock) -> Session:
+    return Session(node, CADENCE, "node-a/1", clock)
 
 
 def welcome(
@@ -64,8 +65,8 @@ def welcome(
     assert session.receive(p.Hello(tokens.mint("alice", ttl_s=ttl_s, iat=IAT_S))) is Ask.START
     outcome = HelloOutcome.RESUMED if resumed else HelloOutcome.STARTED
     out = session.started(HelloAnswer(outcome, EXP_MS, IAT_S, SINCE_MS))
-    assert isinstance(out, bytes)
-    frame = p.decode(out)
+    assert isinstance(out, Welcome)
+    frame = p.decode(out.frame)
     assert isinstance(frame, p.Welcome)
     return frame
 

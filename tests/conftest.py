@@ -22,7 +22,7 @@ from tokend.config import Settings
 from tokend.edge import tls
 from tokend.ops import app as server
 from tokend.ops.app import App
-from tokend.server import admission, connection, drain
+from tokend.server import admission, drain, link
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, open_client
 
@@ -176,7 +176,7 @@ def tokend_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[MutableMapping
         (server, "log"),
         (admission, "log"),
         (drain, "log"),
-        (connection, "_log"),
+        (link, "_log"),
         (tls, "log"),
     )
     with structlog.testing.capture_logs() as logs:

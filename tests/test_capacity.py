@@ -6,7 +6,7 @@ import time
 
 from testkit.events import EventLog
 from testkit.pure import tokens
-from testkit.session_core import CADENCE, EXP_MS, IAT_S, Host, host
+from testkit.session_core import CADENCE, EXP_MS, IAT_S, TokenNode, node
 from testkit.stores import control, proof_of, started, store
 from tokend.core import protocol as p
 from tokend.core.session import Ask, Close, Session
@@ -14,7 +14,7 @@ from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.store.sessions import Store
 from tokend.tokens.service import TokenService
 
-__all__ = ["control", "host", "store", "tokens"]  # fixtures of testkit
+__all__ = ["control", "node", "store", "tokens"]  # fixtures of testkit
 
 
 async def test_a_resume_on_a_connection_of_the_same_id_closes_nothing(
@@ -39,11 +39,11 @@ async def test_a_resume_on_a_connection_of_the_same_id_closes_nothing(
     ]
 
 
-def test_a_hello_the_store_does_not_answer_in_time_is_1013(host: Host, tokens: TokenService):
+def test_a_hello_the_store_does_not_answer_in_time_is_1013(node: TokenNode, tokens: TokenService):
     """Under a reconnect storm a HELLO may wait long for the store; past hello_timeout
     the client has given up and reconnected, and this HELLO, stored later, would take
     the session over from the new connection: it is answered 1013 instead."""
-    session = Session(host, CADENCE, "node-a/1", time.monotonic)
+    session = Session(node, CADENCE, "node-a/1", time.monotonic)
     assert session.receive(p.Hello(tokens.mint("alice", ttl_s=600))) is Ask.START
     assert session.hello_timed_out() == Close(p.CloseCode.TRY_AGAIN_LATER, "hello_unanswered")
     assert session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S)) is None

@@ -22,9 +22,12 @@ from testkit.pure import FakeClock
 from testkit.waiting import eventually
 from tokend.core import protocol as p
 from tokend.core.session import Session
+from tokend.edge.handshake import Handshake
+from tokend.edge.websocket import WebSocket
 from tokend.ops.app import App
 from tokend.ops.collector import NEVER, Collector
-from tokend.server.connection import Connection, SessionLink, TokendProtocol
+from tokend.server.connection import Connection
+from tokend.server.link import SessionLink
 from tokend.tokens.service import TokenService
 
 
@@ -148,7 +151,7 @@ async def test_a_closed_connection_leaves_no_cycle(
         # Every connection's end seen by the server: none held any more.
         await eventually(lambda: not app.connections, what="every connection closed")
         gc.collect()
-        server_side = (Connection, SessionLink, Session, TokendProtocol)
+        server_side = (Connection, SessionLink, Session, Handshake, WebSocket)
         left = Counter(type(o).__name__ for o in gc.garbage if type(o) in server_side)
     finally:
         gc.set_debug(0)

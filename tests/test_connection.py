@@ -1,17 +1,18 @@
-"""The heartbeat fast path of tokend/server/connection.py against websockets' own parser.
+"""A whole connection (tokend/server/connection.py) against one whose frames websockets reads.
 
 ``Connection.data_received`` unmasks a read that is exactly one whole heartbeat frame
-itself when websockets' parser waits for the start of a frame. These tests feed the
-same bytes, cut at every kind of place, to a connection with the fast path and to one
-without it (websockets' debug mode turns it off, as in production), each a real
-:class:`Connection` with its real session, opened by a real handshake and HELLO before a
-fake :class:`tokend.server.seams.Hub`. They require the same round trips asked of the hub, in
-the same order, the same bytes written back (pongs, close frames: the closes the session
-makes on either path among them), the same session outcome and the same protocol state:
-split frames (inside the header, the masking key, the payload), several frames coalesced
-in one read, fragmented messages, control frames between fragments, text, unmasked
-frames, heartbeats the session refuses, and masking keys chosen to look like a heartbeat
-frame's first bytes.
+itself when its WebSocket is at a frame boundary. These tests feed the same bytes, cut
+at every kind of place, to three connections: one with the fast path, one without it
+(every frame through tokend's frame layer), and one whose frame layer is websockets'
+public ``ServerProtocol`` (:class:`testkit.reference_websocket.ReferenceWebSocket`).
+Each is a real :class:`Connection` with its real session, opened by a real handshake
+and HELLO before a fake :class:`tokend.server.seams.Node`. They require the same round
+trips asked of the node, in the same order, the same bytes written back (pongs, close
+frames: the closes the session makes on either path among them), the same session
+outcome and the same WebSocket state: split frames (inside the header, the masking key,
+the payload), several frames coalesced in one read, fragmented messages, control frames
+between fragments, text, unmasked frames, heartbeats the session refuses, and masking
+keys chosen to look like a heartbeat frame's first bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import ssl
 import uuid
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -29,19 +31,22 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.frames import Close, Frame, Opcode, apply_mask
-from websockets.http11 import Request
-from websockets.protocol import State
 
 from testkit.clients import upgrade_request
+from testkit.reference_websocket import ReferenceWebSocket
+from testkit.waiting import eventually
 from tokend import config
 from tokend.core import protocol as p
 from tokend.core.claims import Claims
 from tokend.core.session import Cadence
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.edge.http_responses import HttpAnswer
+from tokend.edge.websocket import State, WebSocket
 from tokend.metrics import Metrics
-from tokend.server.connection import HEARTBEAT_FRAME_LENGTH, Connection, SessionLink, binary_frame
-from tokend.server.seams import Peer
+from tokend.server import connection as connection_module
+from tokend.server import seams
+from tokend.server.connection import HEARTBEAT_FRAME_LENGTH, Connection
+from tokend.server.link import SessionLink
 from tokend.server.shedding import Shedder
 
 SETTINGS = config.load({"max_frame_rate": 0}, environ={})
@@ -93,8 +98,9 @@ class Transport(asyncio.Transport):
         self.closed = True
 
 
-class Hub:
-    """The node as a connection sees it (tokend.server.seams.Hub): records the round trips asked."""
+class RecordingNode:
+    """The node as a connection sees it (tokend.server.seams.Node): records the round trips
+    asked."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()
@@ -113,25 +119,25 @@ class Hub:
     def new_conn_id(self) -> str:
         return "test/1"
 
-    def submit_hello(self, peer: Peer) -> None:
+    def submit_hello(self, link: seams.SessionLink) -> None:
         self.asked.append(("hello", 0))
 
-    def forget_hello(self, peer: Peer) -> None:
+    def forget_hello(self, link: seams.SessionLink) -> None:
         self.asked.append(("forget_hello", 0))
 
-    def submit_heartbeat(self, peer: Peer) -> None:
-        self.asked.append(("heartbeat", peer.session.last_seq))
+    def submit_heartbeat(self, link: seams.SessionLink) -> None:
+        self.asked.append(("heartbeat", link.session.last_seq))
 
-    def end(self, peer: Peer) -> None:
+    def end(self, link: seams.SessionLink) -> None:
         self.asked.append(("bye", 0))
 
-    def attach(self, peer: Peer) -> None:
+    def attach(self, link: seams.SessionLink) -> None:
         self.asked.append(("attach", 0))
 
-    def detach(self, peer: Peer) -> None:
+    def detach(self, link: seams.SessionLink) -> None:
         self.asked.append(("detach", 0))
 
-    def release(self, peer: Peer) -> None:
+    def release(self, link: seams.SessionLink) -> None:
         self.asked.append(("release", 0))
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -147,7 +153,7 @@ class Gate:
     origins: Sequence[str | None] | None = None
 
     def __init__(self) -> None:
-        self.node = Hub()
+        self.node = RecordingNode()
 
     def opened(self, connection: Connection) -> None:
         pass
@@ -199,21 +205,27 @@ def masked(frame: Frame, mask: bytes | None = None) -> bytes:
 class Opened(NamedTuple):
     connection: Connection
     link: SessionLink
-    hub: Hub
+    node: RecordingNode
     transport: Transport
     key: bytes  # the session key its WELCOME carried
 
 
-def opened(fast: bool) -> Opened:
-    """A connection through its handshake and HELLO, WELCOMEd; with the fast path or not."""
+# The three kinds of connection compared.
+FAST, SLOW, WEBSOCKETS = "fast", "slow", "websockets"
+
+
+def opened(kind: str) -> Opened:
+    """A connection through its handshake and HELLO, WELCOMEd: with the fast path, without
+    it, or with websockets' frame layer in place of tokend's."""
     gate = Gate()
     connection = Connection(gate)
     transport = Transport()
     connection.connection_made(transport)
     connection.data_received(upgrade_request())
-    assert connection.ws.state is State.OPEN
-    if not fast:
-        connection.ws.debug = True  # as with websockets' debug logs on: no fast path
+    assert connection.websocket is not None and connection.websocket.state is State.OPEN
+    if kind == WEBSOCKETS:
+        connection.websocket = ReferenceWebSocket(SETTINGS.max_message_size)  # type: ignore[assignment]
+    connection.fast_path = kind == FAST
     connection.data_received(masked(Frame(Opcode.BINARY, p.encode(p.Hello("token")))))
     link = connection.link
     assert link is not None and gate.node.asked == [("hello", 0)]
@@ -233,11 +245,11 @@ def wire(part: Part, key: bytes) -> bytes:
     return masked(Frame(Opcode.BINARY, p.encode(hb)), part.mask)
 
 
-def feed(parts: Sequence[Part], cuts: Sequence[int], fast: bool) -> Opened:
+def feed(parts: Sequence[Part], cuts: Sequence[int], kind: str) -> Opened:
     """Open a connection, then feed it ``parts`` in reads cut at ``cuts``."""
 
     async def run() -> Opened:
-        o = opened(fast)
+        o = opened(kind)
         stream = b"".join(wire(part, o.key) for part in parts)
         start = 0
         for cut in [*sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]:
@@ -250,30 +262,31 @@ def feed(parts: Sequence[Part], cuts: Sequence[int], fast: bool) -> Opened:
 
 
 def same(parts: Sequence[Part], cuts: Sequence[int]) -> Opened:
-    """Feed both connections alike; they must have done the same."""
-    fast, slow = feed(parts, cuts, True), feed(parts, cuts, False)
-    assert fast.hub.asked == slow.hub.asked
-    assert b"".join(fast.transport.written) == b"".join(slow.transport.written)
-    assert fast.link.session.ended_by == slow.link.session.ended_by
-    assert fast.link.session.last_seq == slow.link.session.last_seq
-    assert (fast.connection.ws.state, fast.connection.ws.close_sent) == (
-        slow.connection.ws.state,
-        slow.connection.ws.close_sent,
-    )
+    """Feed the three connections alike; they must have done the same."""
+    fast, *others = (feed(parts, cuts, kind) for kind in (FAST, SLOW, WEBSOCKETS))
+    for other in others:
+        assert fast.node.asked == other.node.asked
+        assert b"".join(fast.transport.written) == b"".join(other.transport.written)
+        assert fast.link.session.ended_by == other.link.session.ended_by
+        assert fast.link.session.last_seq == other.link.session.last_seq
+        ours, theirs = fast.connection.websocket, other.connection.websocket
+        assert ours is not None and theirs is not None
+        assert (ours.state, ours.close_sent) == (theirs.state, theirs.close_sent)
     return fast
 
 
-def counting_parser(connection: Connection) -> list[bytes]:
-    """What of its input reaches websockets' parser, from now on."""
-    parsed: list[bytes] = []
-    receive = connection.ws.receive_data
+class CountingWebSocket(WebSocket):
+    """The frame layer, recording every read it is given."""
 
-    def counted(data: bytes | bytearray) -> None:
-        parsed.append(bytes(data))
-        receive(data)
+    __slots__ = ("parsed",)
 
-    connection.ws.receive_data = counted  # type: ignore[method-assign]
-    return parsed
+    def __init__(self, max_size: int | None) -> None:
+        super().__init__(max_size)
+        self.parsed: list[bytes] = []
+
+    def receive_data(self, data: bytes) -> None:
+        self.parsed.append(data)
+        super().receive_data(data)
 
 
 # A heartbeat frame whose masking key starts like a heartbeat frame: if it were read
@@ -315,37 +328,41 @@ def test_the_fast_path_is_the_parser_on_any_cut(
     same(stream, cuts)
 
 
-def test_whole_heartbeat_reads_take_the_fast_path() -> None:
+def test_whole_heartbeat_reads_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The case the path is for: one read, one heartbeat frame (else it saves nothing)."""
     beats = [Beat(seq) for seq in range(1, 6)]
     fast = same(beats, [HEARTBEAT_FRAME_LENGTH * i for i in range(1, 5)])
-    assert fast.hub.asked == [("heartbeat", seq) for seq in range(1, 6)]
-    assert fast.connection.aligned
+    assert fast.node.asked == [("heartbeat", seq) for seq in range(1, 6)]
+    assert fast.connection.websocket is not None and fast.connection.websocket.at_frame_boundary
+    monkeypatch.setattr(connection_module, "WebSocket", CountingWebSocket)
 
     async def parsed() -> list[bytes]:
-        o = opened(fast=True)
-        seen = counting_parser(o.connection)
+        o = opened(FAST)
+        layer = o.connection.websocket
+        assert isinstance(layer, CountingWebSocket)
+        layer.parsed.clear()  # the HELLO
         for beat in beats:
             o.connection.data_received(wire(beat, o.key))
-        assert len(o.hub.asked) == 5
-        return seen
+        assert len(o.node.asked) == 5
+        return layer.parsed
 
-    assert asyncio.run(parsed()) == []  # nothing went through websockets' parser
+    assert asyncio.run(parsed()) == []  # nothing went through the frame layer
 
 
 def test_a_close_the_session_makes_on_the_fast_path_is_sent_at_once() -> None:
     """A heartbeat refused on the fast path (its seq is old): 4504 goes out with that read."""
     fast = same([Beat(5), Beat(5)], [HEARTBEAT_FRAME_LENGTH])
     assert fast.link.session.ended_by == (p.CloseCode.BAD_HEARTBEAT, "old_seq")
-    assert fast.connection.ws.close_sent == Close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
+    assert fast.connection.websocket is not None
+    assert fast.connection.websocket.close_sent == (p.CloseCode.BAD_HEARTBEAT, "old_seq")
     assert b"".join(fast.transport.written).startswith(b"\x88")  # the close frame
-    assert fast.hub.asked == [("heartbeat", 5)]
+    assert fast.node.asked == [("heartbeat", 5)]
 
 
 def test_a_read_starting_mid_frame_is_never_taken_for_a_heartbeat() -> None:
     """[2 header bytes] then [56 bytes: a lookalike masking key, payload, next header]."""
     fast = same([Beat(1, LOOKALIKE_MASK), Beat(2)], [2, 2 + HEARTBEAT_FRAME_LENGTH])
-    assert fast.hub.asked == [("heartbeat", 1), ("heartbeat", 2)]
+    assert fast.node.asked == [("heartbeat", 1), ("heartbeat", 2)]
 
 
 def test_fragments_with_a_ping_between_are_one_message() -> None:
@@ -353,7 +370,7 @@ def test_fragments_with_a_ping_between_are_one_message() -> None:
     rng = random.Random(7)
 
     async def run(cuts: list[int]) -> tuple[Opened, bytes]:
-        o = opened(fast=True)
+        o = opened(FAST)
         payload = p.encode(p.make_heartbeat(o.key, TID.bytes, 1, EXP_MS))
         stream = (
             masked(Frame(Opcode.BINARY, payload[:20], fin=False))
@@ -370,31 +387,22 @@ def test_fragments_with_a_ping_between_are_one_message() -> None:
 
     for _ in range(200):
         o, _ = asyncio.run(run([rng.randrange(200) for _ in range(rng.randrange(6))]))
-        assert o.hub.asked == [("heartbeat", 1), ("heartbeat", 2)]
-        assert b"".join(o.transport.written) == binary_frame(b"")[:0] + Frame(
-            Opcode.PONG, b"x"
-        ).serialize(mask=False, extensions=[])
+        assert o.node.asked == [("heartbeat", 1), ("heartbeat", 2)]
+        assert b"".join(o.transport.written) == Frame(Opcode.PONG, b"x").serialize(
+            mask=False, extensions=[]
+        )
 
 
-def test_an_idle_session_holds_neither_the_handshake_request_nor_its_hello() -> None:
-    """After WELCOME the parser starts again between frames (connection.restart_parser):
-    none of its suspended generators holds the request (its headers) or the HELLO frame,
-    which an idle session would otherwise keep for its life (the heartbeats after it take
-    the fast path). That the restarted parser parses as the first did, the differential
-    tests above hold: their fast connection has it, their slow one not."""
-
-    async def held() -> list[object]:
-        o = opened(fast=True)
-        values: list[object] = []
-        generator: Any = o.connection.ws.parser
-        while generator is not None:
-            values += generator.gi_frame.f_locals.values()
-            generator = generator.gi_yieldfrom
-        return values
-
-    values = asyncio.run(held())
-    assert values  # the generators were found, and their locals read
-    assert not [v for v in values if isinstance(v, Request | Frame)]
+def test_an_idle_session_holds_nothing_of_its_opening() -> None:
+    """After WELCOME the connection keeps neither the handshake (its request's head) nor
+    the HELLO frame: its WebSocket holds no byte, no event and nothing to send, which an
+    idle session would otherwise keep for its life (the heartbeats after it take the
+    fast path)."""
+    o = asyncio.run(_opened_fast())
+    layer = o.connection.websocket
+    assert isinstance(layer, WebSocket) and o.connection.handshake is None
+    assert (layer.unparsed(), layer.events, layer.writes, layer.fragments) == (b"", [], [], None)
+    assert layer.at_frame_boundary
 
 
 def test_a_session_logs_with_the_logger_bound_at_its_welcome() -> None:
@@ -407,12 +415,50 @@ def test_a_session_logs_with_the_logger_bound_at_its_welcome() -> None:
 
 
 async def _opened_fast() -> Opened:
-    return opened(fast=True)
+    return opened(FAST)
 
 
-@pytest.mark.parametrize("size", [0, 1, 20, 125, 126, 127, 370, 65535, 65536, 70000])
-def test_binary_frames_are_framed_as_websockets_frames_them(size: int) -> None:
-    payload = os.urandom(size)
-    assert binary_frame(payload) == Frame(Opcode.BINARY, payload).serialize(
-        mask=False, extensions=[]
+async def test_a_connection_handed_to_another_node_goes_on_between_frames() -> None:
+    """The hand-off of a reload: a connection quiet but for half a heartbeat frame read is
+    let go by one node (its socket duplicated, its session not released) and adopted by
+    another with its session and the unparsed bytes; the rest of the frame goes to the
+    new node, whose ACK the client reads on the same socket, which never closed."""
+    loop = asyncio.get_running_loop()
+    server_side, client = socket.socketpair()
+    client.setblocking(False)
+    old_gate, new_gate = Gate(), Gate()
+    old = Connection(old_gate)
+    await loop.connect_accepted_socket(lambda: old, server_side)
+    await loop.sock_sendall(client, upgrade_request())
+    assert (await loop.sock_recv(client, 4096)).startswith(b"HTTP/1.1 101 ")
+    await loop.sock_sendall(client, masked(Frame(Opcode.BINARY, p.encode(p.Hello("token")))))
+    await eventually(lambda: old_gate.node.asked == [("hello", 0)], what="HELLO asked")
+    link = old.link
+    assert link is not None
+    link.hello_answered(HelloAnswer(HelloOutcome.STARTED, EXP_MS, 0, 1))
+    welcome = p.decode((await loop.sock_recv(client, 4096))[2:])
+    assert isinstance(welcome, p.Welcome)
+
+    beat = wire(Beat(1), welcome.session_key)
+    await loop.sock_sendall(client, beat[:20])
+    await eventually(lambda: old.unparsed() == beat[:20], what="half a frame read")
+    old.pause_reading()
+    assert old.quiet
+    session, unparsed = link.session, old.unparsed()
+    handed = old.hand_off()
+    assert ("detach", 0) in old_gate.node.asked and session.take_release() is None
+
+    new = Connection.adopt(new_gate, session, unparsed)
+    await loop.connect_accepted_socket(lambda: new, handed)
+    await loop.sock_sendall(client, beat[20:])
+    await eventually(
+        lambda: new_gate.node.asked == [("attach", 0), ("heartbeat", 1)], what="heartbeat"
     )
+    session.take_heartbeats()
+    assert new.link is not None
+    new.link.heartbeats_stored(EXP_MS)
+    ack = p.decode((await loop.sock_recv(client, 4096))[2:])
+    assert isinstance(ack, p.HeartbeatAck) and ack.seq == 1
+    assert new.transport is not None and not new.transport.is_closing()
+    new.transport.close()
+    client.close()

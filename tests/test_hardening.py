@@ -26,7 +26,7 @@ from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.ops.app import App
-from tokend.server import connection
+from tokend.server import connection, link
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import open_client
 from tokend.tokens.service import TokenService
@@ -61,7 +61,7 @@ async def test_a_client_that_stops_reading_is_dropped(
     )
     assert app.node is not None
     server_log = BindCapturingLogger()
-    monkeypatch.setattr(connection, "_log", server_log)
+    monkeypatch.setattr(link, "_log", server_log)
     token = tokens.mint("sloth")
     client = await WireClient.open(app.port, rcvbuf=4096)
     await client.send(Frame(Opcode.BINARY, p.encode(p.Hello(token))))
@@ -97,7 +97,7 @@ async def test_a_client_that_stops_reading_is_dropped(
     # What the server held for it: the write limit (32 KiB), the ACKs (token re-sent,
     # < 400 bytes each) of the heartbeats in the store's hands when reading paused, and
     # the pongs of the pings in the last read (no larger than that read).
-    held = connection.WRITE_HIGH + connection.READ_PAUSE_AT * 400 + LARGEST_READ
+    held = connection.WRITE_HIGH + link.READ_PAUSE_AT * 400 + LARGEST_READ
     assert dropped["unsent"] <= held
 
 

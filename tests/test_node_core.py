@@ -1,7 +1,7 @@
 """The node's batchers (tokend/server/batchers.py) on a real Redis, without sockets.
 
 A :class:`Waiter` stands where a connection's
-:class:`tokend.server.connection.SessionLink` stands: a :class:`tokend.server.seams.Peer`
+:class:`tokend.server.link.SessionLink` stands: a :class:`tokend.server.seams.SessionLink`
 with a real session core (:mod:`tokend.core.session`), started in Redis with a real
 HELLO, whose methods record what the node gave them.
 """
@@ -28,7 +28,7 @@ from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.core.claims import Claims
-from tokend.core.session import Ask, Cadence, Close, Session
+from tokend.core.session import Ask, Cadence, Close, Session, Welcome
 from tokend.core.store_messages import (
     HeartbeatReply,
     HeartbeatRequest,
@@ -46,7 +46,9 @@ from tokend.tokens.service import TokenService
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
 
 
-class Host:
+class TokenNode:
+    """A session's node (tokend.core.session.Node) with real tokens."""
+
     def __init__(self, tokens: TokenService) -> None:
         self.tokens = tokens
 
@@ -64,10 +66,10 @@ class Waiter:
     """A connection as the batchers see it; records what they hand it."""
 
     def __init__(
-        self, host: Host, store: Store, name: str, prio: int = 5, sub: str | None = None
+        self, token_node: TokenNode, store: Store, name: str, prio: int = 5, sub: str | None = None
     ) -> None:
-        self.session = Session(host, CADENCE, f"node-a/{name}", time.monotonic)
-        self.token = host.tokens.mint(sub or name, prio=prio)
+        self.session = Session(token_node, CADENCE, f"node-a/{name}", time.monotonic)
+        self.token = token_node.tokens.mint(sub or name, prio=prio)
         self.store = store
         self.heartbeat_request: HeartbeatRequest | None = None
         self.calls: list[tuple[str, Any]] = []
@@ -80,8 +82,8 @@ class Waiter:
     def hello_answered(self, answer: HelloAnswer) -> None:
         out = self.session.started(answer)
         self.calls.append(("hello_answered", answer))
-        if isinstance(out, bytes):
-            welcome = p.decode(out)
+        if isinstance(out, Welcome):
+            welcome = p.decode(out.frame)
             assert isinstance(welcome, p.Welcome) and self.session.claims is not None
             self.welcome = welcome
             self.heartbeat_request = self.store.heartbeat_request(
@@ -134,8 +136,8 @@ class Waiter:
 
 
 @pytest.fixture
-def host(settings: Settings) -> Host:
-    return Host(minter(settings))
+def token_node(settings: Settings) -> TokenNode:
+    return TokenNode(minter(settings))
 
 
 @pytest.fixture
@@ -146,7 +148,7 @@ async def store(settings: Settings) -> AsyncIterator[Store]:
 
 
 async def started(
-    host: Host,
+    token_node: TokenNode,
     store: Store,
     names: list[str],
     prios: list[int] | None = None,
@@ -156,7 +158,7 @@ async def started(
     each is its name, unless ``subs`` says)."""
     hellos = HelloBatcher(store, ReleaseBatcher(store))
     waiters = [
-        Waiter(host, store, name, prio, sub)
+        Waiter(token_node, store, name, prio, sub)
         for name, prio, sub in zip(names, prios or [5] * len(names), subs or names, strict=True)
     ]
     for waiter in waiters:
@@ -167,10 +169,12 @@ async def started(
     return waiters
 
 
-async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: Store) -> None:
+async def test_hellos_waiting_together_share_one_round_trip(
+    token_node: TokenNode, store: Store
+) -> None:
     round_trips: list[str] = []
     store.observe = lambda script, seconds: round_trips.append(script)
-    waiters = await started(host, store, [f"h-{n}" for n in range(20)])
+    waiters = await started(token_node, store, [f"h-{n}" for n in range(20)])
     assert round_trips == ["hello"]
     for waiter in waiters:
         [(what, answer)] = waiter.calls
@@ -181,30 +185,30 @@ async def test_hellos_waiting_together_share_one_round_trip(host: Host, store: S
 
 
 async def test_a_hello_after_its_own_connection_ended_resumes_without_a_proof(
-    host: Host, store: Store
+    token_node: TokenNode, store: Store
 ) -> None:
     """A connection that ended before a HELLO came is released in Redis before that HELLO
     is sent (HelloBatcher's invariant): a client that closes and comes straight back to
     the same node resumes, proof or not, instead of meeting its own ended connection as
     a live holder (4509). Its release waits in the batcher, not yet flushed, as on a
     node whose release lane is behind."""
-    (first,) = await started(host, store, ["back"])
+    (first,) = await started(token_node, store, ["back"])
     claims = first.session.claims
     assert claims is not None
     releases = ReleaseBatcher(store)
     releases.submit(
         store.release_request(claims.tid, first.session.conn, first.session.since_ms, "")
     )
-    assert await reconnect_outcome(host, store, first, releases) == "resumed"
+    assert await reconnect_outcome(token_node, store, first, releases) == "resumed"
     assert releases.pending == 0
 
 
 async def reconnect_outcome(
-    host: Host, store: Store, first: Waiter, releases: ReleaseBatcher
+    token_node: TokenNode, store: Store, first: Waiter, releases: ReleaseBatcher
 ) -> str:
     """The outcome of a HELLO with ``first``'s token and no proof (a v1 client coming
     back), sent by a HelloBatcher that settles ``releases`` first."""
-    again = Waiter(host, store, "again", sub="again")
+    again = Waiter(token_node, store, "again", sub="again")
     again.token = first.token
     again.hello()
     hellos = HelloBatcher(store, releases)
@@ -225,13 +229,13 @@ class AnswerLost(Waiter):
 
 @pytest.mark.parametrize("timed_out", [False, True], ids=["open", "hello-timed-out"])
 async def test_a_hello_whose_answer_was_lost_is_released_at_its_close(
-    host: Host, store: Store, timed_out: bool
+    token_node: TokenNode, store: Store, timed_out: bool
 ) -> None:
     """1013 store_unavailable after a HELLO that Redis ran all the same: the close releases
     the session (its since unknown), so the client's next connection resumes it instead of
     meeting a session held by a connection that no longer exists (4509). The same when
     hello_timeout had closed the connection while the HELLO was out."""
-    lost = AnswerLost(host, store, "lost")
+    lost = AnswerLost(token_node, store, "lost")
     lost.hello()
     hellos = HelloBatcher(store, ReleaseBatcher(store))
     hellos.submit(lost)
@@ -253,11 +257,11 @@ async def test_a_hello_whose_answer_was_lost_is_released_at_its_close(
     releases = ReleaseBatcher(store)
     releases.submit(store.release_request(claims.tid, lost.session.conn, lost.session.since_ms, ""))
     # The client retries its 1013 with the same token.
-    assert await reconnect_outcome(host, store, lost, releases) == "resumed"
+    assert await reconnect_outcome(token_node, store, lost, releases) == "resumed"
 
 
 async def test_a_hello_batch_fails_together_when_redis_is_gone(
-    host: Host, make_settings: Callable[..., Settings], tmp_path: Path
+    token_node: TokenNode, make_settings: Callable[..., Settings], tmp_path: Path
 ) -> None:
     gone = RedisProcess(tmp_path / "gone")
     settings = make_settings(redis_url=gone.url, redis_timeout=0.3)
@@ -265,7 +269,7 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
     try:
         dead = Store(client, settings, "node-a")
         hellos = HelloBatcher(dead, ReleaseBatcher(dead))
-        waiters = [Waiter(host, dead, f"g-{n}") for n in range(3)]
+        waiters = [Waiter(token_node, dead, f"g-{n}") for n in range(3)]
         for waiter in waiters:
             waiter.hello()
             hellos.submit(waiter)
@@ -276,13 +280,13 @@ async def test_a_hello_batch_fails_together_when_redis_is_gone(
 
 
 async def test_an_overloaded_batcher_serves_high_prio_first_and_warn_last(
-    host: Host, store: Store
+    token_node: TokenNode, store: Store
 ) -> None:
     """More heartbeats waiting than one flush takes: served in serving_rank order."""
     # (prio, warned), submitted worst first so that arrival order cannot pass the test.
     kinds = [(0, True), (9, True), (0, False), (5, False), (9, False), (7, False)]
     waiters = await started(
-        host, store, [f"p{prio}-{warned}" for prio, warned in kinds], [k[0] for k in kinds]
+        token_node, store, [f"p{prio}-{warned}" for prio, warned in kinds], [k[0] for k in kinds]
     )
     batcher = HeartbeatBatcher(store, batch_size=2)
     for waiter, (_, warned) in zip(waiters, kinds, strict=True):
@@ -304,9 +308,9 @@ async def test_an_overloaded_batcher_serves_high_prio_first_and_warn_last(
 
 
 async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
-    host: Host, store: Store
+    token_node: TokenNode, store: Store
 ) -> None:
-    [waiter] = await started(host, store, ["late"])
+    [waiter] = await started(token_node, store, ["late"])
     batcher = HeartbeatBatcher(store, batch_size=10)
     waiter.beat()
     batcher.submit(waiter)
@@ -325,12 +329,12 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
 
 
 async def test_running_lanes_answer_every_heartbeat_however_they_come(
-    host: Host, store: Store
+    token_node: TokenNode, store: Store
 ) -> None:
     """The lanes' wake is set by the first heartbeat to wait (not by each): heartbeats
     that come while others wait, while a flush is out, or more than a flush takes, are
     all answered, and nothing is left waiting."""
-    waiters = await started(host, store, [f"w{n}" for n in range(7)])
+    waiters = await started(token_node, store, [f"w{n}" for n in range(7)])
     batcher = HeartbeatBatcher(store, batch_size=2)
     node = SimpleNamespace(running=True)
     lanes = asyncio.create_task(batcher.run(node, lanes=2))  # type: ignore[arg-type]
@@ -400,11 +404,11 @@ def spied_round_trips(store: Store) -> list[tuple[float, list[str]]]:
 
 
 async def test_a_heartbeat_that_finds_the_store_idle_waits_for_others_to_share_its_trip(
-    host: Host, store: Store
+    token_node: TokenNode, store: Store
 ) -> None:
     """heartbeat_gather: the first heartbeat to wait with no round trip in flight is
     flushed ``gather`` later, with every heartbeat that came meanwhile (one round trip)."""
-    waiters = await started(host, store, ["g-1", "g-2", "g-3"])
+    waiters = await started(token_node, store, ["g-1", "g-2", "g-3"])
     batcher = HeartbeatBatcher(store, batch_size=10, gather=0.05)
     asked = spied_round_trips(store)
     loop = asyncio.get_running_loop()
@@ -427,14 +431,14 @@ async def test_a_heartbeat_that_finds_the_store_idle_waits_for_others_to_share_i
 
 
 async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
-    host: Host, store: Store
+    token_node: TokenNode, store: Store
 ) -> None:
     """A flush's worth waiting goes at once, and so does a heartbeat that comes while a
     round trip is in flight (the node is busy: batches form as it is). A gather of an
     hour shows that neither waited for it."""
     full, busy = (
-        await started(host, store, ["full-1", "full-2"]),
-        await started(host, store, ["busy-1", "busy-2"]),
+        await started(token_node, store, ["full-1", "full-2"]),
+        await started(token_node, store, ["busy-1", "busy-2"]),
     )
     batcher = HeartbeatBatcher(store, batch_size=2, gather=3600)
     asked = spied_round_trips(store)
@@ -473,7 +477,7 @@ async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
 
 
 async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
-    host: Host,
+    token_node: TokenNode,
     make_settings: Callable[..., Settings],
     own_redis: RedisProcess,
     monkeypatch: pytest.MonkeyPatch,
@@ -482,7 +486,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
     client = open_client(settings.redis_url, settings)
     try:
         outage_store = Store(client, settings, "node-a")
-        waiters = await started(host, outage_store, ["o-1", "o-2"])
+        waiters = await started(token_node, outage_store, ["o-1", "o-2"])
         batcher = HeartbeatBatcher(outage_store, batch_size=10)
         own_redis.kill()
         with capture_logs() as logs:
@@ -505,7 +509,7 @@ async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(
             assert kinds == ["held", "held", "held", "replayed"]
             assert heartbeat_outcome(waiter.calls[-1][1]) == "ok"
             assert not waiter.session.held
-        assert batcher.unstored_peers == 0
+        assert batcher.unstored_links == 0
     finally:
         await client.aclose()
 
@@ -543,9 +547,9 @@ async def test_connection_ids_are_unique_and_name_the_node(node: Node) -> None:
 
 
 async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Node) -> None:
-    host = Host(node.tokens)
+    token_node = TokenNode(node.tokens)
     alice_1, alice_2, bob = await started(
-        host, node.store, ["alice-1", "alice-2", "bob"], subs=["alice", "alice", "bob"]
+        token_node, node.store, ["alice-1", "alice-2", "bob"], subs=["alice", "alice", "bob"]
     )
     for waiter in (alice_1, alice_2, bob):
         node.attach(waiter)
@@ -575,8 +579,10 @@ async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
     bench/results/2026-12-04-resume.md)."""
     assert node.settings.flush_lanes > 1
     await node.start()
-    host = Host(node.tokens)
-    first, second, third = (Waiter(host, node.store, name) for name in ("one", "two", "three"))
+    token_node = TokenNode(node.tokens)
+    first, second, third = (
+        Waiter(token_node, node.store, name) for name in ("one", "two", "three")
+    )
     original = node.store.hellos
     sent: list[int] = []
     entered, answer = asyncio.Event(), asyncio.Event()
@@ -610,7 +616,7 @@ async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
 async def test_a_bye_goes_through_the_node_and_its_answer_to_the_peer(node: Node) -> None:
     """BYE (docs/protocol.md 0x05): the node ends the session in the store, then tells
     the peer. Attached first: the node gives the peer its heartbeat request at WELCOME."""
-    [waiter] = await started(Host(node.tokens), node.store, ["leaving"])
+    [waiter] = await started(TokenNode(node.tokens), node.store, ["leaving"])
     waiter.heartbeat_request = None
     node.attach(waiter)
     assert waiter.heartbeat_request is not None
@@ -646,7 +652,7 @@ async def test_a_release_waiting_when_the_node_stops_is_recorded_before_redis_is
     make_settings: Callable[..., Settings], redis: Any
 ) -> None:
     async with running_node(make_settings(**CALM)) as node:
-        [waiter] = await started(Host(node.tokens), node.store, ["parked"])
+        [waiter] = await started(TokenNode(node.tokens), node.store, ["parked"])
         before = await node.store.redis.time()
         waiter.session.close(p.CloseCode.GOING_AWAY, "going_away")  # as the drain closes it
         node.release(waiter)
@@ -666,7 +672,7 @@ async def test_releases_redis_cannot_take_at_the_stop_are_logged_once_and_the_st
 ) -> None:
     settings = make_settings(redis_url=own_redis.url, **CALM)
     async with running_node(settings) as node:
-        waiters = await started(Host(node.tokens), node.store, ["gone-1", "gone-2"])
+        waiters = await started(TokenNode(node.tokens), node.store, ["gone-1", "gone-2"])
         own_redis.kill()
         with capture_logs() as logs:
             monkeypatch.setattr(batchers_module, "log", structlog.get_logger("tokend.node"))

@@ -20,16 +20,16 @@ from testkit.session_core import (
     IAT_S,
     SESSION_S,
     SINCE_MS,
-    Host,
+    TokenNode,
     heartbeat,
-    host,
+    node,
     session,
     welcome,
 )
 from testkit.tokens import WallClockTokens
 from tokend.core import protocol as p
 from tokend.core.lifecycle import serving_rank
-from tokend.core.session import Ask, Close, Phase, Release, Session
+from tokend.core.session import Ask, Close, Phase, Release, Session, Welcome
 from tokend.core.store_messages import (
     Ended,
     HeartbeatAnswer,
@@ -39,7 +39,7 @@ from tokend.core.store_messages import (
 )
 from tokend.tokens.service import TokenService, token_digest
 
-__all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
+__all__ = ["clock", "node", "session", "tokens"]  # fixtures of testkit
 
 OK = HeartbeatOutcome.OK
 
@@ -81,7 +81,7 @@ def test_a_server_frame_from_the_client_is_a_protocol_error(session: Session) ->
 def test_malformed_and_text_messages_close_4503(session: Session) -> None:
     closed(session.text_message(), p.CloseCode.PROTOCOL_ERROR, "text_message")
     assert session.phase is Phase.CLOSED
-    other = Session(session.host, CADENCE, "node-a/2", time.monotonic)
+    other = Session(session.node, CADENCE, "node-a/2", time.monotonic)
     closed(other.malformed(), p.CloseCode.PROTOCOL_ERROR, "malformed_frame")
 
 
@@ -109,8 +109,10 @@ def test_an_expired_token_closes_4502(session: Session, tokens: TokenService) ->
     assert isinstance(out, Close) and out.code is p.CloseCode.TOKEN_EXPIRED
 
 
-def test_a_full_sub_is_rate_limited(session: Session, host: Host, tokens: TokenService) -> None:
-    host.full.add("alice")
+def test_a_full_sub_is_rate_limited(
+    session: Session, node: TokenNode, tokens: TokenService
+) -> None:
+    node.full.add("alice")
     closed(
         session.receive(p.Hello(tokens.mint("alice"))),
         p.CloseCode.RATE_LIMITED,
@@ -130,7 +132,7 @@ def test_a_frame_while_the_store_starts_the_session_is_a_protocol_error(
 def test_hello_timeout_only_before_hello(session: Session, tokens: TokenService) -> None:
     welcome(session, tokens)
     assert session.hello_timed_out() is None
-    fresh = Session(session.host, CADENCE, "node-a/2", time.monotonic)
+    fresh = Session(session.node, CADENCE, "node-a/2", time.monotonic)
     closed(fresh.hello_timed_out(), p.CloseCode.HELLO_TIMEOUT, "hello_timeout")
 
 
@@ -145,9 +147,9 @@ def test_welcome_carries_the_session_and_the_clocks(session: Session, tokens: To
     assert session.phase is Phase.OPEN
 
 
-def test_each_connection_gets_its_own_session_key(host: Host, tokens: TokenService) -> None:
+def test_each_connection_gets_its_own_session_key(node: TokenNode, tokens: TokenService) -> None:
     keys = {
-        welcome(Session(host, CADENCE, f"n/{i}", time.monotonic), tokens).session_key
+        welcome(Session(node, CADENCE, f"n/{i}", time.monotonic), tokens).session_key
         for i in range(3)
     }
     assert len(keys) == 3
@@ -171,8 +173,8 @@ def test_the_key_is_made_before_the_store_is_asked_and_welcome_carries_it(
     assert session.claims is not None
     assert session.next_proof == p.resume_proof(key, session.claims.tid.bytes)
     out = session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S, SINCE_MS))
-    assert isinstance(out, bytes)
-    w = p.decode(out)
+    assert isinstance(out, Welcome)
+    w = p.decode(out.frame)
     assert isinstance(w, p.Welcome) and w.session_key == key
     # The client proves with it: the proof its next HELLO shows is the one the store keeps.
     assert p.resume_proof(w.session_key, w.tid) == session.next_proof
@@ -186,7 +188,7 @@ def test_the_proof_a_hello_shows_goes_to_the_store_once(
     assert session.shown_proof == proof
     session.started(HelloAnswer(HelloOutcome.RESUMED, EXP_MS, IAT_S, SINCE_MS))
     assert session.shown_proof is None  # not kept by an idle session
-    v1 = Session(session.host, CADENCE, "node-a/2", time.monotonic)
+    v1 = Session(session.node, CADENCE, "node-a/2", time.monotonic)
     v1.receive(p.Hello(tokens.mint("alice")))
     assert v1.shown_proof is None
 
@@ -311,7 +313,7 @@ def test_a_plain_ok_the_store_answers_with_the_exp_alone_is_acknowledged(
 
 
 def test_a_renewal_hands_over_a_new_token(
-    session: Session, host: Host, tokens: WallClockTokens
+    session: Session, node: TokenNode, tokens: WallClockTokens
 ) -> None:
     w = welcome(session, tokens)
     session.receive(heartbeat(w, 1))

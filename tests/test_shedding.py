@@ -23,9 +23,9 @@ from testkit.session_core import (
     EXP_MS,
     IAT_S,
     SESSION_S,
-    Host,
+    TokenNode,
     heartbeat,
-    host,
+    node,
     session,
     welcome,
 )
@@ -34,7 +34,7 @@ from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.core.lifecycle import RANKS, serving_rank
-from tokend.core.session import OVERLOADED, Ask, Close, Session
+from tokend.core.session import OVERLOADED, Ask, Close, Session, Welcome
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.ops.app import App
 from tokend.server.shedding import (
@@ -49,7 +49,7 @@ from tokend.server.shedding import (
 )
 from tokend.tokens.service import TokenService
 
-__all__ = ["clock", "host", "session", "tokens"]  # fixtures of testkit
+__all__ = ["clock", "node", "session", "tokens"]  # fixtures of testkit
 
 SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
 
@@ -57,8 +57,8 @@ SHED = Close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
 def heartbeat_key(session: Session) -> p.Welcome:
     """The store starts the session asked for (HELLO given): its WELCOME."""
     out = session.started(HelloAnswer(HelloOutcome.STARTED, EXP_MS, IAT_S))
-    assert isinstance(out, bytes)
-    frame = p.decode(out)
+    assert isinstance(out, Welcome)
+    frame = p.decode(out.frame)
     assert isinstance(frame, p.Welcome)
     return frame
 
@@ -90,12 +90,12 @@ def test_a_heartbeat_on_cadence_is_not_shed_unless_the_session_is_in_warn(
 
 
 def test_a_heartbeat_on_cadence_is_stored_before_floods_of_better_ranked_sessions(
-    host: Host, tokens: TokenService, clock: FakeClock
+    node: TokenNode, tokens: TokenService, clock: FakeClock
 ) -> None:
-    low = Session(host, CADENCE, "node-a/1", clock)
+    low = Session(node, CADENCE, "node-a/1", clock)
     assert low.receive(p.Hello(tokens.mint("bob", ttl_s=SESSION_S, iat=IAT_S, prio=0))) is Ask.START
     w = heartbeat_key(low)
-    high = Session(host, CADENCE, "node-a/2", clock)
+    high = Session(node, CADENCE, "node-a/2", clock)
     h = welcome(high, tokens)  # prio 5
     assert high.receive(heartbeat(h, 1)) is Ask.HEARTBEAT
     clock.now += 0.1
@@ -114,63 +114,63 @@ def test_a_heartbeat_faster_than_the_cadence_is_shed(
 
 
 def test_a_session_in_warn_is_shed_before_an_active_one_of_any_prio(
-    host: Host, tokens: TokenService
+    node: TokenNode, tokens: TokenService
 ) -> None:
     shed_from = serving_rank(9, warned=True)  # only WARN sessions, down to prio 9
-    active = Session(host, CADENCE, "node-a/1", time.monotonic)
+    active = Session(node, CADENCE, "node-a/1", time.monotonic)
     w = welcome(active, tokens)
     assert active.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
     assert active.receive(heartbeat(w, 2), shed_from) is Ask.HEARTBEAT  # prio 5: not shed
-    warned = Session(host, CADENCE, "node-a/2", time.monotonic)
+    warned = Session(node, CADENCE, "node-a/2", time.monotonic)
     w = welcome(warned, tokens)
     warned.warn()
     assert warned.receive(heartbeat(w, 1), shed_from) == SHED
 
 
 def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
-    host: Host, tokens: TokenService
+    node: TokenNode, tokens: TokenService
 ) -> None:
     shed_from = serving_rank(4, False)  # ACTIVE sessions of prio 4 and below, every WARN
-    low = Session(host, CADENCE, "node-a/1", time.monotonic)
+    low = Session(node, CADENCE, "node-a/1", time.monotonic)
     hello = p.Hello(tokens.mint("bob", ttl_s=SESSION_S, iat=IAT_S, prio=4))
     assert low.receive(hello, shed_from) == SHED
-    high = Session(host, CADENCE, "node-a/2", time.monotonic)
+    high = Session(node, CADENCE, "node-a/2", time.monotonic)
     hello = p.Hello(tokens.mint("carol", ttl_s=SESSION_S, iat=IAT_S, prio=5))
     assert high.receive(hello, shed_from) is Ask.START
 
 
 def test_while_shedding_a_fresh_login_is_ranked_before_its_signature_is_checked(
-    host: Host, tokens: TokenService
+    node: TokenNode, tokens: TokenService
 ) -> None:
     """A connect storm meets a node that sheds already: a fresh login (no resume proof)
     of a shed class is refused 1013 without an Ed25519 verify, forged or not; one that
     is served is verified at once (a forgery: 4501), and is not penalised by sub."""
     shed_from = serving_rank(4, False)
     checked: list[bool] = []
-    check = host.check
+    check = node.check
 
     def recording(token: str, signature: bool) -> tuple[object, str]:
         checked.append(signature)
         return check(token, signature)
 
-    host.check = recording  # type: ignore[method-assign,assignment]
-    low = Session(host, CADENCE, "node-a/1", time.monotonic)
+    node.check = recording  # type: ignore[method-assign,assignment]
+    low = Session(node, CADENCE, "node-a/1", time.monotonic)
     assert low.receive(p.Hello(tokens.mint("bob", prio=4)), shed_from) == SHED
     assert checked == [False] and not low.verified
     checked.clear()
-    high = Session(host, CADENCE, "node-a/2", time.monotonic)
+    high = Session(node, CADENCE, "node-a/2", time.monotonic)
     assert high.receive(p.Hello(tokens.mint("carol", prio=5)), shed_from) is Ask.START
     assert checked == [False, True] and high.verified
     checked.clear()
     head, _, signature = tokens.mint("carol", prio=5).rpartition(".")
     forged = f"{head}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
-    refused = Session(host, CADENCE, "node-a/3", time.monotonic)
+    refused = Session(node, CADENCE, "node-a/3", time.monotonic)
     closed = refused.receive(p.Hello(forged), shed_from)
     assert closed == Close(p.CloseCode.INVALID_TOKEN, "bad_signature")
     assert checked == [False, True]
     # Not shedding: verified at once, as always.
     checked.clear()
-    calm = Session(host, CADENCE, "node-a/4", time.monotonic)
+    calm = Session(node, CADENCE, "node-a/4", time.monotonic)
     assert calm.receive(p.Hello(tokens.mint("dave", prio=4))) is Ask.START
     assert checked == [True]
 

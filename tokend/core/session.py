@@ -80,6 +80,12 @@ _NOT_HELD_AFTER = frozenset(
 )
 
 
+class Welcome(NamedTuple):
+    """The store gave this connection its session: send the WELCOME ``frame`` (encoded)."""
+
+    frame: bytes
+
+
 class Release(NamedTuple):
     """A connection that held its session ended: the store is to record that no connection
     holds it now (docs/protocol.md §5, "When a connection ends")."""
@@ -110,8 +116,9 @@ class Phase(Enum):
     CLOSED = "closed"  # a close was decided: nothing more comes out
 
 
-class Host(Protocol):
-    """What a session asks of the node that runs it, answered at once."""
+class Node(Protocol):
+    """The node that runs a session, as the session sees it: what it asks, answered at
+    once (:class:`tokend.server.seams.Node` is the node as its connections see it)."""
 
     def check(self, token: str, signature: bool) -> tuple[Claims, str]:
         """The token's claims, checked (its signature too if ``signature``), and its
@@ -177,12 +184,12 @@ class Session:
         "exp_ms",
         "frames",
         "held",
-        "host",
         "iat_s",
         "key",
         "last_beat",
         "last_seq",
         "mac_key",
+        "node",
         "phase",
         "released",
         "resumed",
@@ -198,8 +205,8 @@ class Session:
         "warned",
     )
 
-    def __init__(self, host: Host, cadence: Cadence, conn: str, clock: Callable[[], float]) -> None:
-        self.host = host
+    def __init__(self, node: Node, cadence: Cadence, conn: str, clock: Callable[[], float]) -> None:
+        self.node = node
         self.cadence = cadence
         self.conn = conn
         self.clock = clock
@@ -342,7 +349,7 @@ class Session:
         signature = fresh and shed_from >= RANKS
         self.unverified = None if signature else hello.token
         try:
-            claims, self.token_digest = self.host.check(hello.token, signature)
+            claims, self.token_digest = self.node.check(hello.token, signature)
         except TokenError as exc:
             # Refused with the reason a HELLO verified at once gets (its signature first).
             return self._verify() or self._refused(exc)
@@ -354,7 +361,7 @@ class Session:
             refused = self._verify()
             if refused is not None:
                 return refused
-        if self.host.sub_is_full(claims):
+        if self.node.sub_is_full(claims):
             # Told to a token whose signature verified only: it tells of others' sessions.
             return self._verify() or self._close(p.CloseCode.RATE_LIMITED, "too_many_sessions")
         # Made before the store is asked: the store keeps (a digest of) the resume proof it
@@ -382,7 +389,7 @@ class Session:
         if token is None:
             return None
         try:
-            _, self.token_digest = self.host.check(token, True)
+            _, self.token_digest = self.node.check(token, True)
         except TokenError as exc:
             return self._refused(exc)
         return None
@@ -396,9 +403,12 @@ class Session:
 
     # The store's answers
 
-    def started(self, answer: HelloAnswer) -> bytes | Ask | Close | None:
-        """The store's answer to :attr:`Ask.START`: WELCOME, the refusal, or (VERIFY)
-        :attr:`Ask.START` again once the token is verified."""
+    def started(self, answer: HelloAnswer) -> Welcome | Ask | Close | None:
+        """The store's answer to :attr:`Ask.START`: :class:`Welcome`, the refusal, or
+        (VERIFY) :attr:`Ask.START` again once the token is verified; None once closed.
+
+        (:meth:`stored`, on the heartbeat path, answers its ACK frames as a plain list: a
+        typed wrapper would cost an object per connection per flush.)"""
         outcome = answer.outcome
         if outcome is HelloOutcome.VERIFY and self.phase is Phase.STARTING:
             # The store does not know the token: verified now, then asked again.
@@ -429,15 +439,17 @@ class Session:
         if self.cadence.max_frame_rate:
             self.frames = TokenBucket(self.cadence.max_frame_rate, self.clock())
         cadence = self.cadence
-        return p.encode(
-            p.Welcome(
-                self.tid_bytes,
-                self.exp_ms,
-                cadence.heartbeat_ms,
-                cadence.warn_ms,
-                cadence.expire_ms,
-                self.key,
-                resumed=self.resumed,
+        return Welcome(
+            p.encode(
+                p.Welcome(
+                    self.tid_bytes,
+                    self.exp_ms,
+                    cadence.heartbeat_ms,
+                    cadence.warn_ms,
+                    cadence.expire_ms,
+                    self.key,
+                    resumed=self.resumed,
+                )
             )
         )
 
@@ -478,7 +490,7 @@ class Session:
         """An ACK that carries the session's current token: renewed, or re-sent."""
         claims = self.claims
         assert claims is not None
-        token, self.signed_digest = self.host.sign(claims, self.iat_s, self.exp_ms // 1000)
+        token, self.signed_digest = self.node.sign(claims, self.iat_s, self.exp_ms // 1000)
         self.token_exp_ms = self.exp_ms
         return p.encode_ack(
             seq, self.exp_ms, token, renewed=renewed, resent=not renewed, was_warn=was_warn

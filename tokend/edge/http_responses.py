@@ -3,9 +3,10 @@ instead of, or before, the WebSocket handshake) and the admin listener's.
 
 On the main port the gate answers some requests itself (``Gate.answer``: ``/healthz``,
 ``/readyz``, the JWKS, a refusal such as 429 or 503, 404): the answer is written by
-websockets' ``ServerProtocol`` where its 101 would have gone, which then closes the
-connection as after any answer but a 101. An answer the gate must wait for (``/readyz``
-asks Redis) is written once it is ready, by a task of the node.
+websockets' ``ServerProtocol.send_response`` where its 101 would have gone
+(:meth:`tokend.edge.handshake.Handshake.answer`), which then ends the connection as after
+any answer but a 101. An answer the gate must wait for (``/readyz`` asks Redis) is
+written once it is ready, by a task of the node.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any, NamedTuple
 
 from websockets.datastructures import Headers
 from websockets.http11 import Response
-from websockets.protocol import State
-from websockets.server import ServerProtocol
 
 
 class HttpAnswer(NamedTuple):
@@ -44,27 +43,20 @@ def head(
 
 
 def give(
-    ws: ServerProtocol,
     answer: HttpAnswer | Awaitable[HttpAnswer],
+    send: Callable[[Response], None],
     spawn: Callable[[Coroutine[Any, Any, None]], None],
-    write: Callable[[], None],
 ) -> None:
-    """Send ``answer`` through ``ws``: now (the caller writes it), or once it is ready
-    (then ``write`` writes it, from a task ``spawn`` runs), unless the connection has gone
-    on or ended by then."""
+    """``send`` the response of ``answer``: now, or once it is ready (from a task
+    ``spawn`` runs)."""
     if isinstance(answer, HttpAnswer):
-        ws.send_response(response(answer))
+        send(response(answer))
     else:
-        spawn(_later(ws, answer, write))
+        spawn(_later(answer, send))
 
 
-async def _later(
-    ws: ServerProtocol, answer: Awaitable[HttpAnswer], write: Callable[[], None]
-) -> None:
-    ready = response(await answer)
-    if ws.state is State.CONNECTING:
-        ws.send_response(ready)
-        write()
+async def _later(answer: Awaitable[HttpAnswer], send: Callable[[Response], None]) -> None:
+    send(response(await answer))
 
 
 def response(answer: HttpAnswer) -> Response:

@@ -19,7 +19,7 @@ import structlog
 
 from tokend.core.protocol import CloseCode
 from tokend.core.store_messages import HeartbeatRequest, ReleaseOutcome
-from tokend.server.seams import Peer
+from tokend.server import seams
 from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
 from tokend.store.unavailable import StoreUnavailable
 
@@ -32,7 +32,7 @@ Item = TypeVar("Item")
 
 
 class Batcher(Generic[Item]):
-    """Peers (or requests) waiting for one store round trip; the next starts when one
+    """Links (or requests) waiting for one store round trip; the next starts when one
     ends.
 
     A lone request waits for no timer (but a heartbeat may: ``HeartbeatBatcher.gather``),
@@ -75,7 +75,7 @@ class Batcher(Generic[Item]):
         raise NotImplementedError
 
 
-class HelloBatcher(Batcher[Peer]):
+class HelloBatcher(Batcher[seams.SessionLink]):
     """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush.
 
     Invariant: the connections of this node that ended before a HELLO came are released
@@ -98,8 +98,8 @@ class HelloBatcher(Batcher[Peer]):
         batch, self.waiting = list(self.waiting), {}
         await self.releases.settle()
         requests = []
-        for peer in batch:
-            session = peer.session
+        for link in batch:
+            session = link.session
             assert session.claims is not None
             c = session.claims
             requests.append(
@@ -122,15 +122,15 @@ class HelloBatcher(Batcher[Peer]):
             if not isinstance(exc, StoreUnavailable):
                 log.exception("hello flush failed")
             unavailable = isinstance(exc, StoreUnavailable)
-            for peer in batch:
-                peer.hello_failed(unavailable)
+            for link in batch:
+                link.hello_failed(unavailable)
             return
-        for peer, answer in zip(batch, answers, strict=True):
-            peer.hello_answered(answer)
+        for link, answer in zip(batch, answers, strict=True):
+            link.hello_answered(answer)
 
 
-class HeartbeatBatcher(Batcher[Peer]):
-    """Heartbeats of many peers in one store call per flush; ACKs written from it.
+class HeartbeatBatcher(Batcher[seams.SessionLink]):
+    """Heartbeats of many links in one store call per flush; ACKs written from it.
 
     A flush takes at most ``batch_size`` connections; when more wait (Redis or the
     node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
@@ -153,8 +153,8 @@ class HeartbeatBatcher(Batcher[Peer]):
         # about as much for one heartbeat as for ten (bench/results/2026-12-04-heartbeat-gather.md).
         self.gather = gather
         self.in_flight = 0  # store round trips of this batcher awaiting their answer
-        # Peers with heartbeats acknowledged during an outage, not yet stored.
-        self.unstored: dict[Peer, None] = {}
+        # Links with heartbeats acknowledged during an outage, not yet stored.
+        self.unstored: dict[seams.SessionLink, None] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
         # Work for a lane came (a heartbeat to wait, a kick) since a lane last took some.
         self.due = False
@@ -162,12 +162,12 @@ class HeartbeatBatcher(Batcher[Peer]):
         # event would wake all of them, and all but one would find nothing to take).
         self.idle: deque[asyncio.Future[None]] = deque()
 
-    def submit(self, peer: Peer) -> None:
-        # A peer whose heartbeats are in a flight already is submitted again when that
-        # flush answers (see flush): one flight per peer at a time.
-        if not peer.session.storing:
+    def submit(self, link: seams.SessionLink) -> None:
+        # A link whose heartbeats are in a flight already is submitted again when that
+        # flush answers (see flush): one flight per link at a time.
+        if not link.session.storing:
             waiting = self.waiting
-            waiting[peer] = None
+            waiting[link] = None
             count = len(waiting)
             if count == 1:
                 # Only the first of those that wait calls a lane: a lane takes them all at
@@ -180,9 +180,9 @@ class HeartbeatBatcher(Batcher[Peer]):
             elif count == self.batch_size:
                 self._call_lane()  # a flush's worth waits for nothing more
 
-    def forget(self, peer: Peer) -> None:
-        super().forget(peer)
-        self.unstored.pop(peer, None)
+    def forget(self, link: seams.SessionLink) -> None:
+        super().forget(link)
+        self.unstored.pop(link, None)
 
     def kick(self) -> None:
         if self.unstored:
@@ -211,25 +211,25 @@ class HeartbeatBatcher(Batcher[Peer]):
             await self.flush()
 
     @property
-    def unstored_peers(self) -> int:
-        """How many peers have heartbeats acknowledged during an outage and not stored yet."""
+    def unstored_links(self) -> int:
+        """How many links have heartbeats acknowledged during an outage and not stored yet."""
         return len(self.unstored)
 
-    def _take(self) -> list[Peer]:
-        """Remove and return the next flush's peers, best-ranked first."""
+    def _take(self) -> list[seams.SessionLink]:
+        """Remove and return the next flush's links, best-ranked first."""
         if len(self.waiting) <= self.batch_size:  # all of them: no copy
             taken, self.waiting = list(self.waiting), {}
         else:
             taken = heapq.nsmallest(
                 self.batch_size,
                 self.waiting,
-                key=lambda peer: peer.session.batch_rank,
+                key=lambda link: link.session.batch_rank,
             )
             self._call_lane()  # the rest go in the next flush
-            for peer in taken:
-                del self.waiting[peer]
-        for peer in taken:
-            peer.session.take_heartbeats()
+            for link in taken:
+                del self.waiting[link]
+        for link in taken:
+            link.session.take_heartbeats()
         return taken
 
     async def flush(self) -> None:
@@ -241,44 +241,44 @@ class HeartbeatBatcher(Batcher[Peer]):
         if unstored:
             taken = set(batch)
             replays = [c for c in unstored if c not in taken]
-        # A peer whose earlier heartbeat is still unstored was not silent, whatever
+        # A link whose earlier heartbeat is still unstored was not silent, whatever
         # Redis last recorded: its new heartbeat is not judged late either.
-        peers = batch + replays
-        # Every peer here was attached (given its request) at WELCOME, before its heartbeats.
-        requests = cast(list[HeartbeatRequest], [peer.heartbeat_request for peer in peers])
+        links = batch + replays
+        # Every link here was attached (given its request) at WELCOME, before its heartbeats.
+        requests = cast(list[HeartbeatRequest], [link.heartbeat_request for link in links])
         replayed = [p in unstored for p in batch] + [True] * len(replays) if unstored else ()
         self.in_flight += 1
         try:
             answers = await self.store.record_heartbeats(
-                requests, replayed, lambda i: peers[i].known()
+                requests, replayed, lambda i: links[i].known()
             )
         except StoreUnavailable as exc:
             if not self.held:
                 log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))
-            for peer in batch:
-                self.held += len(peer.session.unanswered)
-                unstored[peer] = None
-                peer.heartbeats_held()
+            for link in batch:
+                self.held += len(link.session.unanswered)
+                unstored[link] = None
+                link.heartbeats_held()
             return
-        except Exception:  # a script error: close these peers, keep serving the rest
+        except Exception:  # a script error: close these links, keep serving the rest
             log.exception("heartbeat flush failed")
-            for peer in batch:
-                peer.close(CloseCode.INTERNAL_ERROR, "internal_error")
+            for link in batch:
+                link.close(CloseCode.INTERNAL_ERROR, "internal_error")
             return
         finally:
             self.in_flight -= 1
         if self.held:
             log.warning("store back: heartbeats held stored", held=self.held, replayed=len(replays))
             self.held = 0
-        for peer, answer in zip(batch, answers, strict=False):
+        for link, answer in zip(batch, answers, strict=False):
             if unstored:
-                unstored.pop(peer, None)
-            peer.heartbeats_stored(answer)
-            if peer.session.unanswered:  # more came in meanwhile
-                self.submit(peer)
-        for peer, answer in zip(replays, answers[len(batch) :], strict=True):
-            unstored.pop(peer, None)
-            peer.replayed(answer)
+                unstored.pop(link, None)
+            link.heartbeats_stored(answer)
+            if link.session.unanswered:  # more came in meanwhile
+                self.submit(link)
+        for link, answer in zip(replays, answers[len(batch) :], strict=True):
+            unstored.pop(link, None)
+            link.replayed(answer)
 
 
 class ReleaseBatcher(Batcher[ReleaseRequest]):

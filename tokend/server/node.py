@@ -28,10 +28,10 @@ from tokend.core.protocol import CloseCode
 from tokend.core.session import GOING_AWAY, Close, Session
 from tokend.core.store_messages import Ended
 from tokend.metrics import Metrics
+from tokend.server import seams
 from tokend.server.background import Background
 from tokend.server.batchers import HeartbeatBatcher, HelloBatcher, ReleaseBatcher
 from tokend.server.registry import Registry
-from tokend.server.seams import Endpoint, Peer
 from tokend.server.shedding import Shedder
 from tokend.store.control import ControlListener
 from tokend.store.redis_client import Client
@@ -47,9 +47,9 @@ log = structlog.get_logger("tokend.node")
 class Node:
     """Shared state of a tokend process; :mod:`tokend.ops.app` drives it.
 
-    It is the :class:`tokend.server.seams.Hub` of its connections (their store round trips, its
-    :class:`tokend.server.registry.Registry` of live sessions) and so the
-    :class:`tokend.core.session.Host` of their sessions: it verifies and signs their tokens.
+    Its connections see it as a :class:`tokend.server.seams.Node` (their store round trips,
+    its :class:`tokend.server.registry.Registry` of live sessions), their sessions as a
+    :class:`tokend.core.session.Node`: it verifies and signs their tokens.
     """
 
     def __init__(
@@ -65,12 +65,12 @@ class Node:
         )
         self.release_batcher = ReleaseBatcher(self.store)
         self.hello_batcher = HelloBatcher(self.store, self.release_batcher)
-        # The Hub's round trips, straight to the batchers (no call in between).
+        # The connections' round trips, straight to the batchers (no call in between).
         self.submit_hello = self.hello_batcher.submit
         self.forget_hello = self.hello_batcher.forget
         self.submit_heartbeat = self.heartbeat_batcher.submit
         self.registry = Registry(settings.max_sessions_per_sub)
-        self.sessions = self.registry.peers  # WELCOMEd peers by conn id
+        self.sessions = self.registry.links  # WELCOMEd links by conn id
         self.metrics = Metrics()
         self.metrics.sessions_by_state = self.registry.sessions_by_state
         self.store.observe = self.metrics.redis_call
@@ -139,7 +139,7 @@ class Node:
         await self.background.stop()
         await self.redis.aclose()
 
-    # The sessions' host (tokend.core.session.Host)
+    # As its sessions see it (tokend.core.session.Node)
 
     def check(self, token: str, signature: bool) -> tuple[Claims, str]:
         return self.tokens.check(token, time.time(), signature=signature)
@@ -150,7 +150,7 @@ class Node:
     def sub_is_full(self, claims: Claims) -> bool:
         return self.registry.sub_is_full(claims)
 
-    # The connections' hub (tokend.server.seams.Hub)
+    # As its connections see it (tokend.server.seams.Node)
 
     def new_conn_id(self) -> str:
         """A connection id, unique across the cluster: ``<node>/<counter>``."""
@@ -159,24 +159,24 @@ class Node:
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.background.spawn(coro)
 
-    def attach(self, peer: Peer) -> None:
-        """A peer was WELCOMEd: it holds a session now, and its heartbeats a request."""
-        session = peer.session
+    def attach(self, link: seams.SessionLink) -> None:
+        """A link was WELCOMEd: it holds a session now, and its heartbeats a request."""
+        session = link.session
         assert session.claims is not None
-        peer.heartbeat_request = self.store.heartbeat_request(session.claims.tid, session.conn)
-        self.registry.attach(peer)
+        link.heartbeat_request = self.store.heartbeat_request(session.claims.tid, session.conn)
+        self.registry.attach(link)
 
-    def detach(self, peer: Peer) -> None:
-        """A peer's connection ended (whether or not it was WELCOMEd)."""
-        self.hello_batcher.forget(peer)
-        self.heartbeat_batcher.forget(peer)
-        self.release(peer)
-        self.registry.detach(peer)
+    def detach(self, link: seams.SessionLink) -> None:
+        """A link's connection ended (whether or not it was WELCOMEd)."""
+        self.hello_batcher.forget(link)
+        self.heartbeat_batcher.forget(link)
+        self.release(link)
+        self.registry.detach(link)
 
-    def release(self, peer: Peer) -> None:
+    def release(self, link: seams.SessionLink) -> None:
         """A closed connection no longer serves its session: the store records it, batched
         (:meth:`tokend.core.session.Session.take_release` says whether, and how)."""
-        request = self._release_request(peer.session)
+        request = self._release_request(link.session)
         if request is not None:
             self.release_batcher.submit(request)
 
@@ -189,12 +189,12 @@ class Node:
             session.claims.tid, session.conn, session.since_ms, release.reason
         )
 
-    def end(self, peer: Peer) -> None:
-        """BYE: the session ends (end.lua), then the peer is told (docs/protocol.md 0x05)."""
-        self.background.spawn(self._bye(peer))
+    def end(self, link: seams.SessionLink) -> None:
+        """BYE: the session ends (end.lua), then the link is told (docs/protocol.md 0x05)."""
+        self.background.spawn(self._bye(link))
 
-    async def _bye(self, peer: Peer) -> None:
-        session = peer.session
+    async def _bye(self, link: seams.SessionLink) -> None:
+        session = link.session
         assert session.claims is not None
         try:
             await self.store.end(
@@ -205,13 +205,15 @@ class Node:
                 code=None,
             )
         except NotConfirmed:
-            peer.bye_answered(confirmed=False)
+            link.bye_answered(confirmed=False)
         except StoreUnavailable:
-            peer.bye_failed()
+            link.bye_failed()
         else:
-            peer.bye_answered(confirmed=True)
+            link.bye_answered(confirmed=True)
 
-    async def going_away(self, connections: Sequence[Endpoint], *, wait: bool = True) -> bool:
+    async def going_away(
+        self, connections: Sequence[seams.Connection], *, wait: bool = True
+    ) -> bool:
         """Close ``connections`` with 1001, a planned close (drain, reload, shutdown).
 
         Their sessions are released, and parked, in the store first, in one round trip
@@ -221,15 +223,15 @@ class Node:
         Redis cannot take them, the releases go to the batcher and the closes out at once.
         Returns False when it waited for Redis and Redis did not take them.
         """
-        closes: list[tuple[Peer, Close | None]] = []
+        closes: list[tuple[seams.SessionLink, Close | None]] = []
         requests = []
         for connection in connections:
-            peer = connection.link
-            if peer is None:  # still in the opening handshake
+            link = connection.link
+            if link is None:  # still in the opening handshake
                 connection.close(CloseCode.GOING_AWAY, GOING_AWAY)
                 continue
-            session = peer.session
-            closes.append((peer, session.close(CloseCode.GOING_AWAY, GOING_AWAY)))
+            session = link.session
+            closes.append((link, session.close(CloseCode.GOING_AWAY, GOING_AWAY)))
             request = self._release_request(session)
             if request is not None:
                 requests.append(request)
@@ -238,8 +240,8 @@ class Node:
         if not recorded:
             for request in requests:
                 self.release_batcher.submit(request)
-        for peer, close in closes:
-            peer.send_close(close)
+        for link, close in closes:
+            link.send_close(close)
         return recorded or not asked
 
     # Background work

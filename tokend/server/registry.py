@@ -1,6 +1,6 @@
-"""The live sessions a node holds: its peers by connection id, counted per sub and state.
+"""The live sessions a node holds: its links by connection id, counted per sub and state.
 
-A peer is registered once its session is WELCOMEd and forgotten when its connection
+A link is registered once its session is WELCOMEd and forgotten when its connection
 ends. The counts per sub hold the ``max_sessions_per_sub`` cap (docs/protocol.md §7,
 4029 ``too_many_sessions``): a resume of a session held here does not count against it.
 """
@@ -13,45 +13,45 @@ from collections.abc import Iterator
 
 from tokend.core.claims import Claims
 from tokend.core.lifecycle import State
-from tokend.server.seams import Peer
+from tokend.server import seams
 
 
 class Registry:
-    """The peers of one node that hold a session, by connection id; ``max_per_sub`` is the
+    """The links of one node that hold a session, by connection id; ``max_per_sub`` is the
     cap of sessions per sub (0: none, and no counts are kept)."""
 
-    __slots__ = ("max_per_sub", "peers", "per_sub")
+    __slots__ = ("links", "max_per_sub", "per_sub")
 
     def __init__(self, max_per_sub: int) -> None:
         self.max_per_sub = max_per_sub
-        self.peers: dict[str, Peer] = {}
-        # Peers per tid, per sub: kept only under a cap.
+        self.links: dict[str, seams.SessionLink] = {}
+        # Links per tid, per sub: kept only under a cap.
         self.per_sub: dict[str, Counter[uuid.UUID]] = {}
 
     def __len__(self) -> int:
-        return len(self.peers)
+        return len(self.links)
 
-    def __iter__(self) -> Iterator[Peer]:
-        return iter(self.peers.values())
+    def __iter__(self) -> Iterator[seams.SessionLink]:
+        return iter(self.links.values())
 
-    def get(self, conn: str) -> Peer | None:
-        return self.peers.get(conn)
+    def get(self, conn: str) -> seams.SessionLink | None:
+        return self.links.get(conn)
 
-    def attach(self, peer: Peer) -> None:
-        """``peer`` was WELCOMEd: it holds its session here."""
-        session = peer.session
+    def attach(self, link: seams.SessionLink) -> None:
+        """``link`` was WELCOMEd: it holds its session here."""
+        session = link.session
         assert session.claims is not None
-        self.peers[session.conn] = peer
+        self.links[session.conn] = link
         if self.max_per_sub:
             self.per_sub.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
 
-    def detach(self, peer: Peer) -> None:
-        """``peer``'s connection ended; nothing if it was not registered (or was already
+    def detach(self, link: seams.SessionLink) -> None:
+        """``link``'s connection ended; nothing if it was not registered (or was already
         forgotten: a connection ends once, whatever calls it)."""
-        session = peer.session
-        if self.peers.get(session.conn) is not peer:
+        session = link.session
+        if self.links.get(session.conn) is not link:
             return
-        del self.peers[session.conn]
+        del self.links[session.conn]
         if not self.max_per_sub or session.claims is None:
             return
         sub, tid = session.claims.sub, session.claims.tid
@@ -74,9 +74,9 @@ class Registry:
 
     def sessions_by_state(self) -> dict[str, int]:
         """How many sessions held here are ACTIVE and how many in WARN (for metrics)."""
-        warned = sum(1 for peer in self.peers.values() if peer.session.warned)
-        return {State.ACTIVE.value: len(self.peers) - warned, State.WARN.value: warned}
+        warned = sum(1 for link in self.links.values() if link.session.warned)
+        return {State.ACTIVE.value: len(self.links) - warned, State.WARN.value: warned}
 
     def ranks(self) -> Iterator[int]:
         """The serving rank of every session held here (:mod:`tokend.server.shedding`)."""
-        return (peer.session.rank for peer in self.peers.values())
+        return (link.session.rank for link in self.links.values())

@@ -1,13 +1,17 @@
-"""The two narrow interfaces between a client's connection and its node.
+"""The narrow interfaces between a client's connection and its node, each named after
+what it stands for and used module-qualified (``seams.Node``, ``seams.SessionLink``).
 
-:class:`Peer` is what the node (:mod:`tokend.server.node`: its batchers, its registry, the
-sweeper and the control channel) sees of a connection that holds a session; its one
-implementation is :class:`tokend.server.connection.SessionLink`, and ``tests/test_node.py``
-stands a fake in its place. :class:`Hub` is what a connection sees of its node; the
-node is the one implementation, and ``tests/test_connection.py`` stands a fake in its
-place. So :mod:`tokend.server.connection` imports neither :mod:`tokend.server.node` nor the store,
-and the node knows no WebSocket: each side of the store's round trips (HELLO,
-heartbeats, BYE: docs/protocol.md §4 and §5) is one method here.
+:class:`SessionLink` is what the node (:mod:`tokend.server.node`: its batchers, its
+registry, the sweeper and the control channel) sees of a connection that holds a
+session; its one implementation is :class:`tokend.server.link.SessionLink`, and
+``tests/test_node_core.py`` stands a fake in its place. :class:`Node` is what a
+connection sees of its node; :class:`tokend.server.node.Node` is the one
+implementation, and ``tests/test_connection.py`` stands a fake in its place.
+:class:`Connection` is a client's connection as the node's drain closes it. So
+:mod:`tokend.server.connection` and :mod:`tokend.server.link` import neither
+:mod:`tokend.server.node` nor the store, and the node knows no WebSocket: each side of
+the store's round trips (HELLO, heartbeats, BYE: docs/protocol.md §4 and §5) is one
+method here.
 """
 
 from __future__ import annotations
@@ -15,18 +19,19 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from tokend.core import session
 from tokend.core.protocol import CloseCode
-from tokend.core.session import Close, Host, Session
+from tokend.core.session import Close, Session
 from tokend.core.store_messages import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.metrics import Metrics
 from tokend.server.shedding import Shedder
 
 
-class Peer(Protocol):
+class SessionLink(Protocol):
     """A connection that holds a session, as the node sees it.
 
     ``session`` is the connection's protocol core; ``heartbeat_request`` the store's
-    request for its heartbeats, set by :meth:`Hub.attach` at WELCOME.
+    request for its heartbeats, set by :meth:`Node.attach` at WELCOME.
     """
 
     session: Session
@@ -83,20 +88,20 @@ class Peer(Protocol):
         ...
 
 
-class Endpoint(Protocol):
-    """A client's connection as the drain closes it: the peer it holds once its WebSocket
-    handshake is done (None before), and its close."""
+class Connection(Protocol):
+    """A client's connection as the drain closes it: the session link it holds once its
+    WebSocket handshake is done (None before), and its close."""
 
     @property
-    def link(self) -> Peer | None: ...
+    def link(self) -> SessionLink | None: ...
 
     def close(self, code: CloseCode, reason: str) -> None: ...
 
 
-class Hub(Host, Protocol):
+class Node(session.Node, Protocol):
     """The node, as a connection sees it: ids, the store's round trips, the registry of
-    live sessions, load shedding and metrics. Also the sessions' :class:`Host` (tokens,
-    the per-sub cap)."""
+    live sessions, load shedding and metrics; and, as its sessions see it
+    (:class:`tokend.core.session.Node`), tokens and the per-sub cap."""
 
     metrics: Metrics
     shedder: Shedder
@@ -105,35 +110,35 @@ class Hub(Host, Protocol):
         """A connection id, unique across the cluster."""
         ...
 
-    def submit_hello(self, peer: Peer) -> None:
+    def submit_hello(self, link: SessionLink) -> None:
         """Start or resume the session (its HELLO verified): answered by
-        :meth:`Peer.hello_answered` or :meth:`Peer.hello_failed`."""
+        :meth:`SessionLink.hello_answered` or :meth:`SessionLink.hello_failed`."""
         ...
 
-    def forget_hello(self, peer: Peer) -> None:
+    def forget_hello(self, link: SessionLink) -> None:
         """The HELLO timed out: not sent to the store, if not sent yet."""
         ...
 
-    def submit_heartbeat(self, peer: Peer) -> None:
+    def submit_heartbeat(self, link: SessionLink) -> None:
         """Store the session's unanswered heartbeats: answered by
-        :meth:`Peer.heartbeats_stored` or :meth:`Peer.heartbeats_held`."""
+        :meth:`SessionLink.heartbeats_stored` or :meth:`SessionLink.heartbeats_held`."""
         ...
 
-    def end(self, peer: Peer) -> None:
-        """BYE: end the session (logout); answered by :meth:`Peer.bye_answered` or
-        :meth:`Peer.bye_failed`."""
+    def end(self, link: SessionLink) -> None:
+        """BYE: end the session (logout); answered by :meth:`SessionLink.bye_answered` or
+        :meth:`SessionLink.bye_failed`."""
         ...
 
-    def attach(self, peer: Peer) -> None:
-        """The peer was WELCOMEd: it holds its session on this node now."""
+    def attach(self, link: SessionLink) -> None:
+        """The link was WELCOMEd: it holds its session on this node now."""
         ...
 
-    def detach(self, peer: Peer) -> None:
-        """The peer's connection ended: forgotten, and its session released."""
+    def detach(self, link: SessionLink) -> None:
+        """The link's connection ended: forgotten, and its session released."""
         ...
 
-    def release(self, peer: Peer) -> None:
-        """The peer's session was given to it after it closed: released at once."""
+    def release(self, link: SessionLink) -> None:
+        """The link's session was given to it after it closed: released at once."""
         ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:

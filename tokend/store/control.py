@@ -28,7 +28,7 @@ from tokend.store.unavailable import UNAVAILABLE, Retry
 log = structlog.get_logger("tokend.control")
 
 
-class Held(Protocol):
+class SessionLink(Protocol):
     """A connection that holds a session on this node, as the control channel acts on it
     (the server's link satisfies it)."""
 
@@ -46,7 +46,7 @@ SENTINEL_POLL = 0.1
 class ControlListener:
     """Listens on the node's control channel and acts on the connections it holds.
 
-    ``peer_of`` finds a connection held here (:class:`Held`) by its id.
+    ``link_of`` finds a connection held here (:class:`SessionLink`) by its id.
     ``clock`` and ``sleep`` (the event loop's by default) pace the wait before
     subscribing again; a test gives its own to count the waits instead of timing them.
     """
@@ -55,14 +55,14 @@ class ControlListener:
         self,
         redis: Client,
         channel: str,
-        peer_of: Callable[[str], Held | None],
+        link_of: Callable[[str], SessionLink | None],
         *,
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.redis = redis
         self.channel = channel
-        self.peer_of = peer_of
+        self.link_of = link_of
         self.clock = clock
         self.sleep = sleep
         self.subscribed = asyncio.Event()
@@ -122,12 +122,12 @@ class ControlListener:
 
     def act(self, op: str, tid: str, conn: str, code: int | None) -> None:
         """Close (``op`` "close", with ``code``) or warn ("notice") a connection held here."""
-        peer = self.peer_of(conn)
+        link = self.link_of(conn)
         # A node restarted under the same name numbers its connections afresh: a
         # message about a connection of its previous life must not reach a new one.
-        if peer is None or peer.session.claims is None or str(peer.session.claims.tid) != tid:
+        if link is None or link.session.claims is None or str(link.session.claims.tid) != tid:
             return
         if op == "close":
-            peer.told_to_close(code)
+            link.told_to_close(code)
         elif op == "notice":
-            peer.warn()
+            link.warn()
