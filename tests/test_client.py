@@ -481,7 +481,9 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
 
     async def handler(ws: ServerConnection) -> None:
         data = await ws.recv(decode=False)
-        hellos.append(p.decode(data))  # type: ignore[arg-type]
+        hello = p.decode(data)
+        assert isinstance(hello, p.Hello)
+        hellos.append(hello)
         await ws.send(welcome_for(data, 50, 300, resumed=True))
         await ws.recv()  # BYE
 

@@ -102,10 +102,10 @@ def hello_on_open(core: ClientCore) -> p.Hello:
     return hello
 
 
-def welcomed(core: ClientCore, key: bytes = KEY, **welcome: object) -> p.Heartbeat:
+def welcomed(core: ClientCore, key: bytes = KEY, *, resumed: bool = False) -> p.Heartbeat:
     """Open, HELLO, WELCOME: the heartbeat the core sends at once."""
     hello_on_open(core)
-    core.receive(welcome_of(core, key, **welcome))  # type: ignore[arg-type]
+    core.receive(welcome_of(core, key, resumed=resumed))
     assert core.phase is Phase.OPEN
     (beat,) = sent(core)
     assert isinstance(beat, p.Heartbeat)

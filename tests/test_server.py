@@ -444,7 +444,9 @@ class JwksVerifier:
         reply = await http_request(self.port, "GET", "/.well-known/jwks.json")
         assert reply.status == 200
         directive = reply.headers["cache-control"]
-        max_age = int(re.fullmatch(r"public, max-age=(\d+)", directive)[1])  # type: ignore[index]
+        found = re.fullmatch(r"public, max-age=(\d+)", directive)
+        assert found is not None, directive
+        max_age = int(found[1])
         self.fresh_until = time.monotonic() + max_age
         self.keys = {jwk["kid"]: jwt.PyJWK(jwk) for jwk in reply.json()["keys"]}
         return self.keys

@@ -360,6 +360,8 @@ class Connection(asyncio.Protocol):
         error = None if handshake.cancelled() else handshake.exception()
         if error is not None:
             self.log.info("TLS handshake failed", error=tls.error_text(error))
+        # What a handshake fails with (its cancellation is not a failure here).
+        assert error is None or isinstance(error, Exception)
         self.connection_lost(error)
 
     def _request(self, data: bytes) -> None:
