@@ -639,7 +639,7 @@ class Session:
 
 _HELD = frozenset({HelloOutcome.STARTED, HelloOutcome.RESUMED})
 # The members the heartbeat path uses, as module globals: on Python 3.11 an Enum class's
-# attribute is read through EnumType.__getattr__'s hook (~1,100 instructions each).
+# attribute is read through EnumType.__getattr__'s hook.
 _OPEN = Phase.OPEN
 _CLOSED = Phase.CLOSED
 _HEARTBEAT = Ask.HEARTBEAT

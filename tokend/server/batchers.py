@@ -90,10 +90,10 @@ class HelloBatcher(Batcher[seams.SessionLink]):
     meeting its own ended connection as a live holder (4509).
 
     One round trip at a time (one lane, whatever ``flush_lanes``): the HELLOs that come
-    while it is out go together in the next. A round trip costs the node ~75 us of CPU
-    whatever it carries, and with two lanes a resume storm sent 1-2 HELLOs per round trip
-    (0.44-0.94 round trips per resume; 0.24 with one lane: bench/results/2026-12-04-resume.md);
-    the node goes on reading handshakes and HELLOs meanwhile.
+    while it is out go together in the next. A round trip costs the node about as much
+    whatever it carries, and with more lanes a resume storm's HELLOs would go a few per
+    round trip instead of together (bench/results/2026-12-04-resume.md); the node goes on
+    reading handshakes and HELLOs meanwhile.
     """
 
     def __init__(self, store: Store, releases: ReleaseBatcher) -> None:

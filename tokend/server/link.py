@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("tokend.connection")
 _HEARTBEAT_TYPE = p.FrameType.HEARTBEAT.value
 # As a module global: on Python 3.11 an Enum class's attribute is read through
-# EnumType.__getattr__'s hook (~1,100 instructions), once per heartbeat here.
+# EnumType.__getattr__'s hook, once per heartbeat here.
 _ASK_HEARTBEAT = Ask.HEARTBEAT
 # Heartbeats of one connection verified and not yet answered at which its reading
 # pauses until the store answers: a client keeps one out at a time, and one that sends
