@@ -34,6 +34,7 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import uvloop
 from cryptography.exceptions import InvalidSignature
@@ -102,8 +103,8 @@ class SansIoAnswer(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # a stream's
-        self.transport = transport
+        # A stream's (uvloop's transports are not subclasses of asyncio's).
+        self.transport = cast("asyncio.Transport", transport)
 
     def data_received(self, data: bytes) -> None:
         ws = self.ws
