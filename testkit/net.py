@@ -89,3 +89,11 @@ async def http_request(
 def url_of(port: int) -> str:
     """The WebSocket URL of a tokend listening on ``port`` of loopback."""
     return f"ws://{LOOPBACK}:{port}{p.WS_PATH}"
+
+
+async def admin_json(port: int, token: str, path: str) -> Any:
+    """The JSON of ``GET path`` on the admin listener of ``port``, with its bearer
+    ``token``; anything but a 200 fails."""
+    reply = await http_request(port, "GET", path, headers={"Authorization": f"Bearer {token}"})
+    assert reply.status == 200, reply
+    return reply.json()

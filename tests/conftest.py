@@ -38,6 +38,7 @@ ON_A_CLUSTER_TOO = frozenset(
         "test_events.py::test_durable_acks_after_the_body_and_claims_what_a_crashed_consumer_left",
         "test_events.py::test_durable_redelivers_own_pending_after_a_restart_and_can_start_at_the_end",
         "test_events.py::test_from_start_replays_what_the_streams_hold",
+        "test_history.py::test_two_nodes_see_each_other_and_the_same_cluster_counts",
         "test_server.py::test_bye_closes_1000_and_leaves_tombstone",
         "test_server.py::test_hello_welcome_and_heartbeat_ack",
         "test_server.py::test_renewal_inside_window",

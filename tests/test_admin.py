@@ -220,25 +220,45 @@ async def test_stats_has_exactly_the_dashboard_shape(admin_app: App) -> None:
     assert set(stats) == {
         "node",
         "at",
-        "sessions",
-        "sessions_total",
+        "cluster",
+        "ready",
+        "problems",
         "connections",
+        "held",
         "heartbeats_total",
         "renewals_total",
         "expiries_total",
         "close_codes",
+        "refused",
+        "history_interval",
+        "rates",
+        "redis",
+        "shedding",
+        "loop_lag_ms",
+        "open_files",
         "heartbeat_stage_ms",
         "redis_ms",
+        "store_stage",
     }
     assert stats["node"] == "node-a" and isinstance(stats["at"], int)
-    assert stats["sessions"] == {"ACTIVE": 1, "WARN": 0}
-    assert stats["sessions_total"] == 1 and stats["connections"] == 1
+    cluster = stats["cluster"]
+    assert cluster["sessions"] == {"ACTIVE": 1, "WARN": 0} and cluster["fresh"] is True
+    assert cluster["ended"] == {"expired": 0, "revoked": 0, "closed": 0}
+    assert stats["held"] == {"ACTIVE": 1, "WARN": 0} and stats["connections"] == 1
     assert stats["heartbeats_total"] == 16 and stats["renewals_total"] == 0
+    assert stats["refused"]["429"] == {"per_ip": 0}
+    assert set(stats["refused"]) == {"429", "503", "4029"}
     assert set(stats["heartbeat_stage_ms"]) == {"decode", "verify", "store", "send"}
     for summary in [*stats["heartbeat_stage_ms"].values(), *stats["redis_ms"].values()]:
         assert set(summary) == {"p50", "p95", "count"} and summary["count"] >= 1
         assert 0 <= summary["p50"] <= summary["p95"]
     assert {"hello", "heartbeat"} <= set(stats["redis_ms"])
+    assert stats["shedding"] == {"active": False, "classes": "none", "refusing_handshakes": False}
+    assert stats["open_files"]["open"] > 0 and stats["open_files"]["limit"] > 0
+    store = stats["store_stage"]
+    assert store["store_p50_ms"] == stats["heartbeat_stage_ms"]["store"]["p50"]
+    assert store["script_p50_ms"] == stats["redis_ms"]["heartbeat"]["p50"]
+    assert store["gather_ms"] == admin_app.settings.heartbeat_gather * 1000
 
 
 async def test_events_feed_from_the_ring(admin_app: App, redis: aioredis.Redis) -> None:
@@ -368,13 +388,22 @@ async def test_every_admin_call_logged_without_tokens(
         assert secret not in text
 
 
-async def test_redis_down_is_503_store_unavailable(
+async def test_redis_down_is_503_store_unavailable_and_the_stats_say_so(
     start_app: StartApp, own_redis: RedisProcess
 ) -> None:
     app = await start_app(admin_token=ADMIN_TOKEN, redis_url=own_redis.url)
-    assert (await api(app, "GET", "/v1/stats")).status == 200
+    assert (await api(app, "GET", "/v1/stats")).json()["cluster"]["fresh"] is True
     own_redis.kill()
-    assert_error(await api(app, "GET", "/v1/stats"), 503, "store_unavailable")
+    # The stats say what is wrong instead of failing: the last counts, not fresh.
+    stats = (await api(app, "GET", "/v1/stats")).json()
+    assert stats["cluster"]["fresh"] is False and stats["cluster"]["sessions"] is not None
+
+    async def seen_down() -> dict[str, Any]:
+        stats = (await api(app, "GET", "/v1/stats")).json()
+        return stats if not stats["redis"]["reachable"] else {}
+
+    down = await eventually(seen_down)
+    assert down["redis"]["error"] and down["ready"] is False and "redis" in down["problems"]
     assert_error(await api(app, "GET", "/v1/sessions"), 503, "store_unavailable")
     ready = await call(app, "GET", "/readyz")
     assert ready.status == 503 and "redis" in ready.json()

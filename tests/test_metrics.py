@@ -11,7 +11,10 @@ from testkit.events import EventLog
 from testkit.net import http_request
 from testkit.waiting import eventually
 from tokend.core import protocol as p
-from tokend.metrics import CONTENT_TYPE, STAGE_SAMPLE_EVERY, Window
+from tokend.core.claims import PRIO_RANGE
+from tokend.core.lifecycle import ExpiryReason
+from tokend.core.store_messages import Ended
+from tokend.metrics import CONTENT_TYPE, ENDED, EXPIRY_REASONS, PRIOS, STAGE_SAMPLE_EVERY, Window
 from tokend.ops.app import App
 from tokend.tokens.service import TokenService
 
@@ -88,3 +91,9 @@ def test_window_percentiles_in_milliseconds() -> None:
     assert window.summary() == {"p50": 0.0, "p95": 0.0, "count": 0}
     window.samples.extend(n / 1000 for n in range(1, 101))  # 1..100 ms
     assert window.summary() == {"p50": 51.0, "p95": 96.0, "count": 100}
+
+
+def test_the_labels_exported_from_zero_are_the_cores_values() -> None:
+    assert set(EXPIRY_REASONS) == {reason.value for reason in ExpiryReason}
+    assert PRIOS == PRIO_RANGE
+    assert set(ENDED) == {how.value for how in Ended}

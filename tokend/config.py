@@ -226,6 +226,15 @@ class Settings:
         "admin connections open at once; beyond it 503 and close; the main port's descriptor "
         "budget keeps this many free",
     )
+    history_interval: float = _setting(
+        10.0,
+        "seconds between two samples of a node's history (its rates and the sessions by "
+        "state), which the dashboard charts",
+    )
+    history_span: float = _setting(
+        3600.0,
+        "seconds of history each node keeps, in memory and in the store (at most 100,000 samples)",
+    )
     drain_period: float = _setting(
         10.0, "on SIGTERM, open connections are closed with 1001 spread over this long"
     )
@@ -323,6 +332,10 @@ ADMIN_TOKEN_MIN_LENGTH = 32
 # random hex digits have 8 or more different ones but for a chance under 1e-7.
 ADMIN_TOKEN_MIN_DISTINCT = 8
 
+# Samples of history a node keeps at most (history_span / history_interval): its memory
+# and its list in the store stay bounded.
+MAX_HISTORY = 100_000
+
 _DURATIONS = (
     "heartbeat_interval",
     "warn_after",
@@ -338,6 +351,8 @@ _DURATIONS = (
     "durable_timeout",
     "failover_check_interval",
     "tls_reload_interval",
+    "history_interval",
+    "history_span",
 )
 _CHOICES = {
     "log_format": ("", "json", "console"),
@@ -445,6 +460,11 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("admin_max_body: must be at least 1 byte")
     if settings.admin_max_connections < 1:
         raise ConfigError("admin_max_connections: must be at least 1")
+    if settings.history_span / settings.history_interval > MAX_HISTORY:
+        raise ConfigError(
+            f"history_span: at most {MAX_HISTORY:,} samples of history_interval; "
+            "sample less often or keep less"
+        )
     if settings.admin_token and (
         len(settings.admin_token) < ADMIN_TOKEN_MIN_LENGTH
         or len(set(settings.admin_token)) < ADMIN_TOKEN_MIN_DISTINCT

@@ -12,10 +12,9 @@ heartbeat would be a visible share of a heartbeat's CPU).
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -54,6 +53,43 @@ LATENCY_BUCKETS = (
     2.5,
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Connections refused, by (code, reason): HTTP 429 or 503 instead of the WebSocket
+# handshake, close 4029 after it. Each is exported from 0, so that a rate has a start.
+REFUSALS = (
+    (429, "per_ip"),
+    (503, "shedding"),
+    (503, "penalty"),
+    (503, "open_files"),
+    (503, "pending_hellos"),
+    (4029, "too_many_sessions"),
+    (4029, "too_many_frames"),
+    (4029, "too_many_pings"),
+)
+RATE_LIMITED = 4029
+# The values of the other labelled counters: expiry reasons (tokend.core.lifecycle's
+# ExpiryReason), token prios (tokend.core.claims.PRIO_RANGE), why a connection was dropped,
+# how a TLS reload ended.
+EXPIRY_REASONS = ("heartbeat_timeout", "token_expired")
+PRIOS = range(10)
+DROP_REASONS = ("not_reading",)
+TLS_RELOAD_RESULTS = ("ok", "failed")
+# How sessions end, as the store counts them (tokend.core.store_messages.Ended's values).
+ENDED = ("expired", "revoked", "closed")
+
+
+@dataclass(slots=True)
+class Looked:
+    """What a node's monitor (tokend.ops.monitor) found at its last look, once a second:
+    exported as gauges. ``cluster`` is None while the store's counts cannot be read."""
+
+    redis_up: bool = False
+    redis_seconds: float = 0.0  # one PING's round trip
+    ready: bool = False
+    loop_lag: float = 0.0  # mean lateness of a timer over the last look's second
+    loop_lag_max: float = 0.0
+    cluster_active: int = 0
+    cluster_warn: int = 0
+    cluster_ended: dict[str, int] | None = None
 
 
 class Window:
@@ -115,21 +151,29 @@ class Metrics:
         # counts it down in place: one call less per heartbeat).
         self.until_sample = STAGE_SAMPLE_EVERY
         self.renewals = 0
-        self.expiries: Counter[str] = Counter()
+        # The labelled counters start at 0 for each value they know (EXPIRY_REASONS...),
+        # so that a rate has a start and a dashboard finds every series.
+        self.expiries: Counter[str] = Counter(dict.fromkeys(EXPIRY_REASONS, 0))
         self.close_codes: Counter[int] = Counter()
         # Connections dropped without a close frame (none could reach the client), by why.
-        self.dropped: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter(dict.fromkeys(DROP_REASONS, 0))
         # Load shed (tokend.server.shedding): sessions refused with 1013 by token prio, and
         # handshakes refused with 503 meanwhile.
-        self.shed: Counter[int] = Counter()
+        self.shed: Counter[int] = Counter(dict.fromkeys(PRIOS, 0))
         self.shed_handshakes = 0
+        # Connections refused (REFUSALS), by (code, reason).
+        self.refusals: Counter[tuple[int, str]] = Counter(dict.fromkeys(REFUSALS, 0))
         # TLS certificate reloads by result (ok, failed) and whether the files on disk
         # failed to load last, so that the previous certificate is still served.
-        self.tls_reloads: Counter[str] = Counter()
+        self.tls_reloads: Counter[str] = Counter(dict.fromkeys(TLS_RELOAD_RESULTS, 0))
         self.tls_failing = False
         # Filled in by the node and the server: live values read at scrape time.
         self.sessions_by_state: Callable[[], dict[str, int]] = dict
         self.connections: Callable[[], int] = int
+        # Set by the node's monitor; None until its first look.
+        self.looked: Looked | None = None
+        # Shedding: whether some class is shed, and whether handshakes are refused too.
+        self.shedding: Callable[[], tuple[bool, bool]] = _not_shedding
         self.registry.register(_LiveCollector(self))
 
     def stages(self, marks: Sequence[float]) -> None:
@@ -154,29 +198,18 @@ class Metrics:
     def expired(self, reason: str) -> None:
         self.expiries[reason] += 1
 
-    def closed(self, code: int) -> None:
+    def closed(self, code: int, reason: str = "") -> None:
         self.close_codes[code] += 1
+        if code == RATE_LIMITED:
+            self.refusals[code, reason] += 1
+
+    def refused(self, code: int, reason: str) -> None:
+        """A connection refused: HTTP ``code`` (429, 503) instead of its handshake."""
+        self.refusals[code, reason] += 1
 
     def exposition(self) -> bytes:
         """The Prometheus text format of everything (serve with :data:`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
-
-    def stats(self, node: str, sessions_total: int) -> dict[str, Any]:
-        """The dashboard's feed (``GET /v1/stats``; shape in docs/operations.md)."""
-        by_state = self.sessions_by_state()
-        return {
-            "node": node,
-            "at": int(time.time() * 1000),
-            "sessions": {"ACTIVE": by_state.get("ACTIVE", 0), "WARN": by_state.get("WARN", 0)},
-            "sessions_total": sessions_total,
-            "connections": self.connections(),
-            "heartbeats_total": self.acked_heartbeats,
-            "renewals_total": self.renewals,
-            "expiries_total": dict(self.expiries),
-            "close_codes": {str(code): n for code, n in sorted(self.close_codes.items())},
-            "heartbeat_stage_ms": {s: w.summary() for s, w in self.stage_windows.items()},
-            "redis_ms": {s: w.summary() for s, w in sorted(self.redis_windows.items())},
-        }
 
 
 class _LiveCollector(Collector):
@@ -240,6 +273,68 @@ class _LiveCollector(Collector):
             "reason",
             m.dropped.items(),
         )
+        refused = CounterMetricFamily(
+            "tokend_refused",
+            "Connections refused: HTTP 429 or 503 instead of the handshake, close 4029 after it.",
+            labels=["code", "reason"],
+        )
+        for (code, reason), count in sorted(m.refusals.items()):
+            refused.add_metric([str(code), reason], count)
+        yield refused
+        shedding, refusing = m.shedding()
+        yield GaugeMetricFamily(
+            "tokend_shedding", "1 while the node sheds a class of sessions.", value=int(shedding)
+        )
+        yield GaugeMetricFamily(
+            "tokend_shedding_handshakes",
+            "1 while the node sheds every class but its best and refuses new handshakes (503).",
+            value=int(refusing),
+        )
+        if m.looked is not None:
+            yield from _looked(m.looked)
+
+
+def _looked(looked: Looked) -> Iterator[Metric]:
+    """The gauges of the monitor's last look (tokend.ops.monitor)."""
+    yield GaugeMetricFamily(
+        "tokend_redis_up", "1 when Redis answered the last PING.", value=int(looked.redis_up)
+    )
+    yield GaugeMetricFamily(
+        "tokend_redis_ping_seconds",
+        "Round trip of the last PING to Redis (while it answers).",
+        value=looked.redis_seconds,
+    )
+    yield GaugeMetricFamily("tokend_ready", "1 while /readyz answers 200.", value=int(looked.ready))
+    lag = GaugeMetricFamily(
+        "tokend_event_loop_lag_seconds",
+        "How late the event loop ran a timer over the last second: mean and max.",
+        labels=["stat"],
+    )
+    lag.add_metric(["mean"], looked.loop_lag)
+    lag.add_metric(["max"], looked.loop_lag_max)
+    yield lag
+    if looked.cluster_ended is None:
+        return  # the store's counts could not be read: no stale value is exported
+    sessions = GaugeMetricFamily(
+        "tokend_cluster_sessions",
+        "Sessions of every node by state, connected or not, from the store (every node "
+        "reports the same: aggregate with max, not sum).",
+        labels=["state"],
+    )
+    sessions.add_metric(["ACTIVE"], looked.cluster_active)
+    sessions.add_metric(["WARN"], looked.cluster_warn)
+    yield sessions
+    yield _labelled(
+        "tokend_cluster_ended",
+        "Sessions of every node ended since the store began, by reason, from the store "
+        "(every node reports the same: aggregate with max, not sum).",
+        "reason",
+        looked.cluster_ended.items(),
+    )
+
+
+def _not_shedding() -> tuple[bool, bool]:
+    return False, False
 
 
 def _labelled(

@@ -23,6 +23,7 @@ from tokend.ops import activation
 from tokend.ops.admin import AdminServer
 from tokend.ops.collector import Collector
 from tokend.ops.embedded import EmbeddedRedis
+from tokend.ops.monitor import Monitor
 from tokend.server.admission import Admission
 from tokend.server.connection import Connection
 from tokend.server.drain import AcceptQueue, Drain
@@ -46,6 +47,7 @@ class App:
         self.admission: Admission | None = None  # set by start()
         self.server: asyncio.Server | None = None
         self.admin: AdminServer | None = None
+        self.monitor: Monitor | None = None  # set by start()
         # Set when this worker stopped accepting for a reload (its slot has a new one).
         self.accept_queue: AcceptQueue | None = None
         self.replaced = False
@@ -81,12 +83,15 @@ class App:
         admission = self.admission = Admission(settings, self.node, certificate)
         self.node.metrics.connections = lambda: len(admission.connections)
         await self.node.start()
+        # The node's look at itself and its history: the dashboard's, /metrics' health.
+        self.monitor = Monitor(self.node, admission)
+        self.node.background.spawn(self.monitor.run(lambda: self.node.running), "monitor")
         if certificate is not None:
             self.node.background.spawn(
                 certificate.watch(settings.tls_reload_interval, self.node.metrics), "tls"
             )
         if settings.admin_port >= 0 or inherited.admin is not None:
-            self.admin = AdminServer(self.node, lambda: admission.draining, sock=inherited.admin)
+            self.admin = AdminServer(self.monitor, sock=inherited.admin)
             await self.admin.start()
         loop = asyncio.get_running_loop()
         if inherited.main is not None:

@@ -174,14 +174,17 @@ class Admission:
         # This connection is counted already: beyond the cap means more than it.
         if cap and self.connections_per_ip[ip] > cap:
             log.warning("handshake refused: connections per IP", peer=ip, cap=cap)
+            self.node.metrics.refused(429, "per_ip")
             return HttpAnswer(http.HTTPStatus.TOO_MANY_REQUESTS, {"error": "too_many_connections"})
         if self.node.shedder.saturated:
             # Not logged one by one: the node logs its shedding steps.
             self.node.metrics.shed_handshakes += 1
+            self.node.metrics.refused(503, "shedding")
             return BUSY
         if self.penalties.by_ip and (wait := self.penalties.retry_after(ip)) is not None:
             # Shed a moment ago: counted, not logged one by one, as the shedding itself.
             self.node.metrics.shed_handshakes += 1
+            self.node.metrics.refused(503, "penalty")
             return busy(wait)
         if len(self.connections) > self.max_open_connections:
             self.overload_log.warning(
@@ -189,10 +192,12 @@ class Admission:
                 connections=len(self.connections),
                 cap=self.max_open_connections,
             )
+            self.node.metrics.refused(503, "open_files")
             return BUSY
         # Connections without a session yet (this one among them).
         pending_cap = self.settings.max_pending_hellos
         if pending_cap and self.pending_hellos > pending_cap:
             self.overload_log.warning("handshake refused: too many pending HELLOs", cap=pending_cap)
+            self.node.metrics.refused(503, "pending_hellos")
             return BUSY
         return None

@@ -480,7 +480,7 @@ class Connection(asyncio.Protocol):
         assert sent is not None
         if session.abandon():
             self.log.warning("closing", code=sent.code, reason=sent.reason)
-            self.gate.node.metrics.closed(sent.code)
+            self.gate.node.metrics.closed(sent.code, sent.reason)
 
     def eof_received(self) -> None:
         if self.websocket is not None:
@@ -614,7 +614,7 @@ class Connection(asyncio.Protocol):
                 self.log.info("closing", code=int(close.code), reason=close.reason)
         else:
             self.log.warning("closing", code=int(close.code), reason=close.reason)
-        metrics.closed(close.code)
+        metrics.closed(close.code, close.reason)
         websocket = self.websocket
         if websocket is not None and websocket.state is _OPEN:
             websocket.send_close(close.code, close.reason)

@@ -10,6 +10,11 @@ Redis Cluster slot:
 * ``<prefix>:{<prefix>:<n>}:t:<tid>``  tombstone of an ended session, until its exp
 * ``<prefix>:{<prefix>:<n>}:due``      deadline set: tid scored by its next transition time
 * ``<prefix>:{<prefix>:<n>}:events``   event stream shard
+* ``<prefix>:{<prefix>:<n>}:warn``     set of the shard's sessions in WARN
+* ``<prefix>:{<prefix>:<n>}:ended``    hash: the shard's ended sessions by tombstone
+* ``<prefix>:{<prefix>:nodes}:view:<node>``  a node's latest view, while it runs
+* ``<prefix>:{<prefix>:nodes}:history:<node>``  a node's recent history samples
+* ``<prefix>:{<prefix>:nodes}:names``  the nodes that wrote the two above
 * ``<prefix>:events``  pub/sub channel of the events
 * ``<prefix>:ctl:<node>``  pub/sub channel of node-to-node control, one per node
 * ``<prefix>:ctl``  pub/sub channel of revocations, heard by every node (tokend.store.revocations)
@@ -57,13 +62,32 @@ class Keyspace:
         tag = self._tag(shard)
         return f"{tag}:s:", f"{tag}:t:"
 
-    def _tag(self, shard: int) -> str:
-        return f"{self.prefix}:{{{self.prefix}:{shard}}}"
+    def _tag(self, part: int | str) -> str:
+        """What every key of a shard (or of the nodes' part) starts with: its hash tag."""
+        return f"{self.prefix}:{{{self.prefix}:{part}}}"
 
     def shard_keys(self, shard: int) -> list[str]:
         """KEYS[1..2] of every script: the shard's deadline set and event stream."""
         tag = self._tag(shard)
         return [f"{tag}:due", f"{tag}:events"]
+
+    def count_keys(self, shard: int) -> tuple[str, str]:
+        """The shard's state counts, which the scripts move with the states (count_key in
+        lua/_prelude.lua): the set of its sessions in WARN, and the hash of its ended
+        sessions by tombstone."""
+        tag = self._tag(shard)
+        return f"{tag}:warn", f"{tag}:ended"
+
+    def node_keys(self, node: str) -> tuple[str, str]:
+        """A node's view (JSON, kept while it runs) and its history (a list of JSON
+        samples): one slot for every node, so that one call reads them all."""
+        tag = self._tag("nodes")
+        return f"{tag}:view:{node}", f"{tag}:history:{node}"
+
+    @property
+    def node_names(self) -> str:
+        """The set of the nodes whose view or history the store holds."""
+        return f"{self._tag('nodes')}:names"
 
     def session_keys(self, tid: uuid.UUID) -> list[str]:
         return self.session_keys_of(self.shard(tid), str(tid))

@@ -18,12 +18,13 @@ from tokend.core.store_messages import EndOutcome
 from tokend.edge.http_request import HTTPError, Request
 from tokend.ops.admin.event_ring import EventRing
 from tokend.ops.admin.listener import Response, only
-from tokend.server.node import Node
+from tokend.ops.monitor import Monitor
 from tokend.store.unavailable import NotConfirmed
 
 log = structlog.get_logger("tokend.admin")
 
 MAX_PAGE = 500
+MAX_NODE_NAME = 256
 DEFAULT_PAGE = 100
 _SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
 _STATES = ("ACTIVE", "WARN")
@@ -39,8 +40,9 @@ Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 class AdminApi:
     """The ``/v1`` routes of one node (its store, tokens and metrics) and its event ring."""
 
-    def __init__(self, node: Node, ring: EventRing) -> None:
-        self.node = node
+    def __init__(self, monitor: Monitor, ring: EventRing) -> None:
+        self.monitor = monitor
+        self.node = node = monitor.node
         self.ring = ring
         self.token = node.settings.admin_token.encode()
 
@@ -59,6 +61,10 @@ class AdminApi:
             routes = {"GET": self._stats}
         elif request.path == "/v1/events":
             routes = {"GET": self._events}
+        elif request.path == "/v1/nodes":
+            routes = {"GET": self._nodes}
+        elif request.path == "/v1/history":
+            routes = {"GET": self._history}
         else:
             raise HTTPError(http.HTTPStatus.NOT_FOUND, "not_found", f"no route {request.path}")
         only(request, *routes)
@@ -152,9 +158,26 @@ class AdminApi:
         )
 
     async def _stats(self, request: Request, params: dict[str, str]) -> Response:
-        """GET /v1/stats: the dashboard's feed (docs/operations.md)."""
-        total = await self.node.store.queries.count_sessions()
-        return Response.json(http.HTTPStatus.OK, self.node.metrics.stats(self.node.name, total))
+        """GET /v1/stats: this node's view and the cluster's counts (docs/operations.md);
+        answered while Redis is unreachable too (the health it shows says so)."""
+        return Response.json(http.HTTPStatus.OK, await self.monitor.stats())
+
+    async def _nodes(self, request: Request, params: dict[str, str]) -> Response:
+        """GET /v1/nodes -> {nodes}: the view of every node sharing the store."""
+        return Response.json(http.HTTPStatus.OK, {"nodes": await self.monitor.nodes()})
+
+    async def _history(self, request: Request, params: dict[str, str]) -> Response:
+        """GET /v1/history?node=&after= -> {node, interval, samples}: a node's samples
+        (this one's by default; "all" adds every node's up) after ``after`` (unix ms)."""
+        node = request.query.get("node") or self.node.name
+        if len(node) > MAX_NODE_NAME:
+            raise _invalid(f"node: at most {MAX_NODE_NAME} characters")
+        after = _query_int(request, "after", 0, range(0, 1 << 62))
+        samples = await self.monitor.history(node, after)
+        return Response.json(
+            http.HTTPStatus.OK,
+            {"node": node, "interval": self.monitor.interval, "samples": samples},
+        )
 
     async def _events(self, request: Request, params: dict[str, str]) -> Response:
         """GET /v1/events?after=&limit= -> {events, next}: recent events, oldest first."""

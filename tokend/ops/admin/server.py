@@ -17,7 +17,6 @@ import asyncio
 import http
 import re
 import socket
-from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -27,9 +26,9 @@ from tokend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokend.ops.admin.api import AdminApi
 from tokend.ops.admin.event_ring import EventRing
 from tokend.ops.admin.listener import WILDCARDS, HttpListener, Response, only
+from tokend.ops.monitor import Monitor
 from tokend.server import health
 from tokend.server.background import Background
-from tokend.server.node import Node
 
 log = structlog.get_logger("tokend.admin")
 
@@ -47,14 +46,12 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 class AdminServer:
     """The admin listener of one node; :class:`tokend.ops.app.App` starts and stops it."""
 
-    def __init__(
-        self, node: Node, draining: Callable[[], bool], sock: socket.socket | None = None
-    ) -> None:
-        self.node = node
+    def __init__(self, monitor: Monitor, sock: socket.socket | None = None) -> None:
+        self.node = node = monitor.node
         self.settings = node.settings
-        self.draining = draining
+        self.admission = monitor.admission
         self.ring = EventRing()
-        self.api = AdminApi(node, self.ring)
+        self.api = AdminApi(monitor, self.ring)
         self.dashboard_dir = DASHBOARD_DIR
         self.listener = HttpListener(self.settings, self._route, sock)
         self.background = Background()
@@ -104,7 +101,7 @@ class AdminServer:
             return Response.of(health.liveness(self.node))
         if path == "/readyz":
             only(request, "GET")
-            return Response.of(await health.readiness(self.node, self.draining()))
+            return Response.of(await health.readiness(self.node, self.admission.draining))
         if path == "/dashboard" or path.startswith("/dashboard/"):
             self._require_enabled()
             only(request, "GET")

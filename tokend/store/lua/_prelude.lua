@@ -77,6 +77,24 @@ local function control(op, tid, conn, code)
   end
 end
 
+-- The shard's state counts, beside its deadline set (tokend.store.keyspace's count_keys;
+-- tokend.store.queries.Queries.counts sums them): 'warn', the set of its sessions in WARN
+-- (the deadline set holds every live session, so ACTIVE is the rest), and 'ended', its
+-- ended sessions by tombstone (an ENDED value). Whatever changes a session's state moves
+-- them in the same atomic step: a session enters WARN only by warned(), leaves it by
+-- unwarned() (every end does), and every end is counted by finish().
+local function count_key(name)
+  return DUE:sub(1, -4) .. name -- DUE is '<shard tag>:due'
+end
+
+local function warned(tid)
+  redis.call('SADD', count_key('warn'), tid)
+end
+
+local function unwarned(tid)
+  redis.call('SREM', count_key('warn'), tid)
+end
+
 -- End a session: delete it, leave a tombstone until its token's exp, emit its final
 -- event, and (when a close code is given) close its connection wherever it is.
 -- t: {skey, tkey, tid, session (as load_session read it), now, event, reason, tomb,
@@ -85,6 +103,8 @@ local function finish(t)
   local s = t.session
   redis.call('DEL', t.skey)
   redis.call('ZREM', DUE, t.tid)
+  unwarned(t.tid)
+  redis.call('HINCRBY', count_key('ended'), t.tomb, 1)
   if s.exp > t.now then
     redis.call('SET', t.tkey, t.tomb, 'PXAT', s.exp)
   end

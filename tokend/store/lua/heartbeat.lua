@@ -81,6 +81,7 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known, token)
   local was_warn = 0
   if s.st == STATE.WARN then
     was_warn = 1
+    unwarned(tid)
     emit('SESSION_RECOVERED', tid, sub, now, conn)
   end
   local renewed = 0

@@ -85,6 +85,7 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
     emit('SESSION_RESUMED', tid, sub, now, conn)
     if s.st == STATE.WARN then
       -- Every WARN ends in exactly one of RECOVERED, EXPIRED, CLOSED or REVOKED.
+      unwarned(tid)
       emit('SESSION_RECOVERED', tid, sub, now, conn)
     end
     return {HELLO_OUTCOME.RESUMED, exp, s.iat, now}

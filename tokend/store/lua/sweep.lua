@@ -44,6 +44,7 @@ for _, tid in ipairs(due) do
   local s = load_session(skey)
   if not s then
     redis.call('ZREM', DUE, tid)
+    unwarned(tid)
     made(tid, SWEPT.GONE, '')
   else
     local hb, exp = s.hb, s.exp
@@ -60,6 +61,7 @@ for _, tid in ipairs(due) do
       made(tid, reason, tell('close', tid, s.conn, CLOSE.SESSION_EXPIRED))
     elseif s.st == STATE.ACTIVE and now - hb >= warn_ms then
       redis.call('HSET', skey, 'st', STATE.WARN)
+      warned(tid)
       -- Same deadline as tokend.core.lifecycle.deadline(WARN, hb, exp).
       redis.call('ZADD', DUE, math.min(hb + expire_ms, exp), tid)
       emit('SESSION_WARN', tid, s.sub, now, holder(s))
