@@ -451,12 +451,13 @@ async def test_a_connection_handed_to_another_node_goes_on_between_frames() -> N
     await eventually(lambda: old.unparsed() == beat[:20], what="half a frame read")
     old.pause_reading()
     assert old.quiet
-    session, unparsed = link.session, old.unparsed()
     handed = old.hand_off()
+    assert handed.unparsed == beat[:20] and handed.session is link.session
+    session = handed.session
     assert ("detach", 0) in old_gate.node.asked and session.take_release() is None
 
-    new = Connection.adopt(new_gate, session, unparsed)
-    await loop.connect_accepted_socket(lambda: new, handed)
+    new = Connection.adopt(new_gate, session, handed.unparsed, handed.address)
+    await loop.connect_accepted_socket(lambda: new, handed.socket)
     await loop.sock_sendall(client, beat[20:])
     await eventually(
         lambda: new_gate.node.asked == [("attach", 0), ("heartbeat", 1)], what="heartbeat"

@@ -3,9 +3,10 @@
 It serves, on one port, the WebSocket endpoint ``/v1/ws`` (RFC 6455, subprotocol
 ``tokend.v1``) and a few plain HTTP GET routes answered from the opening handshake
 (:mod:`tokend.server.admission`: limits and routes). Every accepted socket is a
-:class:`tokend.server.connection.Connection` (RFC 6455 over websockets' Sans-I/O protocol) on
-uvloop. Beside it runs the admin listener (:mod:`tokend.ops.admin`: metrics, admin API,
-dashboard). On SIGTERM the node drains (:mod:`tokend.server.drain`, docs/operations.md).
+:class:`tokend.server.connection.Connection` (its bytes through the edge's Sans-I/O layers:
+PROXY header, TLS, handshake, RFC 6455 frames) on uvloop. Beside it runs the admin
+listener (:mod:`tokend.ops.admin`: metrics, admin API, dashboard). On SIGTERM the node
+drains (:mod:`tokend.server.drain`, docs/operations.md).
 """
 
 from __future__ import annotations
