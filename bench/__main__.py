@@ -188,8 +188,11 @@ def spread(rows: list[tuple[int, Row]]) -> list[str]:
         groups[(row.scenario, row.metric)].append(row)
     lines = []
     for (scenario, metric), group in groups.items():
-        figures = [r.ratio if r.ratio is not None else r.value for r in group]
-        figures = [f for f in figures if f is not None]
+        figures = [
+            figure
+            for figure in (r.ratio if r.ratio is not None else r.value for r in group)
+            if figure is not None
+        ]
         if len(figures) < 2:
             continue
         kind = "ratio" if group[0].ratio is not None else group[0].unit or "value"

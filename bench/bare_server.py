@@ -34,12 +34,14 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import uvloop
 from cryptography.exceptions import InvalidSignature
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_create_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.frames import Frame, Opcode
+from websockets.http11 import Request
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
@@ -62,9 +64,10 @@ def verifying(keys: KeyRing) -> Callable[[ServerConnection], Awaitable[None]]:
     async def answer_verified(ws: ServerConnection) -> None:
         async for message in ws:
             if len(message) != p.HEARTBEAT_LENGTH:
+                hello = message if isinstance(message, bytes) else message.encode()
                 # The token is L bytes after the 4-byte head; a resume proof may follow.
-                length = int.from_bytes(message[2:4], "big")
-                signing_input, _, signature = bytes(message[4 : 4 + length]).rpartition(b".")
+                length = int.from_bytes(hello[2:4], "big")
+                signing_input, _, signature = hello[4 : 4 + length].rpartition(b".")
                 header = json.loads(
                     base64.urlsafe_b64decode(signing_input.partition(b".")[0] + b"==")
                 )
@@ -80,7 +83,7 @@ def verifying(keys: KeyRing) -> Callable[[ServerConnection], Awaitable[None]]:
     return answer_verified
 
 
-class PicowsAnswer(WSListener):  # type: ignore[misc]
+class PicowsAnswer(WSListener):
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         if frame.msg_type == WSMsgType.BINARY:
             reply = ACK if frame.payload_size == p.HEARTBEAT_LENGTH else WELCOME
@@ -100,7 +103,8 @@ class SansIoAnswer(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream's (uvloop's transports are not subclasses of asyncio's).
+        self.transport = cast("asyncio.Transport", transport)
 
     def data_received(self, data: bytes) -> None:
         ws = self.ws
@@ -109,8 +113,8 @@ class SansIoAnswer(asyncio.Protocol):
             if isinstance(event, Frame):
                 if event.opcode is Opcode.BINARY:
                     ws.send_binary(ACK if len(event.data) == p.HEARTBEAT_LENGTH else WELCOME)
-            else:
-                ws.send_response(ws.accept(event))  # type: ignore[arg-type]
+            elif isinstance(event, Request):  # the opening handshake
+                ws.send_response(ws.accept(event))
         self.write()
 
     def eof_received(self) -> None:

@@ -29,7 +29,7 @@ import json
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from typing import Any, TypedDict
 
 from redis import asyncio as aioredis
 
@@ -62,7 +62,15 @@ PACED_LEAD_MS_PER_SESSION = 0.4
 PACED_GAP_S = 5.0
 
 
-def paced_clocks(count: int) -> tuple[int, dict[str, float]]:
+class Clocks(TypedDict):
+    """The clock settings of a run."""
+
+    heartbeat_interval: float
+    warn_after: float
+    expire_after: float
+
+
+def paced_clocks(count: int) -> tuple[int, Clocks]:
     """The lead (ms) and the clocks for ``count`` paced sessions: warn_after beyond the
     whole seeding, so that no session warns by hello.lua's own deadline."""
     lead_ms = PACED_LEAD_MS + round(PACED_LEAD_MS_PER_SESSION * count)
@@ -144,7 +152,7 @@ def lags(events: list[dict[str, Any]], deadlines: dict[str, int]) -> list[int]:
 
 async def storm(ctx: Context) -> dict[str, Any]:
     sizes = ctx.sizes
-    clocks = {
+    clocks: Clocks = {
         "heartbeat_interval": sizes.expire_after / 4,
         "warn_after": sizes.expire_after * 3 / 4,
         "expire_after": sizes.expire_after,

@@ -155,7 +155,7 @@ def refusal_retry_after(exc: BaseException) -> float | None:
     return None
 
 
-class Attempt(WSListener):  # type: ignore[misc]
+class Attempt(WSListener):
     """One connection attempt of a :class:`Conn`. Only the current attempt speaks for it:
     one given up on (timed out) may still complete later, and must not answer then."""
 
@@ -217,7 +217,7 @@ class Conn:
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         if frame.msg_type == WSMsgType.CLOSE:
             code = frame.get_close_code()
-            self._fail(Closed(int(code)))
+            self._fail(Closed(code.value))
             transport.send_close(code)
             transport.disconnect()
         elif frame.msg_type in (WSMsgType.BINARY, WSMsgType.TEXT):

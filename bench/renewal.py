@@ -84,8 +84,8 @@ def redis_loop(url: str, tids: Sequence[uuid.UUID], rounds: int) -> dict[str, An
     for _ in range(rounds):
         for start in range(0, len(calls), PIPELINE):
             pipe = client.pipeline(transaction=False)
-            for session, due, stream, tid in calls[start : start + PIPELINE]:
-                pipe.evalsha(sha, 3, session, due, stream, tid, TOKEN_TTL_S)
+            for session, due, stream, tid_text in calls[start : start + PIPELINE]:
+                pipe.evalsha(sha, 3, session, due, stream, tid_text, TOKEN_TTL_S)
             pipe.execute()
     seconds = time.perf_counter() - began
     client.close()

@@ -47,6 +47,7 @@ from typing import Any
 from locust import User, events, task
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
+from websockets.typing import Subprotocol
 
 from tokend import config
 from tokend.tokens.keys import KeyRing
@@ -194,7 +195,7 @@ class TokendUser(User):
             ws = self._held.enter_context(
                 connect(
                     self.url,
-                    subprotocols=[p.SUBPROTOCOL],  # type: ignore[list-item]
+                    subprotocols=[Subprotocol(p.SUBPROTOCOL)],
                     compression=None,
                     open_timeout=REPLY_TIMEOUT,
                     ping_interval=None,  # heartbeats are the liveness check

@@ -199,7 +199,7 @@ async def node_timeline(pid: int, since: float, until: float) -> list[dict[str, 
     ``since`` (wall-clock) to ``until``: the percentage of each on a CPU and waiting for
     one; the rest it slept, idle. A node that waits half its time has half a core."""
     bucket = common.TIMELINE_BUCKET_S
-    rows = []
+    rows: list[dict[str, float]] = []
     at, (on_cpu, waited) = time.time(), proc_sched(pid)
     while at < until:
         await asyncio.sleep(since + bucket * (len(rows) + 1) - time.time())

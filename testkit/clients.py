@@ -98,9 +98,10 @@ class RawClient:
         sock = (
             await open_socket(port, source=source, preface=preface) if source or preface else None
         )
+        offered = [p.SUBPROTOCOL] if subprotocols is None else subprotocols
         async with connect(
             f"{'wss' if ssl else 'ws'}://{LOOPBACK}:{port}{p.WS_PATH}",
-            subprotocols=[p.SUBPROTOCOL] if subprotocols is None else (subprotocols or None),
+            subprotocols=[Subprotocol(name) for name in offered] or None,
             compression=None,
             open_timeout=5,
             close_timeout=2,
@@ -243,7 +244,7 @@ class WireClient:
         async with asyncio.timeout(timeout):
             while not self.frames:
                 assert await self._read(), "closed before WELCOME"
-        frame = p.decode(self.frames[0].data)
+        frame = p.decode(bytes(self.frames[0].data))
         assert isinstance(frame, p.Welcome), frame
         return frame
 

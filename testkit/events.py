@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from testkit import replies
 from testkit.net import http_request, url_of
 from testkit.waiting import eventually
 from tokend.ops.app import App
@@ -85,7 +86,7 @@ async def read_events(
     events = []
     for stream in Keyspace(prefix).streams():
         start = f"({positions[stream]}" if positions and stream in positions else f"{since_ms}-0"
-        while entries := await client.xrange(stream, start, "+", count=READ_CHUNK):
+        while entries := replies.entries(await client.xrange(stream, start, "+", count=READ_CHUNK)):
             events += [json.loads(fields["event"]) for _, fields in entries]
             start = f"({entries[-1][0]}"
             if positions is not None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import jwt
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.typing import Subprotocol
 
 from testkit.net import LOOPBACK, url_of
 from tokend.core import protocol as p
@@ -30,7 +31,7 @@ async def fake_server(
         handler,
         LOOPBACK,
         0,
-        select_subprotocol=lambda _conn, _offered: p.SUBPROTOCOL,
+        select_subprotocol=lambda _conn, _offered: Subprotocol(p.SUBPROTOCOL),
         compression=None,
         ping_interval=None,
     ) as server:

@@ -38,7 +38,7 @@ class LatencyProxy:
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
-    async def __aenter__(self) -> LatencyProxy:
+    async def __aenter__(self) -> Self:
         self.server = await asyncio.start_server(self._serve, LOOPBACK, 0)
         return self
 

@@ -46,6 +46,7 @@ class ReferenceWebSocket:
     def events_received(self) -> list[websocket.Event]:
         events: list[websocket.Event] = []
         for frame in self.protocol.events_received():
+            assert isinstance(frame, Frame)  # past the opening handshake: frames only
             event = self._event(frame)
             if event is not None and self.open:
                 events.append(event)

@@ -16,6 +16,7 @@ import pytest
 
 from testkit.pure import FakeClock
 from tokend.core import protocol as p
+from tokend.core import session as core_session
 from tokend.core.claims import Claims
 from tokend.core.session import Ask, Cadence, Session, Welcome
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
@@ -28,7 +29,7 @@ EXP_MS = (IAT_S + SESSION_S) * 1000  # the session's exp, as the store says it
 SINCE_MS = IAT_S * 1000 + 7  # when the connection took the session, as the store says it
 
 
-class TokenNode:
+class TokenNode(core_session.Node):
     """A session's node with real tokens: verify and sign; a sub cap of ``full`` subs."""
 
     def __init__(self, tokens: TokenService) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -17,13 +17,33 @@ def _failure(what: str, check: Callable[[], object], timeout: float, last: objec
     return f"not reached within {timeout:g} s: {name} (last: {last!r})"
 
 
+@overload
 async def eventually(
-    check: Callable[[], T | Awaitable[T]],
+    check: Callable[[], Awaitable[T | None]],
+    timeout: float = ...,
+    *,
+    interval: float = ...,
+    what: str = ...,
+) -> T: ...
+
+
+@overload
+async def eventually(
+    check: Callable[[], T | None],
+    timeout: float = ...,
+    *,
+    interval: float = ...,
+    what: str = ...,
+) -> T: ...
+
+
+async def eventually(
+    check: Callable[[], Any],
     timeout: float = 5.0,
     *,
     interval: float = 0.02,
     what: str = "",
-) -> T:
+) -> Any:
     """Call ``check`` (a function or a coroutine function) every ``interval`` seconds
     until its result is truthy, and return that result.
 
@@ -39,7 +59,7 @@ async def eventually(
                 result = check()
                 last = await result if inspect.isawaitable(result) else result
                 if last:
-                    return last  # type: ignore[return-value]
+                    return last
                 await asyncio.sleep(interval)
     except TimeoutError:
         if deadline.expired():

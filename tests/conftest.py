@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from redis import asyncio as aioredis
 from testkit.events import EventLog
 from testkit.redis_servers import RedisClusterProcess, RedisProcess
 from testkit.tokend_process import SHORT_CLOCKS
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from tokend import config, logs
 from tokend.config import Settings
 from tokend.edge import tls
@@ -25,7 +25,6 @@ from tokend.ops.app import App
 from tokend.server import admission, drain, link
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client, open_client
-from tokend.tokens.service import TokenService
 
 logs.configure("console", "warning")
 
@@ -58,7 +57,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test of :data:`ON_A_CLUSTER_TOO` renamed or gone is an error, not a test less."""
     files = {item.path.name for item in items}
-    found = {f"{item.path.name}::{item.originalname}" for item in items}  # type: ignore[attr-defined]
+    found = {
+        f"{item.path.name}::{item.originalname}"
+        for item in items
+        if isinstance(item, pytest.Function)
+    }
     lost = sorted(n for n in ON_A_CLUSTER_TOO - found if n.split("::")[0] in files)
     if lost:
         raise pytest.UsageError(f"ON_A_CLUSTER_TOO names tests that do not exist: {lost}")
@@ -137,7 +140,7 @@ def settings(make_settings: Callable[..., Settings]) -> Settings:
 
 
 @pytest.fixture
-def tokens(settings: Settings) -> TokenService:
+def tokens(settings: Settings) -> WallClockTokens:
     return minter(settings)
 
 
@@ -165,7 +168,7 @@ async def app(start_app: Callable[..., Awaitable[App]]) -> App:
 
 
 @pytest.fixture
-def tokend_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+def tokend_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[MutableMapping[str, Any]]]:
     """The warning-and-above lines of the listener, its admission, drain, connections
     and TLS, captured for the whole test (the modules' loggers made anew: loggers cached
     before a capture, as tokend.logs configures them, would not see it)."""

@@ -21,13 +21,13 @@ from testkit.events import EventLog
 from testkit.net import HttpReply, http_request
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import TokendProcess
+from testkit.tokens import WallClockTokens
 from testkit.waiting import eventually
 from tokend import cli as tokend_cli
 from tokend.config import Settings
 from tokend.core import protocol as p
 from tokend.ops.app import App
 from tokend.server.admission import connection_budget
-from tokend.tokens.service import TokenService
 
 ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -116,6 +116,7 @@ async def test_request_errors_have_precise_statuses(start_app: StartApp) -> None
     assert_error(await api(app, "GET", "/v1/nothing"), 404, "not_found")
     assert_error(await api(app, "POST", "/v1/tokens", b"x" * 65), 413, "body_too_large")
     assert_error(await api(app, "POST", "/v1/tokens", b"{not json"), 400, "invalid_json")
+    bad: object
     for bad in (
         [],
         {},
@@ -147,7 +148,7 @@ async def test_a_request_that_never_completes_gets_408(admin_app: App) -> None:
 # --- the admin API on live sessions -----------------------------------------------------------
 
 
-async def test_mint_show_list_revoke(admin_app: App, tokens: TokenService) -> None:
+async def test_mint_show_list_revoke(admin_app: App, tokens: WallClockTokens) -> None:
     minted = await mint(admin_app, "alice", ttl=120, prio=7)
     claims = tokens.verify(minted["token"])
     assert str(claims.tid) == minted["tid"] and claims.prio == 7

@@ -39,7 +39,7 @@ from testkit.reconnects import (
     balanced,
     resumed_at,
 )
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from tokend.core import protocol as p
 from tokend.ops.app import App
 from tokend.server.admission import RETRY_AFTER_S
@@ -205,7 +205,7 @@ async def test_frames_match_the_python_codec(page: BrowserPage):
 
 
 async def test_connects_renews_and_logs_out(
-    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
+    page: BrowserPage, start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     app = await start_app(token_ttl=3, renew_window=2)
     token = tokens.mint("browser", ttl_s=3)
@@ -262,7 +262,7 @@ async def test_warn_recover_then_expire_when_heartbeats_stop(
 
 
 async def test_resumes_after_a_server_restart_with_its_newest_token(
-    page: BrowserPage, start_app: StartApp, tokens: TokenService, events: EventLog
+    page: BrowserPage, start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     clocks = {"token_ttl": 4, "renew_window": 3}  # renewals about every second
     app = await start_app(**clocks)
@@ -297,7 +297,9 @@ async def test_revocation_ends_the_session_without_reconnecting(
     )
     tid = uuid.UUID(await page.eval("session.tid"))
     assert app.node is not None
-    await app.node.store.end(tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506)
+    await app.node.store.end(
+        tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=p.CloseCode.TOKEN_REVOKED
+    )
     ended = await wait_change(page, "ended")
     assert (ended["code"], ended["meaning"]) == (4506, "token revoked")
     assert ended["error"] == {
@@ -377,7 +379,7 @@ async def test_a_server_breaking_the_protocol_is_left_with_4503(
     received: list[int | None] = []
 
     async def handler(ws: ServerConnection) -> None:
-        await ws.send(welcome_for(await ws.recv(), 1000, 3000))
+        await ws.send(welcome_for(await ws.recv(decode=False), 1000, 3000))
         await ws.send(b"\x09")  # an unknown frame type
         await ws.wait_closed()
         received.append(ws.close_code)
@@ -568,11 +570,13 @@ async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
     hellos: list[p.Hello] = []
 
     async def handler(ws: ServerConnection) -> None:
-        data = await ws.recv()
-        hellos.append(hello := p.decode(data))  # type: ignore[arg-type]
+        data = await ws.recv(decode=False)
+        hello = p.decode(data)
+        assert isinstance(hello, p.Hello)
+        hellos.append(hello)
         if len(hellos) == 1:  # a new session, renewed by the first ACK
             await ws.send(welcome_for(data, 1000, 3000, keys[0]))
-            beat = p.decode(await ws.recv())
+            beat = p.decode(await ws.recv(decode=False))
             assert isinstance(beat, p.Heartbeat)
             exp_ms = jwt.decode(renewed, options={"verify_signature": False})["exp"] * 1000
             await ws.send(p.encode(p.HeartbeatAck(beat.seq, exp_ms, renewed, renewed=True)))
@@ -580,7 +584,6 @@ async def test_a_reloaded_page_proves_its_resume_with_what_storage_kept(
         elif len(hellos) == 2:  # as a server does while another connection holds it live
             await ws.close(p.CloseCode.SESSION_IN_USE, "session_in_use")
         else:
-            assert isinstance(hello, p.Hello)
             await ws.send(welcome_for(data, 1000, 3000, keys[1], resumed=True))
             await ws.wait_closed()
 
@@ -728,7 +731,7 @@ async def run_in_node(
 
 
 async def test_under_node_a_session_outlives_open_timeout_without_reconnecting(
-    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog
+    node_dir: Path, start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     app = await start_app(**STEADY_CLOCKS)
     token = tokens.mint("node")
@@ -745,7 +748,7 @@ async def test_under_node_a_session_outlives_open_timeout_without_reconnecting(
 
 
 async def test_under_node_open_timeout_ends_a_handshake_that_never_finishes(
-    node_dir: Path, tokens: TokenService
+    node_dir: Path, tokens: WallClockTokens
 ):
     """ws closed while still connecting raises an error event: it must not kill Node."""
 
@@ -766,7 +769,7 @@ async def test_under_node_open_timeout_ends_a_handshake_that_never_finishes(
 
 
 async def test_under_node_a_503_with_retry_after_is_waited_out(
-    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog
+    node_dir: Path, start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     """ws shows the refused handshake's status and Retry-After: the SDK waits at least that
     long, jittered, then starts the session."""
@@ -790,7 +793,7 @@ async def test_under_node_a_503_with_retry_after_is_waited_out(
 
 
 async def test_under_node_wss_is_verified_and_the_ca_option_trusted(
-    node_dir: Path, start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
+    node_dir: Path, start_app: StartApp, tokens: WallClockTokens, events: EventLog, tmp_path: Path
 ):
     tls = await tls_node(start_app, tmp_path)
     # Not trusted: retried as any failed handshake is, the reason in the detail.

@@ -23,17 +23,16 @@ import redis as redis_lib
 from testkit.clients import RawClient
 from testkit.net import http_get
 from testkit.tokend_process import CLEAN_ENV, TokendProcess, tokend
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
 from tokend import config
 from tokend.cli import COMMAND_SETTINGS
 from tokend.core import protocol as p
 from tokend.store.keyspace import Keyspace
 from tokend.store.sessions import proof_digest
-from tokend.tokens.service import TokenService
 
 
-def verifier(data_dir: Path) -> TokenService:
+def verifier(data_dir: Path) -> WallClockTokens:
     settings = config.load({"data_dir": str(data_dir)}, environ={})
     return minter(settings)
 
@@ -66,9 +65,9 @@ def test_help_explains_each_command():
 
 
 def setting_flags(help_text: str) -> set[str]:
-    """The flags of the help's "settings" section, but --config."""
-    section = help_text.split("\nsettings:\n", 1)[1]
-    return set(re.findall(r"^  (--[a-z-]+) [A-Z]+", section, re.M)) - {"--config"}
+    """The flags of the help's "... settings" sections."""
+    sections = re.split(r"^\S.* settings:$", help_text, flags=re.M)[1:]
+    return {flag for text in sections for flag in re.findall(r"^  (--[a-z-]+) [A-Z]+", text, re.M)}
 
 
 @pytest.mark.parametrize("command", list(COMMAND_SETTINGS))

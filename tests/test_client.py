@@ -37,7 +37,7 @@ from testkit.reconnects import (
     resumed_at,
 )
 from testkit.redis_servers import RedisProcess
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
 from tokend.core import protocol as p
 from tokend.core.protocol import CloseCode
@@ -98,7 +98,7 @@ def test_a_token_that_is_not_a_jwt_is_refused_before_connecting():
 
 
 async def test_heartbeats_renew_and_bye(
-    start_app: StartApp, tokens: TokenService, events: EventLog
+    start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     app = await start_app(token_ttl=3, renew_window=2)
     token = tokens.mint("alice", ttl_s=3)
@@ -126,7 +126,7 @@ async def test_heartbeats_renew_and_bye(
 
 
 async def test_no_renewal_missed_over_accelerated_minutes(
-    start_app: StartApp, tokens: TokenService, events: EventLog
+    start_app: StartApp, tokens: WallClockTokens, events: EventLog
 ):
     """10 s at a 0.2 s cadence is 50 heartbeat periods (25 min at the default 30 s);
     a 4 s token renewed 3 s before its exp renews every second: ~10 renewal cycles.
@@ -239,7 +239,7 @@ async def test_survives_a_redis_outage(
     assert session.error is None
 
 
-async def test_revocation_is_terminal(start_app: StartApp, tokens: TokenService):
+async def test_revocation_is_terminal(start_app: StartApp, tokens: WallClockTokens):
     app = await start_app()
     token = tokens.mint("revoked")
     async with connect(url_of(app.port), token, backoff=FAST) as session:
@@ -247,7 +247,11 @@ async def test_revocation_is_terminal(start_app: StartApp, tokens: TokenService)
         await recorder.until(Change.CONNECTED)
         assert app.node is not None
         await app.node.store.end(
-            session.tid, conn="", event="TOKEN_REVOKED", tomb="revoked", code=4506
+            session.tid,
+            conn="",
+            event="TOKEN_REVOKED",
+            tomb="revoked",
+            code=CloseCode.TOKEN_REVOKED,
         )
         ended = await recorder.until(Change.ENDED)
         assert ended.code == CloseCode.TOKEN_REVOKED
@@ -263,7 +267,7 @@ async def test_revocation_is_terminal(start_app: StartApp, tokens: TokenService)
 
 
 async def test_takeover_is_terminal_and_the_newcomer_gets_the_current_token(
-    start_app: StartApp, tokens: TokenService
+    start_app: StartApp, tokens: WallClockTokens
 ):
     app = await start_app(token_ttl=30, renew_window=9)
     old_token = tokens.mint("twice", ttl_s=5)
@@ -393,7 +397,7 @@ async def test_blocked_past_expiry_ends_with_session_expired(
 
 async def test_a_server_breaking_the_protocol_is_terminal():
     async def handler(ws: ServerConnection) -> None:
-        await ws.send(welcome_for(await ws.recv(), 50, 300))
+        await ws.send(welcome_for(await ws.recv(decode=False), 50, 300))
         await ws.send(b"\x09")  # unknown frame type
         await ws.wait_closed()
 
@@ -413,7 +417,7 @@ async def test_a_silent_server_is_left_and_the_client_reconnects():
     async def handler(ws: ServerConnection) -> None:
         nonlocal connections
         connections += 1
-        await ws.send(welcome_for(await ws.recv(), 50, 300))
+        await ws.send(welcome_for(await ws.recv(decode=False), 50, 300))
         async for message in ws:  # take heartbeats, never ACK them
             if message == p.encode(p.Bye()):
                 return
@@ -439,7 +443,7 @@ async def test_every_resume_proves_with_the_key_of_the_last_welcome():
     hellos: list[p.Hello] = []
 
     async def handler(ws: ServerConnection) -> None:
-        data = await ws.recv()
+        data = await ws.recv(decode=False)
         hello = p.decode(data)
         assert isinstance(hello, p.Hello)
         hellos.append(hello)
@@ -476,8 +480,10 @@ async def test_a_session_key_kept_from_before_proves_the_first_hello():
     hellos: list[p.Hello] = []
 
     async def handler(ws: ServerConnection) -> None:
-        data = await ws.recv()
-        hellos.append(p.decode(data))  # type: ignore[arg-type]
+        data = await ws.recv(decode=False)
+        hello = p.decode(data)
+        assert isinstance(hello, p.Hello)
+        hellos.append(hello)
         await ws.send(welcome_for(data, 50, 300, resumed=True))
         await ws.recv()  # BYE
 
@@ -665,7 +671,7 @@ async def locust_users(url: str, users: int, keys_dir: Path, *args: str) -> Asyn
 
 
 async def test_the_load_generator_spreads_its_first_reconnects_after_a_drain(
-    start_app: StartApp, tokens: TokenService, events: EventLog, tmp_path: Path
+    start_app: StartApp, tokens: WallClockTokens, events: EventLog, tmp_path: Path
 ):
     minted = [tokens.mint(f"g{n}") for n in range(SPREAD_SESSIONS)]
     tids = [str(tokens.verify(token).tid) for token in minted]
@@ -741,7 +747,7 @@ class FirstCloser:
         self.resumes: dict[bytes, p.Hello] = {}  # tid -> the HELLO that came next
 
     async def handler(self, ws: ServerConnection) -> None:
-        data = await ws.recv()
+        data = await ws.recv(decode=False)
         hello = p.decode(data)
         assert isinstance(hello, p.Hello)
         claims = jwt.decode(hello.token, options={"verify_signature": False})

@@ -102,10 +102,10 @@ def hello_on_open(core: ClientCore) -> p.Hello:
     return hello
 
 
-def welcomed(core: ClientCore, key: bytes = KEY, **welcome: object) -> p.Heartbeat:
+def welcomed(core: ClientCore, key: bytes = KEY, *, resumed: bool = False) -> p.Heartbeat:
     """Open, HELLO, WELCOME: the heartbeat the core sends at once."""
     hello_on_open(core)
-    core.receive(welcome_of(core, key, **welcome))  # type: ignore[arg-type]
+    core.receive(welcome_of(core, key, resumed=resumed))
     assert core.phase is Phase.OPEN
     (beat,) = sent(core)
     assert isinstance(beat, p.Heartbeat)
@@ -408,9 +408,9 @@ def test_notice_warns_and_an_ack_recovers(core: ClientCore):
     welcomed(core)
     changes(core)
     core.receive(p.encode(p.Notice()))
-    assert core.state is SessionState.WARN and kinds(core) == [Change.WARNED]
+    assert (core.state, kinds(core)) == (SessionState.WARN, [Change.WARNED])
     core.receive(ack(1, core.exp, was_warn=True))
-    assert core.state is SessionState.ACTIVE and kinds(core) == [Change.RECOVERED]
+    assert (core.state, kinds(core)) == (SessionState.ACTIVE, [Change.RECOVERED])
     core.receive(ack(2, core.exp))
     assert kinds(core) == []
 
@@ -640,8 +640,8 @@ def test_the_close_codes_map_to_reconnect_or_an_error_family():
     assert classify(CloseCode.SESSION_EXPIRED) is SessionExpired
     assert classify(CloseCode.TOKEN_REVOKED) is Revoked
     assert classify(CloseCode.TAKEN_OVER) is TakenOver
-    for code in (CloseCode.MESSAGE_TOO_BIG, CloseCode.PROTOCOL_ERROR, CloseCode.BAD_HEARTBEAT):
-        assert classify(code) is ProtocolViolation
+    for violation in (CloseCode.MESSAGE_TOO_BIG, CloseCode.PROTOCOL_ERROR, CloseCode.BAD_HEARTBEAT):
+        assert classify(violation) is ProtocolViolation
     assert classify(CloseCode.SESSION_IN_USE) is None  # 4509: another connection holds it
     assert classify(1000) is TokendError
     assert classify(4999) is TokendError

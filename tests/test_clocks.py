@@ -78,8 +78,7 @@ def test_warn_transition_has_no_reason() -> None:
 
 
 def test_expiry_reasons_are_the_event_strings() -> None:
-    assert ExpiryReason.HEARTBEAT_TIMEOUT == "heartbeat_timeout"
-    assert ExpiryReason.TOKEN_EXPIRED == "token_expired"
+    assert [str(reason) for reason in ExpiryReason] == ["heartbeat_timeout", "token_expired"]
 
 
 # --- deadline ---------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ import redis as sync_redis
 from redis import asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
+from testkit import replies
 from testkit.clients import RawClient, tid_of
 from testkit.events import (
     EventLog,
@@ -227,7 +229,7 @@ async def drive_release(store: Store) -> None:
     reasons = ["going_away" if n % 2 else "" for n in range(len(tids))]
     outcomes = await store.releases(
         [
-            store.release_request(tid, f"c-{tid}", int(since), reason)
+            store.release_request(tid, f"c-{tid}", int(replies.text(since)), reason)
             for tid, reason in zip(tids, reasons, strict=True)
             for since in [await store.redis.hget(store.keys.session_keys(tid)[0], "since")]
         ]
@@ -321,6 +323,7 @@ async def test_two_sweeping_nodes_expire_a_session_exactly_once(
             tids.append(tid_of(await client.hello(tokens.mint(f"quiet-{n}"))))
     for tid in tids:
         await events.wait_for("TOKEN_EXPIRED", tid, timeout=5)
+    assert node_a.admin is not None and node_b.admin is not None
     await after_a_full_sweep(node_a.admin.port, node_b.admin.port)
     assert await left_to_judge(redis, node_a.settings.key_prefix, tids) == []
     stream = await read_events(redis, node_a.settings.key_prefix)
@@ -369,7 +372,10 @@ async def test_serves_a_session_through_sentinel(
                 assert (await raw.expect_close()).code == p.CloseCode.NORMAL
             await events.wait_for("SESSION_CLOSED", tid_of(welcome))
         master = sentinel.master
-        assert (await client.connection_pool.get_master_address())[1] == master.port
+        assert isinstance(client, aioredis.Redis)
+        pool = client.connection_pool
+        assert isinstance(pool, SentinelConnectionPool)
+        assert (await pool.get_master_address())[1] == master.port
     finally:
         await client.aclose()
 

@@ -83,7 +83,7 @@ def test_a_pass_frees_the_cycles_made_since_the_last_and_freezes_the_rest(
     assert dropped() is None
     assert gc.get_freeze_count() > frozen  # what survived is frozen now
     assert kept.me is kept
-    assert seconds.labels("recent")._sum.get() > 0  # type: ignore[attr-defined]
+    assert seconds.labels("recent")._sum.get() > 0
 
 
 def test_a_cycle_that_outlived_a_pass_waits_for_the_whole_pass(own_collector: None) -> None:

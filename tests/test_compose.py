@@ -61,7 +61,9 @@ def image_env(path: Path) -> dict[str, str]:
     env: dict[str, str] = {}
     for instruction, args in dockerfile_instructions(path):
         if instruction == "ENV":
-            env.update(item.split("=", 1) for item in shlex.split(args))
+            for item in shlex.split(args):
+                name, _, value = item.partition("=")
+                env[name] = value
     return env
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -198,7 +199,7 @@ def test_bad_type_in_file_is_named(tmp_path: Path, text: str, name: str) -> None
 )
 def test_bad_type_in_env_is_named(var: str, value: str) -> None:
     name = var.removeprefix("TOKEND_").lower()
-    message = config_error(**{var: value})
+    message = config_error(None, **{var: value})
     assert message.startswith(name), message
     assert var in message  # and says where
 
@@ -333,7 +334,7 @@ def test_cli_exits_2_naming_the_bad_setting(tmp_path: Path) -> None:
 )
 def test_a_weak_admin_token_is_refused_naming_how_to_make_one(token: str) -> None:
     message = config_error({"admin_token": token})
-    assert message.startswith("admin_token: too weak"), message
+    assert message.startswith("admin_token: must be at least 32 characters"), message
     assert "python -c 'import secrets; print(secrets.token_urlsafe(32))'" in message
     assert token.strip() not in message  # never the token itself
 
@@ -350,13 +351,90 @@ def test_tokend_serve_refuses_a_short_admin_token_in_one_line(tmp_path: Path) ->
     result = serve_refused(env, "--port", "0", "--admin-port", "0")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "tokend: configuration error: admin_token: too weak; use at least 32 characters, 8 of "
-        "them different, printable, no spaces around them, e.g. python -c 'import secrets; "
-        "print(secrets.token_urlsafe(32))'"
+        "tokend: configuration error: admin_token: must be at least 32 characters, 8 of them "
+        "different, printable, no spaces around them, as python -c 'import secrets; "
+        "print(secrets.token_urlsafe(32))' makes"
     ]
 
 
-# --- config/tokend.toml -----------------------------------------------------------------------
+# --- config/tokend.toml and docs/settings.md, written from the declarations ------------
+
+TABLES_START = "<!-- settings: written from tokend/config.py by python -m tests.test_config -->\n"
+TABLES_END = "<!-- end of settings -->\n"
+REGENERATE = "out of step with tokend/config.py: python -m tests.test_config writes it again"
+
+
+def grouped() -> dict[config.Group, list[str]]:
+    """Every setting in its group, in declaration order."""
+    return {
+        group: [name for name in config.FIELDS if config.declared(name).group is group]
+        for group in config.Group
+    }
+
+
+def toml_value(value: object) -> str:
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def default_file() -> str:
+    """config/tokend.toml: its own header, then every setting at its default."""
+    header = DEFAULT_FILE.read_text().split("\n\n", 1)[0]
+    parts = [header]
+    for group, names in grouped().items():
+        parts.append(f"# --- {group}: {config.GROUP_MEANINGS[group]} ---")
+        for name in names:
+            spec = config.declared(name)
+            values = config.values(name)
+            empty = f" Empty: {spec.shown}." if spec.shown else ""
+            parts.append(
+                f"# {spec.meaning}{f' ({values})' if values else ''}\n"
+                f"# Env: {config.env_name(name)}.{empty}\n"
+                f"{name} = {toml_value(config.FIELDS[name].default)}"
+            )
+    return "\n\n".join(parts) + "\n"
+
+
+def table_default(name: str) -> str:
+    shown = config.shown_default(name)
+    return (
+        shown
+        if config.FIELDS[name].default == "" and not config.declared(name).shown
+        else f"`{shown}`"
+    )
+
+
+def settings_tables() -> str:
+    """docs/settings.md's tables: one per group."""
+    lines = [TABLES_START]
+    for group, names in grouped().items():
+        lines += [
+            f"\n## {group.capitalize() if group.islower() else group}\n\n",
+            f"{config.GROUP_MEANINGS[group].capitalize()}.\n\n",
+            "| variable | default | values | meaning |\n",
+            "|---|---|---|---|\n",
+        ]
+        lines += [
+            f"| `{config.env_name(name)}` | {table_default(name)} | {config.values(name)} | "
+            f"{config.meaning(name)} |\n"
+            for name in names
+        ]
+    return "".join([*lines, "\n", TABLES_END])
+
+
+def settings_page_parts() -> tuple[str, str, str]:
+    """docs/settings.md before its tables, the tables, and after them."""
+    text = SETTINGS_PAGE.read_text()
+    before, rest = text.split(TABLES_START, 1)
+    tables, after = rest.split(TABLES_END, 1)
+    return before, TABLES_START + tables + TABLES_END, after
+
+
+def test_default_file_is_written_from_the_declarations() -> None:
+    assert DEFAULT_FILE.read_text() == default_file(), f"config/tokend.toml {REGENERATE}"
+
+
+def test_the_settings_page_is_written_from_the_declarations() -> None:
+    assert settings_page_parts()[1] == settings_tables(), f"docs/settings.md {REGENERATE}"
 
 
 def test_default_file_lists_every_field_at_its_default() -> None:
@@ -380,47 +458,61 @@ def test_default_file_loads_as_the_defaults() -> None:
     assert config.load({"config": str(DEFAULT_FILE)}, environ={}) == Settings()
 
 
-def comments_of_the_default_file() -> dict[str, list[str]]:
-    """Each key of config/tokend.toml with the comment lines right above it, in order."""
-    found: dict[str, list[str]] = {}
-    comment: list[str] = []
-    for line in DEFAULT_FILE.read_text().split("\n\n", 1)[1].splitlines():
-        if line.startswith("#"):
-            comment.append(line)
-        elif line:
-            match = re.match(r"([a-z_]+) = ", line)
-            assert match, f"not a flat key = value line: {line!r}"
-            found[match[1]] = comment
-        else:
-            comment = []  # a key's comment sits right above it
-    return found
-
-
-def test_each_setting_has_one_meaning_in_the_help_the_settings_page_and_the_toml_file() -> None:
-    """config.meaning() is the one text: --help, docs/settings.md's table and the file's
-    comments."""
-    names = list(config.FIELDS)
-    expected = {}
-    for name in names:
-        shown = config.FIELDS[name].metadata["shown"]
-        empty = f" Empty: {shown}." if shown else ""
-        expected[name] = [f"# {config.meaning(name)}", f"# Env: {config.env_name(name)}.{empty}"]
-    assert comments_of_the_default_file() == expected
-
-    rows = re.findall(r"^\| `TOKEND_(\w+)` \| (.+?) \| (.+) \|$", SETTINGS_PAGE.read_text(), re.M)
-    assert rows[0][0] == "CONFIG"  # not a setting: where the settings are read from
-    documented = [(name.lower(), default.strip("`"), text) for name, default, text in rows[1:]]
-    assert documented == [(n, config.shown_default(n), config.meaning(n)) for n in names]
-
-    help_text = subprocess.run(
+def serve_help() -> str:
+    return subprocess.run(
         [sys.executable, "-m", "tokend", "serve", "--help"],
         env={**os.environ, "COLUMNS": "1000"},  # one line per option
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    for name in names:
-        flag = "--" + name.replace("_", "-")
-        text = f"{config.meaning(name)} (default: {config.shown_default(name)})"
-        # The text follows the flag on its line, or alone on the next when the flag is long.
-        assert re.search(rf"^  {flag} [A-Z]+\s+{re.escape(text)}$", help_text, re.M), name
+
+
+def test_serve_help_shows_each_setting_in_its_group_with_its_declaration() -> None:
+    help_text = serve_help()
+    sections = re.split(r"^(\S.*) settings:$", help_text, flags=re.M)
+    assert sections[1::2] == [str(group) for group in config.Group]
+    for group, section in zip(config.Group, sections[2::2], strict=True):
+        assert section.startswith(f"\n  {config.GROUP_MEANINGS[group]}\n"), group
+        shown = re.findall(r"^  --([a-z-]+) [A-Z]+\s+(.+)$", section, re.M)
+        expected = [(name.replace("_", "-"), config.help_text(name)) for name in grouped()[group]]
+        assert shown == expected, group
+
+
+def test_help_text_says_the_values_each_setting_may_take() -> None:
+    assert config.help_text("port") == (
+        "TCP port; 0 picks a free one (logged in the listening line) (0..65535; default: 8765)"
+    )
+    assert config.help_text("warn_after") == (
+        "silence before WARN (seconds, more than 0; less than expire_after; default: 90)"
+    )
+    assert config.values("max_message_size") == "bytes, 1024..1048576"
+    assert config.values("log_level") == "debug, info, warning or error"
+    assert config.values("host") == ""
+
+
+def test_each_setting_fails_validation_outside_its_declared_range() -> None:
+    """The loop checks every declaration: just outside each bound is refused, naming it."""
+    for name in config.FIELDS:
+        spec = config.declared(name)
+        step = 1 if config.FIELDS[name].type == "int" else 0.5
+        outside = {
+            spec.at_least: -step,  # just below the least allowed
+            spec.more_than: 0,  # the bound itself
+            spec.at_most: step,  # just above the most allowed
+        }
+        for value in (bound + offset for bound, offset in outside.items() if bound is not None):
+            message = config_error({name: value})
+            assert message.startswith(f"{name}: must be "), (name, value, message)
+
+
+def test_every_declared_rule_names_a_setting() -> None:
+    for rule in config.ACROSS:
+        assert rule.name in config.FIELDS
+        assert rule.text in config.values(rule.name)
+
+
+if __name__ == "__main__":
+    DEFAULT_FILE.write_text(default_file())
+    before, _, after = settings_page_parts()
+    SETTINGS_PAGE.write_text(before + settings_tables() + after)

@@ -98,7 +98,7 @@ class Transport(asyncio.Transport):
         self.closed = True
 
 
-class RecordingNode:
+class RecordingNode(seams.Node):
     """The node as a connection sees it (tokend.server.seams.Node): records the round trips
     asked."""
 
@@ -110,7 +110,7 @@ class RecordingNode:
     def check(self, token: str, signature: bool) -> tuple[Claims, str]:
         return Claims(TID, "alice", 0, EXP_MS // 1000), "digest"
 
-    def sign(self, claims: Claims) -> str:
+    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> tuple[bytes, str]:
         raise AssertionError("no renewal here")
 
     def sub_is_full(self, claims: Claims) -> bool:
@@ -144,7 +144,7 @@ class RecordingNode:
         raise AssertionError("nothing is answered later here")
 
 
-class Gate:
+class Gate(connection_module.Gate):
     """The server as a connection sees it (tokend.server.connection.Gate): every handshake
     goes on."""
 
@@ -153,7 +153,11 @@ class Gate:
     origins: Sequence[str | None] | None = None
 
     def __init__(self) -> None:
-        self.node = RecordingNode()
+        self.recording = RecordingNode()
+
+    @property
+    def node(self) -> RecordingNode:
+        return self.recording
 
     def opened(self, connection: Connection) -> None:
         pass
@@ -224,7 +228,10 @@ def opened(kind: str) -> Opened:
     connection.data_received(upgrade_request())
     assert connection.websocket is not None and connection.websocket.state is State.OPEN
     if kind == WEBSOCKETS:
-        connection.websocket = ReferenceWebSocket(SETTINGS.max_message_size)  # type: ignore[assignment]
+        # websockets' frame layer where tokend's stands: all the connection asks of it
+        # but the fast path's (off here), which no type of the connection's names.
+        reference = ReferenceWebSocket(SETTINGS.max_message_size)
+        connection.websocket = reference  # type: ignore[assignment]  # see above
     connection.fast_path = kind == FAST
     connection.data_received(masked(Frame(Opcode.BINARY, p.encode(p.Hello("token")))))
     link = connection.link
@@ -444,12 +451,13 @@ async def test_a_connection_handed_to_another_node_goes_on_between_frames() -> N
     await eventually(lambda: old.unparsed() == beat[:20], what="half a frame read")
     old.pause_reading()
     assert old.quiet
-    session, unparsed = link.session, old.unparsed()
     handed = old.hand_off()
+    assert handed.unparsed == beat[:20] and handed.session is link.session
+    session = handed.session
     assert ("detach", 0) in old_gate.node.asked and session.take_release() is None
 
-    new = Connection.adopt(new_gate, session, unparsed)
-    await loop.connect_accepted_socket(lambda: new, handed)
+    new = Connection.adopt(new_gate, session, handed.unparsed, handed.address)
+    await loop.connect_accepted_socket(lambda: new, handed.socket)
     await loop.sock_sendall(client, beat[20:])
     await eventually(
         lambda: new_gate.node.asked == [("attach", 0), ("heartbeat", 1)], what="heartbeat"

@@ -26,6 +26,7 @@ from redis import asyncio as aioredis
 from redis.asyncio import Redis
 from websockets.exceptions import ConnectionClosed
 
+from testkit import replies
 from testkit.clients import Closed, RawClient, proof_of
 from testkit.net import admin_json
 from testkit.redis_servers import RedisProcess
@@ -79,7 +80,7 @@ async def events(keys: Keyspace, redis: Redis) -> list[dict[str, Any]]:
     return [
         json.loads(fields["event"])
         for stream in keys.streams()
-        for _, fields in await redis.xrange(stream)
+        for _, fields in replies.entries(await redis.xrange(stream))
     ]
 
 

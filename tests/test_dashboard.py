@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from redis import asyncio as aioredis
 
+from testkit import replies
 from testkit.clients import RawClient
 from testkit.events import EventLog
 from testkit.net import LOOPBACK, admin_json, free_port, http_request, url_of
 from testkit.tokend_process import CALM_CLOCKS
+from testkit.tokens import WallClockTokens
 from testkit.waiting import eventually
 from tokend.core import protocol as p
 from tokend.ops.app import App
-from tokend.tokens.service import TokenService
 from tokend_client import connect
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ class ConnectClient:
 async def test_dashboard_shows_the_servers_numbers_and_events(
     browser: BrowserPage,
     start_app: StartApp,
-    tokens: TokenService,
+    tokens: WallClockTokens,
     events: EventLog,
     redis: aioredis.Redis,
 ):
@@ -275,7 +276,7 @@ async def test_dashboard_shows_the_servers_numbers_and_events(
 async def test_a_killed_clients_session_shows_in_warn_then_expired(
     browser: BrowserPage,
     start_app: StartApp,
-    tokens: TokenService,
+    tokens: WallClockTokens,
     events: EventLog,
     redis: aioredis.Redis,
 ):
@@ -301,7 +302,9 @@ async def test_a_killed_clients_session_shows_in_warn_then_expired(
         # Shown while in WARN: before the session's TOKEN_EXPIRED.
         assert not events.of("TOKEN_EXPIRED", tids[0])
         last_heartbeat = int(
-            await redis.hget(app.node.store.keys.session_keys(uuid.UUID(tids[0]))[0], "hb")
+            replies.text(
+                await redis.hget(app.node.store.keys.session_keys(uuid.UUID(tids[0]))[0], "hb")
+            )
         )
         warned = (await events.wait_for("SESSION_WARN", tids[0]))[0]
         stats = await admin_stats(app)
@@ -341,7 +344,7 @@ async def test_a_killed_clients_session_shows_in_warn_then_expired(
 
 
 async def test_two_nodes_show_the_same_cluster_and_each_node_or_all(
-    browser: BrowserPage, start_app: StartApp, tokens: TokenService
+    browser: BrowserPage, start_app: StartApp, tokens: WallClockTokens
 ):
     settings = {"admin_token": ADMIN_TOKEN, "history_interval": 0.5, **CALM_CLOCKS}
     a = await start_app(node_name="node-a", **settings)
@@ -391,7 +394,7 @@ async def test_two_nodes_show_the_same_cluster_and_each_node_or_all(
 
 
 async def test_after_a_reload_the_charts_show_the_last_minutes(
-    browser: BrowserPage, start_app: StartApp, tokens: TokenService
+    browser: BrowserPage, start_app: StartApp, tokens: WallClockTokens
 ):
     app = await start_app(admin_token=ADMIN_TOKEN, history_interval=0.25, **CALM_CLOCKS)
     async with contextlib.AsyncExitStack() as stack:
@@ -422,7 +425,7 @@ async def test_after_a_reload_the_charts_show_the_last_minutes(
 
 
 async def test_dashboard_follows_a_blip_and_a_restarted_node(
-    browser: BrowserPage, start_app: StartApp, tokens: TokenService, redis: aioredis.Redis
+    browser: BrowserPage, start_app: StartApp, tokens: WallClockTokens, redis: aioredis.Redis
 ):
     admin_port = free_port()
     settings = {"admin_token": ADMIN_TOKEN, "admin_port": admin_port}

@@ -16,7 +16,7 @@ import pytest
 from redis.asyncio import Redis
 from websockets.frames import Frame, Opcode
 
-from testkit import tokend_process
+from testkit import replies, tokend_process
 from testkit.clients import RawClient, WireClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import http_request
@@ -189,7 +189,7 @@ async def replaced_app_with_waiting_connects(
 async def test_a_reload_drain_holds_its_closes_while_the_new_workers_are_behind(
     start_app: Callable[..., Awaitable[App]],
     tokens: TokenService,
-    tokend_logs: list[dict[str, object]],
+    tokend_logs: list[dict[str, str]],
 ) -> None:
     """No 1001 while more than reload_accept_queue connections wait to be accepted; once
     they are accepted the schedule goes on (its first batch at once)."""
@@ -372,7 +372,9 @@ async def test_the_session_is_parked_before_its_client_hears_the_1001(
                 client.protocol.receive_data(await loop.sock_recv(client.sock, 65536))
                 list(client.protocol.events_received())
         assert client.protocol.close_rcvd.code == p.CloseCode.GOING_AWAY
-        fields = await redis.hgetall(a.node.store.keys.session_keys(uuid.UUID(tid))[0])
+        fields = replies.fields(
+            await redis.hgetall(a.node.store.keys.session_keys(uuid.UUID(tid))[0])
+        )
         assert "conn" not in fields and fields["left"].startswith("node-a/")
         async with RawClient.connect(b.port) as again:
             assert (await again.hello(token)).resumed
@@ -399,7 +401,7 @@ async def test_an_unplanned_end_releases_the_session_and_changes_no_clock(
         client.ws.transport.abort()  # a reset, no closing handshake
 
         async def released() -> dict[str, str] | None:
-            fields = await redis.hgetall(hash_key)
+            fields = replies.fields(await redis.hgetall(hash_key))
             return fields if "conn" not in fields else None
 
         after = await eventually(released, what="the session released")

@@ -16,6 +16,7 @@ from typing import Any
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
+from testkit import replies
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog, next_event, one_session
 from testkit.redis_servers import RedisProcess
@@ -37,7 +38,8 @@ async def pending(redis: aioredis.Redis, keys: Keyspace, group: str) -> list[str
     owners = []
     for stream in keys.streams():
         owners += [
-            row["consumer"] for row in await redis.xpending_range(stream, group, "-", "+", 100)
+            row["consumer"]
+            for row in replies.rows(await redis.xpending_range(stream, group, "-", "+", 100))
         ]
     return owners
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 import uuid
@@ -24,15 +25,18 @@ import pytest
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
+from testkit import replies
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, http_request
 from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
 from testkit.tokend_process import tokend
+from testkit.tokens import WallClockTokens
 from testkit.waiting import eventually, eventually_sync
 from tokend import config
 from tokend.config import ConfigError, Settings
 from tokend.core import protocol as p
+from tokend.core.store_messages import HeartbeatAnswer
 from tokend.ops.app import App
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import open_client
@@ -109,15 +113,15 @@ async def test_a_lost_session_that_ended_or_expired_is_not_restored(
         assert not await redis.exists(hash_key)
     # What the node knows has expired: gone, nothing written.
     store = store_of(app)
-    tid = uuid.uuid4()
+    gone_tid = uuid.uuid4()
     now_ms = int(time.time() * 1000)
     past = Known(
         "gone", 5, iat_s=now_ms // 1000 - 60, exp_ms=now_ms - 1000, since_ms=now_ms, proof=bytes(16)
     )
-    request = store.heartbeat_request(tid, "node-a/9")
-    answers = await store.record_heartbeats([request], known=lambda i: past)
-    assert [a.outcome for a in answers] == ["gone"]
-    assert not await redis.exists(store.keys.session_keys(tid)[0])
+    request = store.heartbeat_request(gone_tid, "node-a/9")
+    (answer,) = await store.record_heartbeats([request], known=lambda i: past)
+    assert isinstance(answer, HeartbeatAnswer) and answer.outcome == "gone"
+    assert not await redis.exists(store.keys.session_keys(gone_tid)[0])
 
 
 async def test_a_resume_redis_lost_is_taken_back_from_the_older_connection(
@@ -134,9 +138,10 @@ async def test_a_resume_redis_lost_is_taken_back_from_the_older_connection(
         assert (await second.hello(token, p.resume_proof(welcome.session_key, welcome.tid))).resumed
         assert (await first.expect_close(timeout=2)).code == p.CloseCode.TAKEN_OVER
         # A failover to a replica that never got the resume: Redis names the first again.
-        await redis.hset(hash_key, mapping=dict(zip(("conn", "since"), held_by_first, strict=True)))
+        held = dict(zip(("conn", "since"), map(replies.text, held_by_first), strict=True))
+        await redis.hset(hash_key, mapping=replies.mapping(held))
         assert isinstance(await second.heartbeat(), p.HeartbeatAck)
-        assert (await redis.hget(hash_key, "conn")).startswith("node-b/")
+        assert replies.text(await redis.hget(hash_key, "conn")).startswith("node-b/")
         restored = await events.wait_for("SESSION_RESTORED", tid)
         assert restored[0]["node"] == "node-b"
         assert isinstance(await second.heartbeat(), p.HeartbeatAck)
@@ -151,6 +156,7 @@ async def test_a_renewed_token_redis_lost_keeps_working(
         ack = await client.heartbeat()
         assert ack.renewed and ack.exp_ms > welcome.exp_ms
         renewed = ack.token
+        assert renewed is not None
     hash_key = session_keys(app, tid_of(welcome))[0]
     # A failover to a replica that never got the renewal: the old exp again.
     await redis.hset(hash_key, "exp", welcome.exp_ms)
@@ -158,7 +164,7 @@ async def test_a_renewed_token_redis_lost_keeps_working(
         resumed = await client.hello(renewed)
         assert resumed.resumed and resumed.exp_ms == ack.exp_ms
         assert (await client.heartbeat()).exp_ms >= ack.exp_ms
-    assert int(await redis.hget(hash_key, "exp")) >= ack.exp_ms
+    assert int(replies.text(await redis.hget(hash_key, "exp"))) >= ack.exp_ms
 
 
 @pytest.fixture
@@ -319,7 +325,7 @@ async def test_revocations_lost_by_a_failover_are_written_again(
                 live = tokens.mint("revoked-live")
                 live_tid = tid_of(await client.hello(live))
                 hash_key, _, due_key = session_keys(app, live_tid)
-                session = await redis.hgetall(hash_key)
+                session = replies.fields(await redis.hgetall(hash_key))
                 unused_tid = str(uuid.uuid4())  # a token never used: only barred
                 kept_tid = str(uuid.uuid4())  # its tombstone will survive
                 for tid in (live_tid, unused_tid, kept_tid):
@@ -332,7 +338,7 @@ async def test_revocations_lost_by_a_failover_are_written_again(
             lost = [live_tid, unused_tid]
             for tid in lost:
                 await redis.delete(session_keys(app, tid)[1])
-            await redis.hset(hash_key, mapping=session)
+            await redis.hset(hash_key, mapping=replies.mapping(session))
             await redis.zadd(due_key, {live_tid: int(session["hb"]) + 60_000})
             # Until the node sees the failover, it refuses the token by what it knows.
             async with RawClient.connect(app.port) as client:
@@ -340,7 +346,7 @@ async def test_revocations_lost_by_a_failover_are_written_again(
                 assert (await client.expect_close()).code == p.CloseCode.TOKEN_REVOKED
             await redis.execute_command("DEBUG", "CHANGE-REPL-ID")  # a replica promoted
             for tid in lost:
-                await eventually(lambda t=tid: redis.exists(session_keys(app, t)[1]))
+                await eventually(functools.partial(redis.exists, session_keys(app, tid)[1]))
             assert not await redis.exists(hash_key)  # ended again
             await events.wait_for("TOKEN_REVOKED", live_tid, count=2)
             await events.wait_for("TOKEN_REVOKED", unused_tid, count=2)
@@ -360,8 +366,8 @@ async def test_revocations_lost_by_a_failover_are_written_again(
         ({"durable_replicas": "-1"}, "durable_replicas: must be auto or a number"),
         ({"durable_replicas": "²"}, "durable_replicas: must be auto or a number"),
         ({"durable_timeout": 2.5}, "durable_timeout: must be less than redis_timeout"),
-        ({"durable_timeout": 0}, "durable_timeout: must be a positive number"),
-        ({"failover_check_interval": 0}, "failover_check_interval: must be a positive number"),
+        ({"durable_timeout": 0}, "durable_timeout: must be more than 0"),
+        ({"failover_check_interval": 0}, "failover_check_interval: must be more than 0"),
     ],
 )
 def test_durability_settings_are_checked(values: dict[str, Any], problem: str):
@@ -441,7 +447,8 @@ class SentinelTopology(Topology):
         clients = [s.client() for s in self.sentinels]
         eventually_sync(
             lambda: all(
-                c.sentinel_get_master_addr_by_name("tokend")[1] == self.replica.port
+                replies.address(c.sentinel_get_master_addr_by_name("tokend"))[1]
+                == self.replica.port
                 for c in clients
             ),
             20,
@@ -507,7 +514,8 @@ def sentinel_topology(tmp_path: Path) -> Iterator[SentinelTopology]:
         clients = [s.client() for s in sentinels]
         eventually_sync(
             lambda: all(
-                len(c.sentinel_slaves("tokend")) == 1 and len(c.sentinel_sentinels("tokend")) == 2
+                len(replies.rows(c.sentinel_slaves("tokend"))) == 1
+                and len(replies.rows(c.sentinel_sentinels("tokend"))) == 2
                 for c in clients
             ),
             20,
@@ -567,13 +575,16 @@ class Holder:
     def closed(self) -> int | None:
         return self.task.result() if self.task.done() else None
 
+    def acked_more_than(self, acks: int) -> bool:
+        return self.acks > acks
+
     async def stop(self) -> None:
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
 
 
-async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService) -> None:
+async def provoke(topology: Topology, start_app: StartApp, tokens: WallClockTokens) -> None:
     """Sessions started, renewed and revoked while the replica is cut off, the master
     killed, the stale replica promoted: what each client and operator was told, and what
     holds after, including the events."""
@@ -649,13 +660,13 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
             hash_key, tomb_key = Keyspace(settings.key_prefix).session_keys(uuid.UUID(tid))
             if tid in revoked:
                 return await fresh.get(tomb_key) == "revoked" and not await fresh.exists(hash_key)
-            return (await fresh.hget(hash_key, "conn") or "").startswith("node-a/")
+            return replies.text(await fresh.hget(hash_key, "conn") or "").startswith("node-a/")
 
         for tid in [h.tid for h in holding] + sorted(revoked):
-            await eventually(lambda t=tid: on_the_new_master(t), timeout=20)
+            await eventually(functools.partial(on_the_new_master, tid), timeout=20)
         for holder in holding:
-            acked = holder.acks
-            await eventually(lambda h=holder, n=acked: h.acks > n)  # answered by the new master
+            # Answered by the new master.
+            await eventually(functools.partial(holder.acked_more_than, holder.acks))
             assert holder.closed is None, f"{holder.tid} closed with {holder.closed}"
         for tid in (*revoked, str(early_tid)):
             client = await stack.enter_async_context(RawClient.connect(app.port))
@@ -703,13 +714,13 @@ async def provoke(topology: Topology, start_app: StartApp, tokens: TokenService)
 
 
 async def test_sentinel_failover_to_a_stale_replica(
-    sentinel_topology: SentinelTopology, start_app: StartApp, tokens: TokenService
+    sentinel_topology: SentinelTopology, start_app: StartApp, tokens: WallClockTokens
 ):
     await provoke(sentinel_topology, start_app, tokens)
 
 
 async def test_cluster_failover_to_a_stale_replica(
-    cluster_topology: ClusterTopology, start_app: StartApp, tokens: TokenService
+    cluster_topology: ClusterTopology, start_app: StartApp, tokens: WallClockTokens
 ):
     await provoke(cluster_topology, start_app, tokens)
 

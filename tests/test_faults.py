@@ -184,7 +184,8 @@ SLOW_WAVE = 20
 def server_tasks() -> int:
     """Tasks of this event loop but the proxy's own."""
     return sum(
-        not t.get_coro().__qualname__.startswith(LatencyProxy.__name__) for t in asyncio.all_tasks()
+        not getattr(t.get_coro(), "__qualname__", "").startswith(LatencyProxy.__name__)
+        for t in asyncio.all_tasks()
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 from websockets.frames import Frame, Opcode
+from websockets.typing import Origin, Subprotocol
 
 from testkit.clients import RawClient, WireClient
 from testkit.net import LOOPBACK
@@ -16,16 +17,17 @@ from tokend.core import protocol as p
 from tokend.tokens.service import TokenService
 
 URL = "ws://{}:{}/v1/ws"
+OFFERED = [Subprotocol("tokend.v1")]
 
 
 async def test_origin_allow_list(start_app, tokens: TokenService):
     app = await start_app(allowed_origins="https://app.example, https://admin.example")
     url = URL.format(LOOPBACK, app.port)
     with pytest.raises(InvalidStatus) as refused:
-        async with connect(url, origin="https://evil.example", subprotocols=["tokend.v1"]):
+        async with connect(url, origin=Origin("https://evil.example"), subprotocols=OFFERED):
             pass
     assert refused.value.response.status_code == 403
-    async with connect(url, origin="https://admin.example", subprotocols=["tokend.v1"]) as ws:
+    async with connect(url, origin=Origin("https://admin.example"), subprotocols=OFFERED) as ws:
         await RawClient(ws).hello(tokens.mint("browser"))
     # Non-browser clients send no Origin and are not affected.
     async with RawClient.connect(app.port) as client:

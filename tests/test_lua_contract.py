@@ -22,6 +22,7 @@ from importlib import resources
 import pytest
 from redis.asyncio import Redis
 
+from testkit import replies
 from testkit.stores import (
     CLOCKS,
     EXPIRE_MS,
@@ -133,7 +134,7 @@ def test_the_generated_constants_name_every_python_value() -> None:
 async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis) -> None:
     tid = uuid.uuid4()
     skey = store.keys.session_keys(tid)[0]
-    fields = {
+    fields: dict[str, str | int] = {
         "sub": "alice",
         "st": "WARN",
         "hb": 11,
@@ -147,9 +148,9 @@ async def test_load_session_reads_every_field_by_name(store: Store, redis: Redis
         "pk": 77,
     }
     assert set(fields) == set(SESSION_FIELDS)
-    await redis.hset(skey, mapping=fields)
+    await redis.hset(skey, mapping=replies.mapping(fields))
     prelude = lua_constants() + (LUA / PRELUDE).read_text()
-    args = ["node-a", "e", "c", 10, int(time.time() * 1000) + 60_000]
+    args: list[str | int] = ["node-a", "e", "c", 10, int(time.time() * 1000) + 60_000]
     read = "return cjson.encode(load_session(KEYS[3]))"
     keys = [*store.keys.shard_keys(Keyspace.shard(tid)), skey]
     assert json.loads(await redis.eval(prelude + read, 3, *keys, *args)) == fields
@@ -206,7 +207,7 @@ async def _events(store: Store, redis: Redis, kind: str) -> dict[str, dict[str, 
     """The last event of type ``kind`` of each tid in the shards' streams."""
     found = {}
     for stream in store.keys.streams():
-        for _, fields in await redis.xrange(stream):
+        for _, fields in replies.entries(await redis.xrange(stream)):
             event = json.loads(fields["event"])
             if event["type"] == kind:
                 found[event["tid"]] = event
@@ -409,17 +410,19 @@ async def test_a_resume_is_refused_exactly_while_clocks_say_held_live(
         holder = {"conn": f"node-z/{tid}"} if held else {"left": f"node-z/{tid}"}
         await redis.hset(
             store.keys.session_keys(tid)[0],
-            mapping={
-                "sub": "s",
-                "st": "ACTIVE",
-                "hb": hb,
-                "exp": now + 3_600_000,
-                "iat": now // 1000,
-                "prio": 5,
-                "since": 1,
-                "proof": proof_digest(PROOF),
-                **holder,
-            },
+            mapping=replies.mapping(
+                {
+                    "sub": "s",
+                    "st": "ACTIVE",
+                    "hb": hb,
+                    "exp": now + 3_600_000,
+                    "iat": now // 1000,
+                    "prio": 5,
+                    "since": 1,
+                    "proof": proof_digest(PROOF),
+                    **holder,
+                }
+            ),
         )
     before = {tid: await redis.hgetall(store.keys.session_keys(tid)[0]) for tid in cases}
     tids = list(cases)

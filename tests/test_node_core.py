@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
+from tokend.core import session
 from tokend.core.claims import Claims
 from tokend.core.session import Ask, Cadence, Close, Session, Welcome
 from tokend.core.store_messages import (
@@ -37,6 +38,7 @@ from tokend.core.store_messages import (
     heartbeat_outcome,
 )
 from tokend.server import batchers as batchers_module
+from tokend.server import seams
 from tokend.server.batchers import HeartbeatBatcher, HelloBatcher, ReleaseBatcher
 from tokend.server.node import Node
 from tokend.store.redis_client import open_client
@@ -46,7 +48,7 @@ from tokend.tokens.service import TokenService
 CADENCE = Cadence(1_000, 30_000, 40_000, 0)
 
 
-class TokenNode:
+class TokenNode(session.Node):
     """A session's node (tokend.core.session.Node) with real tokens."""
 
     def __init__(self, tokens: TokenService) -> None:
@@ -55,14 +57,14 @@ class TokenNode:
     def check(self, token: str, signature: bool) -> tuple[Claims, str]:
         return self.tokens.check(token, time.time(), signature=signature)
 
-    def sign(self, claims: Claims) -> str:
-        return self.tokens.sign(claims)
+    def sign(self, claims: Claims, iat_s: int, exp_s: int) -> tuple[bytes, str]:
+        return self.tokens.reissue(claims, iat_s, exp_s)
 
     def sub_is_full(self, claims: Claims) -> bool:
         return False
 
 
-class Waiter:
+class Waiter(seams.SessionLink):
     """A connection as the batchers see it; records what they hand it."""
 
     def __init__(
@@ -133,6 +135,19 @@ class Waiter:
 
     def told_to_close(self, code: int | None) -> None:
         self.calls.append(("told_to_close", code))
+
+    @property
+    def tid(self) -> str:
+        """Its session's tid, as its heartbeat requests name it."""
+        assert self.heartbeat_request is not None
+        return self.heartbeat_request.tid
+
+
+@dataclass
+class RunningNode:
+    """A node as its batchers' lanes read it (tokend.server.batchers.Running)."""
+
+    running: bool = True
 
 
 @pytest.fixture
@@ -308,7 +323,7 @@ async def test_an_overloaded_batcher_serves_high_prio_first_and_warn_last(
 
 
 async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
-    token_node: TokenNode, store: Store
+    token_node: TokenNode, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     [waiter] = await started(token_node, store, ["late"])
     batcher = HeartbeatBatcher(store, batch_size=10)
@@ -319,9 +334,9 @@ async def test_a_heartbeat_arriving_during_a_flush_goes_in_the_next(
         waiter.beat()  # the client's next heartbeat lands while Redis works on the first
         batcher.submit(waiter)
 
-    original = before_each_round_trip(store, beat_meanwhile)
+    before_each_round_trip(store, beat_meanwhile, monkeypatch)
     await batcher.flush()
-    store.record_heartbeats = original  # type: ignore[method-assign]
+    monkeypatch.undo()  # the store's own round trips again
     assert [ack.seq for ack in waiter.calls[-1][1]] == [1]
     assert batcher.pending == 1 and batcher.is_waiting(waiter)
     await batcher.flush()
@@ -336,8 +351,14 @@ async def test_running_lanes_answer_every_heartbeat_however_they_come(
     all answered, and nothing is left waiting."""
     waiters = await started(token_node, store, [f"w{n}" for n in range(7)])
     batcher = HeartbeatBatcher(store, batch_size=2)
-    node = SimpleNamespace(running=True)
-    lanes = asyncio.create_task(batcher.run(node, lanes=2))  # type: ignore[arg-type]
+    node = RunningNode()
+    lanes = asyncio.create_task(batcher.run(node, lanes=2))
+
+    def answered(rounds: int) -> bool:
+        return all(
+            sum(len(acks) for what, acks in w.calls if what == "stored") == rounds for w in waiters
+        )
+
     try:
         for rounds in range(1, 4):
             for n, waiter in enumerate(waiters):
@@ -345,13 +366,7 @@ async def test_running_lanes_answer_every_heartbeat_however_they_come(
                 batcher.submit(waiter)
                 if n % 3 == 2:
                     await asyncio.sleep(0)  # a lane may start a flush among them
-            await eventually(
-                lambda rounds=rounds: all(
-                    sum(len(acks) for what, acks in w.calls if what == "stored") == rounds
-                    for w in waiters
-                ),
-                what="every heartbeat answered",
-            )
+            await eventually(functools.partial(answered, rounds), what="every heartbeat answered")
             assert batcher.pending == 0
     finally:
         node.running = False
@@ -362,8 +377,8 @@ async def test_running_lanes_answer_every_heartbeat_however_they_come(
 
 @contextlib.asynccontextmanager
 async def running_lanes(batcher: HeartbeatBatcher, lanes: int = 2) -> AsyncIterator[None]:
-    node = SimpleNamespace(running=True)
-    task = asyncio.create_task(batcher.run(node, lanes=lanes))  # type: ignore[arg-type]
+    node = RunningNode()
+    task = asyncio.create_task(batcher.run(node, lanes=lanes))
     try:
         yield
     finally:
@@ -374,10 +389,10 @@ async def running_lanes(batcher: HeartbeatBatcher, lanes: int = 2) -> AsyncItera
 
 
 def before_each_round_trip(
-    store: Store, do: Callable[[list[str]], Awaitable[None]]
-) -> Callable[..., Awaitable[list[HeartbeatReply]]]:
+    store: Store, do: Callable[[list[str]], Awaitable[None]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Await ``do(tids)`` before each heartbeat round trip the store makes from now (the
-    batch's tids); returns the store's own record_heartbeats, to put back."""
+    batch's tids), until ``monkeypatch`` undoes it."""
     original = store.record_heartbeats
 
     async def wrapped(
@@ -388,29 +403,30 @@ def before_each_round_trip(
         await do([r.tid for r in batch])
         return await original(batch, replayed, known)
 
-    store.record_heartbeats = wrapped  # type: ignore[method-assign]
-    return original
+    monkeypatch.setattr(store, "record_heartbeats", wrapped)
 
 
-def spied_round_trips(store: Store) -> list[tuple[float, list[str]]]:
+def spied_round_trips(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[float, list[str]]]:
     """(loop time, tids) of each heartbeat round trip the store is asked for from now."""
     asked: list[tuple[float, list[str]]] = []
 
     async def spy(tids: list[str]) -> None:
         asked.append((asyncio.get_running_loop().time(), tids))
 
-    before_each_round_trip(store, spy)
+    before_each_round_trip(store, spy, monkeypatch)
     return asked
 
 
 async def test_a_heartbeat_that_finds_the_store_idle_waits_for_others_to_share_its_trip(
-    token_node: TokenNode, store: Store
+    token_node: TokenNode, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """heartbeat_gather: the first heartbeat to wait with no round trip in flight is
     flushed ``gather`` later, with every heartbeat that came meanwhile (one round trip)."""
     waiters = await started(token_node, store, ["g-1", "g-2", "g-3"])
     batcher = HeartbeatBatcher(store, batch_size=10, gather=0.05)
-    asked = spied_round_trips(store)
+    asked = spied_round_trips(store, monkeypatch)
     loop = asyncio.get_running_loop()
 
     def beat(waiter: Waiter) -> None:
@@ -425,13 +441,13 @@ async def test_a_heartbeat_that_finds_the_store_idle_waits_for_others_to_share_i
         loop.call_later(0.02, beat, waiters[2])
         await eventually(lambda: all(w.calls[-1][0] == "stored" for w in waiters), what="ACKs")
     [(at, tids)] = asked
-    assert tids == [w.heartbeat_request.tid for w in waiters]  # type: ignore[union-attr]
-    # call_later may fire within the loop's clock resolution before the time it was given.
-    assert at >= first + 0.05 - max(loop._clock_resolution, 0.001)  # type: ignore[attr-defined]
+    assert tids == [w.tid for w in waiters]
+    # call_later may fire within the clock's resolution before the time it was given.
+    assert at >= first + 0.05 - max(time.get_clock_info("monotonic").resolution, 0.001)
 
 
 async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
-    token_node: TokenNode, store: Store
+    token_node: TokenNode, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A flush's worth waiting goes at once, and so does a heartbeat that comes while a
     round trip is in flight (the node is busy: batches form as it is). A gather of an
@@ -441,14 +457,14 @@ async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
         await started(token_node, store, ["busy-1", "busy-2"]),
     )
     batcher = HeartbeatBatcher(store, batch_size=2, gather=3600)
-    asked = spied_round_trips(store)
+    asked = spied_round_trips(store, monkeypatch)
     released = asyncio.Event()
 
     async def held_while_unreleased(tids: list[str]) -> None:
-        if tids == [busy[0].heartbeat_request.tid]:  # type: ignore[union-attr]
+        if tids == [busy[0].tid]:
             await released.wait()
 
-    before_each_round_trip(store, held_while_unreleased)
+    before_each_round_trip(store, held_while_unreleased, monkeypatch)
 
     def stored(waiter: Waiter) -> bool:
         return waiter.calls[-1][0] == "stored"
@@ -470,9 +486,9 @@ async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
         await in_flight
     assert stored(busy[0])
     assert [tids for _, tids in asked] == [
-        [w.heartbeat_request.tid for w in full],  # type: ignore[union-attr]
-        [busy[1].heartbeat_request.tid],  # type: ignore[union-attr]
-        [busy[0].heartbeat_request.tid],  # type: ignore[union-attr]
+        [w.tid for w in full],
+        [busy[1].tid],
+        [busy[0].tid],
     ]
 
 
@@ -573,7 +589,9 @@ async def test_the_node_counts_the_sessions_it_holds_per_sub_and_state(node: Nod
     assert len(registry) == 0 and registry.per_sub == {}
 
 
-async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
+async def test_a_node_sends_one_hello_round_trip_at_a_time(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """HELLOs that come while one hello round trip is out go together in the next, two
     lanes of flush_lanes or not (a round trip costs the node the same whatever it carries:
     bench/results/2026-12-04-resume.md)."""
@@ -595,7 +613,7 @@ async def test_a_node_sends_one_hello_round_trip_at_a_time(node: Node) -> None:
         await answer.wait()
         return await original(batch)
 
-    node.store.hellos = held  # type: ignore[method-assign]
+    monkeypatch.setattr(node.store, "hellos", held)
     first.hello()
     node.submit_hello(first)
     await entered.wait()

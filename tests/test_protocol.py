@@ -9,6 +9,8 @@ import hmac
 import re
 import struct
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -408,8 +410,9 @@ def test_encode_refuses_values_out_of_range(frame: Frame) -> None:
 
 
 def test_encode_refuses_a_non_frame() -> None:
+    not_a_frame: Any = "hello"  # what an unchecked caller may pass
     with pytest.raises(ProtocolError):
-        encode("hello")  # type: ignore[arg-type]
+        encode(not_a_frame)
 
 
 # --- heartbeat proof --------------------------------------------------------------------------
@@ -639,11 +642,12 @@ def documented_close_reasons() -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", section, re.M)}
 
 
-def reasons_sent_by(module: object) -> dict[str, int | None]:
+def reasons_sent_by(module: ModuleType) -> dict[str, int | None]:
     """The reasons of every ``Close(code, reason)`` and ``.close(code, reason)`` in a
     module's source, with their code where it is written out (else None)."""
     found: dict[str, int | None] = {}
-    tree = ast.parse(Path(module.__file__).read_text())  # type: ignore[attr-defined]
+    assert module.__file__ is not None
+    tree = ast.parse(Path(module.__file__).read_text())
     for call in ast.walk(tree):
         if not isinstance(call, ast.Call) or len(call.args) != 2:
             continue
@@ -654,13 +658,14 @@ def reasons_sent_by(module: object) -> dict[str, int | None]:
         code = None
         if isinstance(code_node, ast.Attribute) and code_node.attr in CloseCode.__members__:
             code = int(CloseCode[code_node.attr])
-        if isinstance(reason_node, ast.Constant):
+        if isinstance(reason_node, ast.Constant) and isinstance(reason_node.value, str):
             found[reason_node.value] = code
         elif isinstance(reason_node, ast.Name) and hasattr(module, reason_node.id):
             found[getattr(module, reason_node.id)] = code
         elif isinstance(reason_node, ast.JoinedStr):  # f"session_{tombstone}"
             prefix = reason_node.values[0]
             assert isinstance(prefix, ast.Constant), ast.unparse(reason_node)
+            assert isinstance(prefix.value, str), ast.unparse(reason_node)
             for tomb, tomb_code in session.ENDED_CODES.items():
                 found[prefix.value + tomb] = tomb_code and int(tomb_code)
         else:  # passed on: a TokenError's reason (below), or a Close's own

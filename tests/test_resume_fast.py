@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from testkit import replies
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog
 from tokend.core import protocol as p
@@ -37,7 +38,7 @@ from tokend.tokens.service import TokenService, token_digest
 StartApp = Callable[..., Awaitable[App]]
 
 
-def watch_signatures(app: App) -> list[bool]:
+def watch_signatures(app: App, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Record, for each token check of the node, whether the signature was checked."""
     service = app.node.tokens
     check = service.check
@@ -47,7 +48,7 @@ def watch_signatures(app: App) -> list[bool]:
         checked.append(signature)
         return check(token, now, signature=signature)
 
-    service.check = recording  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(service, "check", recording)
     return checked
 
 
@@ -80,7 +81,8 @@ async def resume(app: App, token: str, welcome: p.Welcome) -> p.Welcome | tuple[
 
 async def kept_digest(app: App, redis: Redis, tid: bytes) -> str | None:
     key = app.node.store.keys.session_keys(uuid.UUID(bytes=tid))[0]
-    return await redis.hget(key, "tok")  # type: ignore[no-any-return]
+    kept = await redis.hget(key, "tok")
+    return None if kept is None else replies.text(kept)
 
 
 def digest_of(app: App, token: str) -> str:
@@ -88,10 +90,14 @@ def digest_of(app: App, token: str) -> str:
 
 
 async def test_a_fresh_login_is_verified_at_once_and_its_resume_is_not(
-    start_app: StartApp, tokens: TokenService, redis: Redis, events: EventLog
+    start_app: StartApp,
+    tokens: TokenService,
+    redis: Redis,
+    events: EventLog,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     app = await start_app()
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     token = tokens.mint("alice")
     first = await session_started(app, token)
     assert checked == [True]  # no proof: verified before the store is asked, once
@@ -104,7 +110,7 @@ async def test_a_fresh_login_is_verified_at_once_and_its_resume_is_not(
 
 
 async def test_another_token_of_the_session_is_verified_then_resumed_and_kept(
-    start_app: StartApp, tokens: TokenService, redis: Redis
+    start_app: StartApp, tokens: TokenService, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A token the store does not know (here: re-issued for the same session, as a
     renewal's is): VERIFY, verified, resumed, and its digest is the one kept now."""
@@ -113,7 +119,7 @@ async def test_another_token_of_the_session_is_verified_then_resumed_and_kept(
     now = int(time.time())
     first = await session_started(app, tokens.mint("alice", tid=tid, iat=now - 10))
     other = tokens.mint("alice", tid=tid, iat=now)
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     again = await resume(app, other, first)
     assert isinstance(again, p.Welcome) and again.resumed
     assert checked == [False, True]
@@ -121,7 +127,7 @@ async def test_another_token_of_the_session_is_verified_then_resumed_and_kept(
 
 
 async def test_the_token_a_renewal_gave_is_kept_and_its_resume_skips_the_signature(
-    start_app: StartApp, tokens: TokenService, redis: Redis
+    start_app: StartApp, tokens: TokenService, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The node signed it: the heartbeat after the ACK that gave it records its digest
     (heartbeat.lua), once; a resume with it is then not verified, as with the token the
@@ -148,14 +154,14 @@ async def test_the_token_a_renewal_gave_is_kept_and_its_resume_skips_the_signatu
             "tok",
             digest_of(app, renewed),
         )
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     again = await resume(app, renewed, welcome)
     assert isinstance(again, p.Welcome) and again.resumed
     assert checked == [False]
 
 
 async def test_a_resume_with_an_older_token_is_given_the_current_one_and_the_store_keeps_it(
-    start_app: StartApp, tokens: TokenService, redis: Redis
+    start_app: StartApp, tokens: TokenService, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client that resumes with the token it held before a renewal (the renewed ACK
     was lost) is verified, and re-sent the current token: the store keeps that one next."""
@@ -168,7 +174,7 @@ async def test_a_resume_with_an_older_token_is_given_the_current_one_and_the_sto
         await client.heartbeat()
     assert renewed is not None
     assert await kept_digest(app, redis, welcome.tid) == digest_of(app, renewed)
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     async with RawClient.connect(app.port) as client:
         again = await client.hello(token, proof_of(welcome))
         assert again.resumed
@@ -191,7 +197,11 @@ def token_exp_ms(token: str) -> int:
 
 
 async def test_a_forged_signature_on_the_known_token_is_4501_and_nothing_is_written(
-    start_app: StartApp, tokens: TokenService, redis: Redis, events: EventLog
+    start_app: StartApp,
+    tokens: TokenService,
+    redis: Redis,
+    events: EventLog,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The known token's header and claims with another signature: another digest, so
     the store asks for it verified, and the signature fails."""
@@ -201,7 +211,7 @@ async def test_a_forged_signature_on_the_known_token_is_4501_and_nothing_is_writ
     kept = await kept_digest(app, redis, first.tid)
     head, _, signature = token.rpartition(".")
     forged = f"{head}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     assert await resume(app, forged, first) == (p.CloseCode.INVALID_TOKEN, "bad_signature")
     assert checked == [False, True]
     assert await kept_digest(app, redis, first.tid) == kept
@@ -209,7 +219,7 @@ async def test_a_forged_signature_on_the_known_token_is_4501_and_nothing_is_writ
 
 
 async def test_a_known_token_past_its_exp_is_4502(
-    start_app: StartApp, tokens: TokenService
+    start_app: StartApp, tokens: TokenService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = await start_app(leeway=0)
     now = time.time()
@@ -217,18 +227,20 @@ async def test_a_known_token_past_its_exp_is_4502(
     first = await session_started(app, token)
     exp = int(now) + 2
     await asyncio.sleep(max(0.0, exp - time.time()) + 0.05)  # the clock past exp
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     assert await resume(app, token, first) == (p.CloseCode.TOKEN_EXPIRED, "expired")
     # Refused by the claims, then verified: the reason is the one a verify gives first.
     assert checked == [False, True]
 
 
-async def test_a_known_token_revoked_is_4506(start_app: StartApp, tokens: TokenService) -> None:
+async def test_a_known_token_revoked_is_4506(
+    start_app: StartApp, tokens: TokenService, monkeypatch: pytest.MonkeyPatch
+) -> None:
     app = await start_app()
     token = tokens.mint("alice")
     first = await session_started(app, token)
     assert await app.node.store.revoke(uuid.UUID(bytes=first.tid), by="cli:test") is not None
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     closed = await resume(app, token, first)
     assert closed == (p.CloseCode.TOKEN_REVOKED, "session_revoked")
     # Told to its token only: the store answered VERIFY first, the token was verified.
@@ -236,7 +248,7 @@ async def test_a_known_token_revoked_is_4506(start_app: StartApp, tokens: TokenS
 
 
 async def test_a_known_token_of_a_removed_key_is_4501(
-    start_app: StartApp, tokens: TokenService, keys_dir: Path
+    start_app: StartApp, tokens: TokenService, keys_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = await start_app()
     token = tokens.mint("alice")
@@ -247,7 +259,7 @@ async def test_a_known_token_of_a_removed_key_is_4501(
     (keys_dir / f"{old}.pem").unlink()
     app.node.tokens.keys.refresh()  # as the node's timer would
     assert old not in app.node.tokens.keys.kids
-    checked = watch_signatures(app)
+    checked = watch_signatures(app, monkeypatch)
     assert await resume(app, token, first) == (p.CloseCode.INVALID_TOKEN, "unknown_kid")
     assert checked == [False, True]
 

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
+from websockets.typing import Subprotocol
 
 from testkit.clients import RawClient
 from testkit.net import LOOPBACK
@@ -38,7 +39,9 @@ async def test_the_default_caps_one_address_and_admits_another(
                 pass
         assert refused.value.response.status_code == 429
         url = f"ws://{LOOPBACK}:{app.port}{p.WS_PATH}"
-        async with connect(url, subprotocols=[p.SUBPROTOCOL], local_addr=("127.0.0.2", 0)) as ws:
+        async with connect(
+            url, subprotocols=[Subprotocol(p.SUBPROTOCOL)], local_addr=("127.0.0.2", 0)
+        ) as ws:
             await RawClient(ws).hello(tokens.mint("elsewhere"))
     finally:
         for _, writer in held:

@@ -18,7 +18,7 @@ from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_eve
 from testkit.net import http_get, http_request
 from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import CALM_CLOCKS, TokendProcess, node_env
-from testkit.tokens import minter
+from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
 from tokend.config import KEYS_REFRESH_INTERVAL
 from tokend.core import protocol as p
@@ -28,7 +28,7 @@ from tokend.store.sessions import Store
 from tokend.tokens.service import TokenService
 
 
-async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: TokenService, events: EventLog):
+async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: WallClockTokens, events: EventLog):
     token = tokens.mint("alice")
     async with RawClient.connect(app.port) as client:
         assert client.ws.subprotocol == p.SUBPROTOCOL
@@ -50,7 +50,7 @@ async def test_hello_welcome_and_heartbeat_ack(app: App, tokens: TokenService, e
         assert started[0]["v"] == 1
 
 
-async def test_renewal_inside_window(start_app, tokens: TokenService, events: EventLog):
+async def test_renewal_inside_window(start_app, tokens: WallClockTokens, events: EventLog):
     app = await start_app(token_ttl=30, renew_window=9)
     token = tokens.mint("bob", ttl_s=5)
     async with RawClient.connect(app.port) as client:
@@ -69,7 +69,7 @@ async def test_renewal_inside_window(start_app, tokens: TokenService, events: Ev
         assert not ack2.renewed and ack2.token is None
 
 
-async def test_stale_exp_gets_token_resent(start_app, tokens: TokenService):
+async def test_stale_exp_gets_token_resent(start_app, tokens: WallClockTokens):
     app = await start_app(token_ttl=30, renew_window=9)
     async with RawClient.connect(app.port) as client:
         welcome = await client.hello(tokens.mint("carol", ttl_s=5))
@@ -106,6 +106,7 @@ async def test_silence_expires_once(app: App, tokens: TokenService, events: Even
         assert closed.code == p.CloseCode.SESSION_EXPIRED
     expired = await events.wait_for("TOKEN_EXPIRED", tid)
     assert expired[0]["reason"] == "heartbeat_timeout"
+    assert app.admin is not None
     await after_a_full_sweep(app.admin.port)  # no sweep has a duplicate left to write
     assert await left_to_judge(redis, app.settings.key_prefix, [tid]) == []
     stream = [e for e in await read_events(redis, app.settings.key_prefix) if e["tid"] == tid]
@@ -202,9 +203,9 @@ async def test_bad_heartbeat_proof(app: App, tokens: TokenService, fault: str, r
     async with RawClient.connect(app.port) as client:
         welcome = await client.hello(tokens.mint("t"))
         if fault == "mac":
-            frame = bytearray(client.heartbeat_bytes())
-            frame[-1] ^= 0x01
-            await client.send(bytes(frame))
+            tampered = bytearray(client.heartbeat_bytes())
+            tampered[-1] ^= 0x01
+            await client.send(bytes(tampered))
         elif fault == "tid":
             other = uuid.uuid4().bytes
             hb = p.make_heartbeat(welcome.session_key, other, 1, welcome.exp_ms)
@@ -265,7 +266,7 @@ async def test_expired_session_tombstone_refuses_hello(
 
 
 async def test_resume_after_drop_with_older_token(
-    start_app, tokens: TokenService, events: EventLog
+    start_app, tokens: WallClockTokens, events: EventLog
 ):
     app = await start_app(token_ttl=30, renew_window=9)
     old_token = tokens.mint("hank", ttl_s=5)
@@ -299,7 +300,7 @@ async def test_takeover_closes_older_connection(app: App, tokens: TokenService, 
 
 
 async def test_revoke_closes_connection_and_bars_token(
-    app: App, tokens: TokenService, events: EventLog
+    app: App, tokens: WallClockTokens, events: EventLog
 ):
     token = tokens.mint("jack")
     claims = tokens.verify(token)
@@ -364,7 +365,7 @@ async def test_resume_from_warn_recovers(app: App, tokens: TokenService, events:
 
 
 async def test_late_heartbeat_and_resume_expire_even_before_a_sweep(
-    start_app, tokens: TokenService, events: EventLog
+    start_app, tokens: WallClockTokens, events: EventLog
 ):
     # One sweep at start, then none for a minute: only the scripts can judge silence.
     app = await start_app(sweep_interval=60)
@@ -402,7 +403,7 @@ async def until_due(app: App, kid: str) -> None:
     await asyncio.sleep(max(0.0, app.node.tokens.schedule.signs_from(kid) - time.time()))
 
 
-async def test_renewals_cross_a_key_rotation(start_app, tokens: TokenService, settings):
+async def test_renewals_cross_a_key_rotation(start_app, tokens: WallClockTokens, settings):
     # Clocks long enough to span a `tokend keys rotate` subprocess.
     app = await start_app(
         token_ttl=30,
@@ -443,7 +444,9 @@ class JwksVerifier:
         reply = await http_request(self.port, "GET", "/.well-known/jwks.json")
         assert reply.status == 200
         directive = reply.headers["cache-control"]
-        max_age = int(re.fullmatch(r"public, max-age=(\d+)", directive)[1])  # type: ignore[index]
+        found = re.fullmatch(r"public, max-age=(\d+)", directive)
+        assert found is not None, directive
+        max_age = int(found[1])
         self.fresh_until = time.monotonic() + max_age
         self.keys = {jwk["kid"]: jwt.PyJWK(jwk) for jwk in reply.json()["keys"]}
         return self.keys

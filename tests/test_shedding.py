@@ -140,7 +140,7 @@ def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
 
 
 def test_while_shedding_a_fresh_login_is_ranked_before_its_signature_is_checked(
-    node: TokenNode, tokens: TokenService
+    node: TokenNode, tokens: TokenService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A connect storm meets a node that sheds already: a fresh login (no resume proof)
     of a shed class is refused 1013 without an Ed25519 verify, forged or not; one that
@@ -153,7 +153,7 @@ def test_while_shedding_a_fresh_login_is_ranked_before_its_signature_is_checked(
         checked.append(signature)
         return check(token, signature)
 
-    node.check = recording  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(node, "check", recording)
     low = Session(node, CADENCE, "node-a/1", time.monotonic)
     assert low.receive(p.Hello(tokens.mint("bob", prio=4)), shed_from) == SHED
     assert checked == [False] and not low.verified

@@ -261,8 +261,8 @@ class Page:
                 item.split("=", 1) for item in (env_out.read_text().split("\0")) if "=" in item
             )
             self.env.update({name: values[name] for name in names if name in values})
-        if url := block.marks.get("wait"):
-            wait_for(url.removeprefix("for").strip())
+        if then := block.marks.get("wait"):
+            wait_for(then.removeprefix("for").strip())
         self.ran += 1
 
     def stop(self) -> None:

@@ -13,9 +13,10 @@ from typing import Any
 import hiredis
 import pytest
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import BlockingConnectionPool, Connection
 from redis.exceptions import DataError
 
+from testkit import replies
 from testkit.events import EventLog
 from testkit.net import free_port
 from testkit.redis_servers import RedisProcess
@@ -113,7 +114,9 @@ async def test_round_trips_through_real_redis(
         await client.hset(key, mapping={"s": "välue", "i": 7, "f": 0.5, "b": b"\x01"})
         assert await client.hgetall(key) == {"s": "välue", "i": "7", "f": "0.5", "b": "\x01"}
         pipe = client.pipeline(transaction=False)
-        pipe.incrby(key + ":n", 2).incrbyfloat(key + ":n", 0.5).delete(key, key + ":n")
+        pipe.incrby(key + ":n", 2)
+        pipe.incrbyfloat(key + ":n", 0.5)
+        pipe.delete(key, key + ":n")
         assert await pipe.execute() == [2, 2.5, 2]
     finally:
         await client.aclose()
@@ -126,7 +129,9 @@ async def test_direct_calls_give_back_what_they_do_not_keep_of_a_small_pool(
     of the pool at most stays held: the rest of the node finds the others (a pool of 4
     with 3 kept would leave one for the sweeper, the queries and the pipelines)."""
     client = open_client(redis_server.url, replace(settings, redis_pool_size=4))
+    assert isinstance(client, Redis)
     pool = client.connection_pool
+    assert isinstance(pool, BlockingConnectionPool)
     pool.timeout = 1  # a pool that cannot serve says so at once
     direct = DirectCalls.usable(client)
     assert direct is not None and direct.keep == 1
@@ -180,7 +185,7 @@ async def test_the_session_hash_is_a_listpack_with_its_digests_in_22_characters(
     key = store.keys.session_keys(tid)[0]
     proof, tok = await redis.hmget(key, "proof", "tok")
     assert (proof, tok) == (proof_digest(b"p" * 16), token)
-    assert len(proof) == len(tok) == 22
+    assert len(replies.text(proof)) == len(replies.text(tok)) == 22
     assert await redis.object("encoding", key) == "listpack"
 
 
@@ -196,7 +201,7 @@ async def test_a_released_session_is_held_by_none_and_shows_the_node_that_held_i
     store: Store, redis: Redis
 ) -> None:
     tid = await started(store, "node-b/3")
-    since = int(await redis.hget(store.keys.session_keys(tid)[0], "since"))
+    since = int(replies.text(await redis.hget(store.keys.session_keys(tid)[0], "since")))
     released = await store.releases([store.release_request(tid, "node-b/3", since, "")])
     assert released == [ReleaseOutcome.RELEASED]
     view = await store.queries.session(tid)
@@ -363,5 +368,6 @@ async def test_a_batch_over_many_shards_is_one_script_call_on_one_redis(
     # Each answer is its own session's: every session's deadline moved to its new one.
     for tid, result in zip(list(conns)[1:], results[1:], strict=False):
         assert await redis.zscore(store.keys.script_keys(tid)[0], str(tid)) == min(
-            int(await redis.hget(store.keys.session_keys(tid)[0], "hb")) + WARN_MS, result
+            int(replies.text(await redis.hget(store.keys.session_keys(tid)[0], "hb"))) + WARN_MS,
+            result,
         )

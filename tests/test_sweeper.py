@@ -175,6 +175,7 @@ async def test_two_sweeping_nodes_warn_then_expire_each_session_once(
         return {e["tid"] for e in events if e["type"] == "TOKEN_EXPIRED"} >= set(tids)
 
     await eventually(all_expired, 10)
+    assert node_a.admin is not None and node_b.admin is not None
     await after_a_full_sweep(node_a.admin.port, node_b.admin.port)
     assert await left_to_judge(redis, prefix, tids) == []
     kinds = ("SESSION_WARN", "TOKEN_EXPIRED")

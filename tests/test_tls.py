@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
+from websockets.typing import Subprotocol
 
 from testkit.certificates import Authority, served_serial
 from testkit.clients import RawClient, open_socket
@@ -111,7 +112,9 @@ async def test_a_websockets_client_with_verification_on_speaks_protocol_v1_over_
     app = await tls_app()
     assert trusting.verify_mode is ssl.CERT_REQUIRED and trusting.check_hostname
     async with connect(
-        f"wss://{LOOPBACK}:{app.port}{p.WS_PATH}", ssl=trusting, subprotocols=[p.SUBPROTOCOL]
+        f"wss://{LOOPBACK}:{app.port}{p.WS_PATH}",
+        ssl=trusting,
+        subprotocols=[Subprotocol(p.SUBPROTOCOL)],
     ) as ws:
         ssl_object = ws.transport.get_extra_info("ssl_object")
         assert ssl_object.version() in ("TLSv1.2", "TLSv1.3")
@@ -186,7 +189,7 @@ async def test_health_readiness_and_jwks_over_https_on_the_same_port(
     )
     assert await https_get(app.port, "/readyz", trusting) == (200, {"status": "ready"})
     status, jwks = await https_get(app.port, "/.well-known/jwks.json", trusting)
-    assert status == 200 and jwks["keys"]  # type: ignore[index]
+    assert status == 200 and isinstance(jwks, dict) and jwks["keys"]
 
 
 async def test_plain_http_on_a_tls_port_gets_no_answer(
@@ -337,9 +340,9 @@ async def test_a_proxy_header_then_wss(
 @pytest.mark.parametrize(
     ("overrides", "error"),
     [
-        ({"tls_cert_file": "cert.pem"}, "tls_cert_file: set both"),
-        ({"tls_key_file": "key.pem"}, "tls_cert_file: set both"),
-        ({"tls_reload_interval": 0}, "tls_reload_interval: must be a positive"),
+        ({"tls_cert_file": "cert.pem"}, "tls_cert_file: must be set with tls_key_file"),
+        ({"tls_key_file": "key.pem"}, "tls_cert_file: must be set with tls_key_file"),
+        ({"tls_reload_interval": 0}, "tls_reload_interval: must be more than 0"),
     ],
 )
 def test_settings_are_checked(

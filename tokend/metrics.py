@@ -6,8 +6,8 @@ listed in docs/operations.md.
 
 Hot-path cost is kept low: counters are plain ints read at scrape time, and the
 per-stage heartbeat timings go into the histograms for one heartbeat in
-:data:`STAGE_SAMPLE_EVERY` (an observation takes ~1.4 us under a lock; four per
-heartbeat would be a visible share of a heartbeat's CPU).
+:data:`STAGE_SAMPLE_EVERY` (an observation takes a lock; four per heartbeat would be a
+visible share of a heartbeat's CPU).
 """
 
 from __future__ import annotations

@@ -27,18 +27,35 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
-    group = parser.add_argument_group(
-        "settings",
-        "each overrides TOKEND_<NAME> and the config file; durations in seconds",
+    parser.add_argument(
+        "--config",
+        help="TOML file of settings (TOKEND_CONFIG); a flag below beats its TOKEND_<NAME> "
+        "variable, which beats the file",
     )
-    group.add_argument("--config", help="TOML config file (TOKEND_CONFIG)")
-    for name in dict.fromkeys(COMMAND_SETTINGS[command]):
-        group.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            metavar=str(config.FIELDS[name].type).upper(),
-            help=f"{config.meaning(name)} (default: {config.shown_default(name)})",
-        )
+    names = COMMAND_SETTINGS[command]
+    for group in config.Group:
+        members = [
+            name for name in config.FIELDS if name in names and config.declared(name).group is group
+        ]
+        if not members:
+            continue
+        section = parser.add_argument_group(f"{group} settings", config.GROUP_MEANINGS[group])
+        for name in members:
+            section.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                metavar=_metavar(name),
+                help=config.help_text(name),
+            )
+
+
+def _metavar(name: str) -> str:
+    unit = config.declared(name).unit
+    return (
+        unit.upper()
+        if unit
+        else {"int": "INT", "float": "NUMBER"}.get(str(config.FIELDS[name].type), "TEXT")
+    )
 
 
 def _settings(args: argparse.Namespace) -> Settings:

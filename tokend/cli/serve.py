@@ -36,7 +36,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _exit_now() -> NoReturn:
     """End a worker that has stopped (its connections closed, Redis and logs flushed)
     without the interpreter's teardown: freeing a busy worker's objects one by one takes
-    1-3 s of CPU at 10,000 connections, taken from the new workers of a reload that are
+    CPU in proportion to its connections, from the new workers of a reload that are
     resuming its sessions on the same cores."""
     sys.stdout.flush()
     sys.stderr.flush()

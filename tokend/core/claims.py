@@ -56,6 +56,7 @@ class Tid(uuid.UUID):
     the same value."""
 
     __slots__ = ("_text",)
+    _text: str
 
     def __init__(self, text: str) -> None:
         super().__init__(text)

@@ -8,13 +8,17 @@ integer is unsigned big-endian, every time is Unix epoch milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import hmac
+import importlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from hmac import compare_digest
-from typing import Any
+from typing import Protocol
 
 VERSION = 1
 SUBPROTOCOL = "tokend.v1"
@@ -226,8 +230,7 @@ def heartbeat_mac_key(session_key: bytes) -> HeartbeatMacKey:
     """A session key made ready for :func:`heartbeat_proof_holds`: HMAC-SHA256's inner and
     outer hashes with the key's padded block already hashed (RFC 2104 section 2), made
     once per session. Each heartbeat then hashes one block for each, where a one-shot
-    HMAC hashes two (and OpenSSL's looks its algorithm up by name every time: about
-    21,000 instructions a heartbeat, against 10,000 here; bench/hotpath_profile.py)."""
+    HMAC hashes two (and OpenSSL's looks its algorithm up by name every time)."""
     if len(session_key) > _SHA256_BLOCK:
         session_key = _sha256(session_key).digest()
     block = session_key.ljust(_SHA256_BLOCK, b"\0")
@@ -247,19 +250,33 @@ def heartbeat_proof_holds(data: bytes, mac_key: HeartbeatMacKey) -> bool:
 
 _SIGNED_LENGTH = _HEARTBEAT_SIGNED.size
 # CPython's own SHA-256 (C, no OpenSSL): a copy of its state is a plain memory copy,
-# where OpenSSL's allocates a context (12,800 instructions a MAC, against 10,600).
-try:
-    from _sha256 import sha256 as _sha256  # Python 3.11
-except ImportError:  # pragma: no cover
-    try:
-        from _sha2 import sha256 as _sha256  # Python 3.12 and later
-    except ImportError:
-        from hashlib import sha256 as _sha256
+# where OpenSSL's allocates a context.
+
+
+class Sha256(Protocol):
+    """A SHA-256 in progress, as :func:`heartbeat_proof_holds` uses one."""
+
+    def copy(self) -> Sha256: ...
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def _own_sha256() -> Callable[[bytes], Sha256]:
+    for module in ("_sha256", "_sha2"):  # Python 3.11; 3.12 and later
+        with contextlib.suppress(ImportError):
+            found: Callable[[bytes], Sha256] = importlib.import_module(module).sha256
+            return found
+    return hashlib.sha256  # pragma: no cover - a build without them
+
+
+_sha256 = _own_sha256()
 _SHA256_BLOCK = 64
 _IPAD = bytes(b ^ 0x36 for b in range(256))
 _OPAD = bytes(b ^ 0x5C for b in range(256))
 # What a session keeps of its key for its heartbeats' macs: the inner and outer hashes.
-HeartbeatMacKey = tuple[Any, Any]
+HeartbeatMacKey = tuple[Sha256, Sha256]
 # A well-formed HEARTBEAT's (tid, seq, exp_ms): the struct's own method, no Python frame.
 heartbeat_fields = _HEARTBEAT_FIELDS.unpack_from
 

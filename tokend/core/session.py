@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from tokend.core import protocol as p
 from tokend.core.claims import Claims, TokenError
@@ -332,7 +332,7 @@ class Session:
         """Spec "Transport": every application frame is binary; a text message is 4503."""
         return self._close(p.CloseCode.PROTOCOL_ERROR, "text_message")
 
-    def _hello(self, hello: p.Hello, shed_from: int) -> Ask | Close:
+    def _hello(self, hello: p.Hello, shed_from: int) -> Ask | Close | None:
         """Check the token and ask the store to start or resume its session.
 
         A HELLO with a resume proof comes back to a session the store likely knows: its
@@ -403,7 +403,7 @@ class Session:
 
     # The store's answers
 
-    def started(self, answer: HelloAnswer) -> Welcome | Ask | Close | None:
+    def started(self, answer: HelloAnswer) -> Welcome | Literal[Ask.START] | Close | None:
         """The store's answer to :attr:`Ask.START`: :class:`Welcome`, the refusal, or
         (VERIFY) :attr:`Ask.START` again once the token is verified; None once closed.
 
@@ -461,7 +461,7 @@ class Session:
         """The store recorded the heartbeats taken: their ACKs, or the close it implies."""
         if self.phase is _CLOSED:
             return None
-        if type(answer) is int:  # stored, nothing else changed: the common answer
+        if isinstance(answer, int):  # stored, nothing else changed: the common answer
             self.warned = False
             self.exp_ms = exp_ms = answer
             renewed = was_warn = False
@@ -593,7 +593,7 @@ class Session:
     def told_to_close(self, code: int | None) -> Close | None:
         """Another node, through the store, ends this connection's session."""
         try:
-            close_code = p.CloseCode(code)
+            close_code = p.CloseCode(code) if code is not None else p.CloseCode.INTERNAL_ERROR
         except ValueError:
             close_code = p.CloseCode.INTERNAL_ERROR
         return self._close(close_code, close_code.reason)
@@ -639,7 +639,7 @@ class Session:
 
 _HELD = frozenset({HelloOutcome.STARTED, HelloOutcome.RESUMED})
 # The members the heartbeat path uses, as module globals: on Python 3.11 an Enum class's
-# attribute is read through EnumType.__getattr__'s hook (~1,100 instructions each).
+# attribute is read through EnumType.__getattr__'s hook.
 _OPEN = Phase.OPEN
 _CLOSED = Phase.CLOSED
 _HEARTBEAT = Ask.HEARTBEAT

@@ -340,8 +340,7 @@ class Handshake:
     :meth:`switch`. :meth:`data_to_send` is what to write (``b""``: half-close), as
     websockets' Sans-I/O API says. Once switched, :attr:`rest` holds the bytes that came
     after the head. ``origins`` are the acceptable Origin headers (None among them: no
-    header), None for any; ``max_size`` is websockets' (frames it reads are none of
-    tokend's: the head ends before them).
+    header), None for any.
     """
 
     __slots__ = ("head", "origins", "parsed", "protocol", "request", "rest", "scanned", "writes")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
+import importlib
 import os
 import ssl
 from collections.abc import Callable
@@ -199,7 +200,9 @@ def _tls_protocol(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
     """The loop's TLS protocol class: the one its ``start_tls`` uses."""
     try:
         import uvloop
-        from uvloop.loop import SSLProtocol
+
+        # Not in uvloop's type stubs, which declare only its public API.
+        uvloop_tls = importlib.import_module("uvloop.loop").SSLProtocol
     except ImportError:  # pragma: no cover - platforms without uvloop
         return asyncio.sslproto.SSLProtocol
-    return SSLProtocol if isinstance(loop, uvloop.Loop) else asyncio.sslproto.SSLProtocol
+    return uvloop_tls if isinstance(loop, uvloop.Loop) else asyncio.sslproto.SSLProtocol

@@ -38,6 +38,7 @@ __all__ = [
     "WebSocket",
     "binary_frame",
     "unmask",
+    "unmask_in_python",
 ]
 
 
@@ -100,12 +101,24 @@ class ProtocolError(Exception):
     """The client broke RFC 6455: the connection fails with 1002 and this reason."""
 
 
-def unmask(payload: bytes, mask: bytes) -> bytes:
+def unmask_in_python(data: bytes | bytearray | memoryview, mask: bytes | bytearray) -> bytes:
     """A client's payload unmasked (RFC 6455 5.3): each byte XORed with the masking key's
-    byte at its position modulo 4, done as one XOR of two integers."""
-    n = len(payload)
+    byte at its position modulo 4, done as one XOR of two integers. (The signature of
+    websockets' apply_mask, which stands in its place.)"""
+    n = len(data)
     key = (mask * (n // 4 + 1))[:n]
-    return (int.from_bytes(payload) ^ int.from_bytes(key)).to_bytes(n)
+    return (int.from_bytes(data) ^ int.from_bytes(key)).to_bytes(n)
+
+
+# The XOR loop websockets' frames module masks with: its C one where its wheel has it,
+# which spares a heartbeat unmask_in_python's two integer conversions
+# (bench/results/2026-12-04-websocket-layer.md), else its pure-Python one. The name is
+# not in websockets' documented API: tests/test_websocket.py holds it to the documented
+# websockets.utils.apply_mask, and tokend's own serves if it goes.
+try:
+    from websockets.frames import apply_mask as unmask
+except ImportError:  # pragma: no cover
+    unmask = unmask_in_python
 
 
 def frame(opcode: int, payload: bytes) -> bytes:

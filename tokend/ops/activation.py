@@ -280,7 +280,7 @@ def activated_command(
 
     Popen cannot do it alone: the descriptors must arrive at 3, 4, ... and
     ``LISTEN_PID`` must be the child's own pid, known only after the fork. So the child
-    first runs this file (``python -I -S``: about 20 ms), which does what systemd does
+    first runs this file (``python -I -S``: no site packages), which does what systemd does
     between fork and exec, then execs ``command`` in the same process.
     """
     fds = tuple(sock.fileno() for sock, _ in sockets)

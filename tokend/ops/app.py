@@ -3,9 +3,10 @@
 It serves, on one port, the WebSocket endpoint ``/v1/ws`` (RFC 6455, subprotocol
 ``tokend.v1``) and a few plain HTTP GET routes answered from the opening handshake
 (:mod:`tokend.server.admission`: limits and routes). Every accepted socket is a
-:class:`tokend.server.connection.Connection` (RFC 6455 over websockets' Sans-I/O protocol) on
-uvloop. Beside it runs the admin listener (:mod:`tokend.ops.admin`: metrics, admin API,
-dashboard). On SIGTERM the node drains (:mod:`tokend.server.drain`, docs/operations.md).
+:class:`tokend.server.connection.Connection` (its bytes through the edge's Sans-I/O layers:
+PROXY header, TLS, handshake, RFC 6455 frames) on uvloop. Beside it runs the admin
+listener (:mod:`tokend.ops.admin`: metrics, admin API, dashboard). On SIGTERM the node
+drains (:mod:`tokend.server.drain`, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class App:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.embedded: EmbeddedRedis | None = None
-        self.node: Node = None  # type: ignore[assignment]  # set by start()
+        self._node: Node | None = None  # set by start()
         self.admission: Admission | None = None  # set by start()
         self.server: asyncio.Server | None = None
         self.admin: AdminServer | None = None
@@ -63,6 +64,12 @@ class App:
         self.left_share = 1.0
         self.channel: socket.socket | None = None  # a worker's, to its supervisor
         self.handoffs: set[asyncio.Task[None]] = set()
+
+    @property
+    def node(self) -> Node:
+        """The node, made by :meth:`start`."""
+        assert self._node is not None, "not started"
+        return self._node
 
     @property
     def port(self) -> int:
@@ -92,16 +99,16 @@ class App:
             self.embedded = EmbeddedRedis(settings.resolved_data_dir)
             await asyncio.to_thread(self.embedded.start)
             url = self.embedded.url
-        self.node = Node(settings, open_client(url, settings), tokens)
-        admission = self.admission = Admission(settings, self.node, certificate)
-        self.node.metrics.connections = lambda: len(admission.connections)
-        await self.node.start()
+        node = self._node = Node(settings, open_client(url, settings), tokens)
+        admission = self.admission = Admission(settings, node, certificate)
+        node.metrics.connections = lambda: len(admission.connections)
+        await node.start()
         # The node's look at itself and its history: the dashboard's, /metrics' health.
-        self.monitor = Monitor(self.node, admission)
-        self.node.background.spawn(self.monitor.run(lambda: self.node.running), "monitor")
+        self.monitor = Monitor(node, admission)
+        node.background.spawn(self.monitor.run(lambda: node.running), "monitor")
         if certificate is not None:
-            self.node.background.spawn(
-                certificate.watch(settings.tls_reload_interval, self.node.metrics), "tls"
+            node.background.spawn(
+                certificate.watch(settings.tls_reload_interval, node.metrics), "tls"
             )
         if settings.admin_port >= 0 or inherited.admin is not None:
             self.admin = AdminServer(self.monitor, sock=inherited.admin)
@@ -243,8 +250,8 @@ class App:
             await self.server.wait_closed()
         if self.admin is not None:
             await self.admin.stop()
-        if self.node is not None:
-            await self.node.stop()
+        if self._node is not None:
+            await self._node.stop()
         if self.embedded is not None:
             await self.embedded.astop()
         if self.accept_queue is not None:

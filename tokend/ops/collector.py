@@ -4,9 +4,9 @@ CPython collects its oldest generation whenever the objects promoted into it sin
 last whole pass reach a quarter of those it holds. A serving process's oldest
 generation is its sessions' objects, and every new connection's objects are promoted
 there after two young passes; so in a resume storm, or an overload that sheds clients
-who come back, a whole pass came every 2-3 s and walked every session's objects:
-165-265 ms at 14,000 sessions, while the loop answered nobody
-(bench/results/2026-12-04-garbage-collector.md). A closed connection leaves no cycle to collect
+who come back, whole passes came often and each walked every session's objects while
+the loop answered nobody (bench/results/2026-12-04-garbage-collector.md). A closed
+connection leaves no cycle to collect
 (:meth:`tokend.server.connection.Connection.connection_lost`): those passes found almost
 nothing.
 

@@ -71,14 +71,12 @@ from tokend.ops.pidfile import PidFile
 log = structlog.get_logger("tokend.workers")
 
 # From a new worker's start to its READY=1: an interpreter, the keys, Redis, the
-# control subscription; seconds on a busy machine. Beyond it the reload fails.
+# control subscription, slow under load. Beyond it the reload fails.
 WORKER_READY_TIMEOUT = 30.0
 # An old worker is killed if it has not closed its connections within DRAIN_SLACK x
 # reload_drain_period + DRAIN_MARGIN. A drain ends by itself (each batch's closing
-# handshakes are bounded), so it is late only on a starved machine, where killing it
-# drops its clients unparked: at 75,000 sessions with CPU burners beside them, 4 old
-# workers sharing the cores closed 33,000 in their first 45 s, and a kill then dropped
-# the other 42,000.
+# handshakes are bounded), so it is late only when starved of CPU, and killing it then
+# drops every client it has not closed yet, unparked: the slack lets a slow drain end.
 DRAIN_SLACK = 3
 DRAIN_MARGIN = 15.0
 # After it has closed its connections: how long an old worker may take to exit.
@@ -550,11 +548,10 @@ class Supervisor:
     async def _drain(self, old_workers: list[Worker]) -> str:
         """Drain ``old_workers`` together, each over reload_drain_period (one after
         another, each over its share of it, the gaps between them, the last closing
-        handshakes of one before the next began, cost 5-10 s a worker on a busy
-        machine); each killed if it has not closed its connections within
-        :data:`DRAIN_SLACK` x reload_drain_period + :data:`DRAIN_MARGIN`, then once all
-        have, if it has not exited within :data:`EXIT_TIMEOUT`. "ok", or "stop" or
-        "died"."""
+        handshakes of one before the next began, would add up); each killed if it has not
+        closed its connections within :data:`DRAIN_SLACK` x reload_drain_period +
+        :data:`DRAIN_MARGIN`, then once all have, if it has not exited within
+        :data:`EXIT_TIMEOUT`. "ok", or "stop" or "died"."""
         handing = [w.handed.wait() for w in old_workers]
         if handing:
             outcome = await self._first(HANDOFF_TIMEOUT, handed=asyncio.gather(*handing))
@@ -602,8 +599,8 @@ class Supervisor:
         self._write_status("stopping")
         for slot in self.slots:
             slot.close()  # the port closes as the workers close their copies
-        for worker in self.processes.values():
-            worker.terminate()
+        for running in self.processes.values():
+            running.terminate()
         await _all_set(w.exited for w in list(self.processes.values()))
         for slot in self.slots:
             worker = slot.worker

@@ -13,7 +13,7 @@ import contextlib
 import heapq
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import structlog
 
@@ -23,12 +23,18 @@ from tokend.server import seams
 from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
 from tokend.store.unavailable import StoreUnavailable
 
-if TYPE_CHECKING:
-    from tokend.server.node import Node
-
 log = structlog.get_logger("tokend.node")
 
 Item = TypeVar("Item")
+
+
+class Running(Protocol):
+    """What a batcher's lanes read of their node (tokend.server.node.Node)."""
+
+    @property
+    def running(self) -> bool:
+        """False once the node stops: the lanes end."""
+        ...
 
 
 class Batcher(Generic[Item]):
@@ -60,12 +66,12 @@ class Batcher(Generic[Item]):
     def is_waiting(self, item: Item) -> bool:
         return item in self.waiting
 
-    async def run(self, node: Node, lanes: int = 1) -> None:
+    async def run(self, node: Running, lanes: int = 1) -> None:
         """Flush until the node stops, with up to ``lanes`` round trips in flight at once:
         while Redis runs one batch's scripts, the node reads and answers the next."""
         await asyncio.gather(*(self._lane(node) for _ in range(lanes)))
 
-    async def _lane(self, node: Node) -> None:
+    async def _lane(self, node: Running) -> None:
         while node.running:
             await self._wake.wait()
             self._wake.clear()
@@ -84,10 +90,10 @@ class HelloBatcher(Batcher[seams.SessionLink]):
     meeting its own ended connection as a live holder (4509).
 
     One round trip at a time (one lane, whatever ``flush_lanes``): the HELLOs that come
-    while it is out go together in the next. A round trip costs the node ~75 us of CPU
-    whatever it carries, and with two lanes a resume storm sent 1-2 HELLOs per round trip
-    (0.44-0.94 round trips per resume; 0.24 with one lane: bench/results/2026-12-04-resume.md);
-    the node goes on reading handshakes and HELLOs meanwhile.
+    while it is out go together in the next. A round trip costs the node about as much
+    whatever it carries, and with more lanes a resume storm's HELLOs would go a few per
+    round trip instead of together (bench/results/2026-12-04-resume.md); the node goes on
+    reading handshakes and HELLOs meanwhile.
     """
 
     def __init__(self, store: Store, releases: ReleaseBatcher) -> None:
@@ -199,7 +205,7 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
                 lane.set_result(None)
                 return
 
-    async def _lane(self, node: Node) -> None:
+    async def _lane(self, node: Running) -> None:
         loop = asyncio.get_running_loop()
         while node.running:
             if not self.due:

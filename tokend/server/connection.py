@@ -36,7 +36,7 @@ import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import structlog
 from websockets.http11 import Response
@@ -126,6 +126,16 @@ class Gate(Protocol):
     def refuses_hello(self, token: str) -> bool:
         """Whether a HELLO is refused (1013) before its token is checked."""
         ...
+
+
+class Handed(NamedTuple):
+    """What a connection handed to another process takes along (:meth:`Connection.hand_off`,
+    :meth:`Connection.adopt`)."""
+
+    socket: socket.socket
+    session: Session  # WELCOMEd, OPEN, no heartbeat waiting for the store
+    unparsed: bytes  # the beginning of the WebSocket's next frame
+    address: tuple[str, int] | None  # the client's from a PROXY header; None: the TCP peer
 
 
 class Connection(asyncio.Protocol):
@@ -363,6 +373,8 @@ class Connection(asyncio.Protocol):
         error = None if handshake.cancelled() else handshake.exception()
         if error is not None:
             self.log.info("TLS handshake failed", error=tls.error_text(error))
+        # What a handshake fails with (its cancellation is not a failure here).
+        assert error is None or isinstance(error, Exception)
         self.connection_lost(error)
 
     def _request(self, data: bytes) -> None:
@@ -662,16 +674,24 @@ class Connection(asyncio.Protocol):
         """The bytes read and not yet parsed: the beginning of the WebSocket's next frame."""
         return self.websocket.unparsed() if self.websocket is not None else b""
 
-    def hand_off(self) -> socket.socket:
-        """Let go of a :attr:`quiet` connection without closing it: its socket (a
-        duplicate, for another process to :meth:`adopt` with its session and
-        :meth:`unparsed` bytes), the node forgetting it without releasing its session,
-        this process's descriptor closed (the client sees nothing)."""
+    def hand_off(self) -> Handed:
+        """Let go of a :attr:`quiet` connection without closing it, for another process to
+        :meth:`adopt`: a duplicate of its socket, its session (OPEN: the node forgets the
+        link without releasing it), the bytes of a frame begun, the client's address as a
+        PROXY header gave it. This process's descriptor is closed; the client sees
+        nothing."""
         assert self.quiet
         transport = self.transport
         assert transport is not None
         kept = transport.get_extra_info("socket")
-        handed = socket.socket(fileno=socket.dup(kept.fileno()))
+        link = self.link
+        assert link is not None
+        handed = Handed(
+            socket.socket(fileno=socket.dup(kept.fileno())),
+            link.session,
+            self.unparsed(),
+            self.address,
+        )
         self.let_go()
         return handed
 

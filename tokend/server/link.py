@@ -23,10 +23,10 @@ from tokend.server.stage_sample import StageSample
 if TYPE_CHECKING:
     from tokend.server.connection import Connection
 
-_log = structlog.get_logger("tokend.connection")
+_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("tokend.connection")
 _HEARTBEAT_TYPE = p.FrameType.HEARTBEAT.value
 # As a module global: on Python 3.11 an Enum class's attribute is read through
-# EnumType.__getattr__'s hook (~1,100 instructions), once per heartbeat here.
+# EnumType.__getattr__'s hook, once per heartbeat here.
 _ASK_HEARTBEAT = Ask.HEARTBEAT
 # Heartbeats of one connection verified and not yet answered at which its reading
 # pauses until the store answers: a client keeps one out at a time, and one that sends
@@ -163,7 +163,7 @@ class SessionLink:
         out = session.stored(answer)
         if connection.paused:
             connection.resume_reading()
-        if type(out) is list:
+        if isinstance(out, list):
             connection.send(out)
             request = self.heartbeat_request
             if session.signed_digest or (request is not None and request.token):

@@ -69,8 +69,8 @@ CALM_FOR = 1.0
 # MAX_CALM_FOR. A step down later than that starts over from CALM_FOR.
 RELAPSE_WITHIN = 10.0
 MAX_CALM_FOR = 30.0
-# How long the classes held, read from every session (19,000 ranks: milliseconds of a
-# loop already late), are taken as they were: they change slower than one window.
+# How long the classes held, read from every session (a rank each, on a loop already
+# late), are taken as they were: they change slower than one window.
 HELD_FOR = 1.0
 
 

@@ -64,7 +64,10 @@ async def then_wait(
     if isinstance(redis, RedisCluster):
         commands = [PipelineCommand(0, *command), PipelineCommand(1, *wait)]
         try:
-            await redis.get_node_from_key(key).execute_pipeline(commands)
+            node = redis.get_node_from_key(key)
+            if node is None:
+                raise rexc.SlotNotCoveredError(f"no node serves the slot of {key}")
+            await node.execute_pipeline(commands)
         except UNAVAILABLE:
             await _relearn(redis)
             raise

@@ -32,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any, cast
 
 from redis import exceptions as rexc
 
@@ -47,6 +47,18 @@ _Entry = tuple[str, str, dict[str, str] | None]
 # The same with the event decoded
 _Delivery = tuple[str, str, Event | None]
 _Reader = Callable[[list[str]], Awaitable[list[_Entry]]]
+# An XREAD or XREADGROUP reply as the client decodes it (RESP2; redis-py types it wider).
+_StreamsReply = list[tuple[str, list[tuple[str, dict[str, str] | None]]]] | None
+
+
+def _entries(reply: object) -> list[_Entry]:
+    """The entries of an XREAD or XREADGROUP reply, each with its stream."""
+    streams = cast("_StreamsReply", reply)
+    return [
+        (stream, entry_id, fields)
+        for stream, entries in streams or []
+        for entry_id, fields in entries
+    ]
 
 
 def _honour_cancellation() -> None:
@@ -62,7 +74,7 @@ def _honour_cancellation() -> None:
         raise asyncio.CancelledError
 
 
-async def live(redis: Client, keys: Keyspace) -> AsyncIterator[Event]:
+async def live(redis: Client, keys: Keyspace) -> AsyncGenerator[Event, None]:
     """Events as they are published, from now on (at-most-once)."""
     pubsub = await subscription(redis)
     await pubsub.subscribe(keys.events_channel)
@@ -78,7 +90,7 @@ async def live(redis: Client, keys: Keyspace) -> AsyncIterator[Event]:
 
 async def from_start(
     redis: Client, keys: Keyspace, *, follow: bool = True, block_ms: int = 1000
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Every event still in the stream shards, in stream-id order per read, then new ones.
 
     One XREAD covers all shards on one Redis; on a Cluster, one per slot.
@@ -87,12 +99,7 @@ async def from_start(
     groups = await slot_groups(redis, keys.streams())
 
     async def read(streams: list[str], block: int | None) -> list[_Entry]:
-        reply = await redis.xread({s: cursor[s] for s in streams}, count=1000, block=block)
-        return [
-            (stream, entry_id, fields)
-            for stream, entries in reply or []
-            for entry_id, fields in entries
-        ]
+        return _entries(await redis.xread({s: cursor[s] for s in streams}, count=1000, block=block))
 
     reads = _Reads(groups, lambda streams: read(streams, block_ms))
     try:
@@ -123,7 +130,7 @@ async def durable(
     claim_idle_ms: int = 30_000,
     block_ms: int = 500,
     count: int = 100,
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Events through consumer group ``group`` as member ``consumer`` (at-least-once).
 
     The group is created on every shard if missing (MKSTREAM), starting at
@@ -253,14 +260,11 @@ async def _read(
     count: int,
     block_ms: int | None,
 ) -> list[_Entry]:
-    reply = await redis.xreadgroup(
-        group, consumer, dict.fromkeys(streams, cursor), count=count, block=block_ms
+    return _entries(
+        await redis.xreadgroup(
+            group, consumer, dict.fromkeys(streams, cursor), count=count, block=block_ms
+        )
     )
-    return [
-        (stream, entry_id, fields)
-        for stream, entries in reply or []
-        for entry_id, fields in entries
-    ]
 
 
 async def _claim(

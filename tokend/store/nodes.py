@@ -8,7 +8,7 @@ and write here is of one slot: one round trip reads every node's view.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from tokend.store.keyspace import Keyspace
 from tokend.store.redis_client import Client
@@ -81,7 +81,8 @@ class NodeBoard:
         with ``include_history`` false only whether there is one)."""
 
         async def call() -> tuple[list[str], list[Any], list[Any]]:
-            names = sorted(await self.redis.smembers(self.keys.node_names))
+            # The client decodes replies: names are str (redis-py types them wider).
+            names = sorted(cast("set[str]", await self.redis.smembers(self.keys.node_names)))
             if not names:
                 return [], [], []
             pipe = self.redis.pipeline(transaction=False)

@@ -8,7 +8,7 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio.cluster import RedisCluster
 
@@ -156,8 +156,12 @@ class Queries:
         page: list[SessionView] = []
         while shard < SHARDS:
             due_key = self.keys.shard_keys(shard)[0]
-            members = await self.deadline(lambda key=due_key: self.redis.zrange(key, 0, -1))
-            tids = sorted(t for t in members if t > after)
+
+            async def members(key: str = due_key) -> list[str]:
+                # The client decodes replies: members are str (redis-py types them wider).
+                return cast("list[str]", await self.redis.zrange(key, 0, -1))
+
+            tids = sorted(t for t in await self.deadline(members) if t > after)
             for start in range(0, len(tids), limit):
                 chunk = tids[start : start + limit]
                 for tid, view in zip(chunk, await self._views(shard, chunk), strict=True):

@@ -163,8 +163,8 @@ class DirectCalls:
             if not connection.is_connected:
                 await connection.connect()
             # Written to the connection's stream itself: send_packed_command wraps the
-            # write in asyncio.wait_for(socket_timeout), a task and a timer per call (~40,000
-            # instructions a batch); the caller's deadline bounds the write as the read.
+            # write in asyncio.wait_for(socket_timeout), a task and a timer per call; the
+            # caller's deadline bounds the write as the read.
             writer = connection._writer
             assert writer is not None  # connected
             writer.writelines(connection.pack_command(*command) if packed is None else [packed])
@@ -209,7 +209,8 @@ def parse_multi_host_url(url: str, default_port: int, *, service: bool) -> Multi
         raise ValueError(f"{parts.scheme}:// URL needs host:port" + (" and /service" * service))
     plain_scheme = parts.scheme.partition("+")[0]
     single = f"{plain_scheme}://{userinfo + '@' if userinfo else ''}{hostlist.split(',')[0]}"
-    kwargs = parse_url(single + "/" + "/".join(path) + (f"?{parts.query}" if parts.query else ""))
+    query = f"?{parts.query}" if parts.query else ""
+    kwargs: dict[str, Any] = dict(parse_url(single + "/" + "/".join(path) + query))
     for key in ("host", "port"):
         kwargs.pop(key, None)
     if kwargs.pop("connection_class", None) is SSLConnection:
@@ -226,7 +227,9 @@ class SentinelRedis(aioredis.Redis):
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        for sentinel in self.connection_pool.sentinel_manager.sentinels:
+        pool = self.connection_pool
+        assert isinstance(pool, SentinelConnectionPool)  # open_client made it so
+        for sentinel in pool.sentinel_manager.sentinels:
             await sentinel.aclose()
 
 
@@ -286,9 +289,10 @@ async def slot_groups(redis: Client, keys: Sequence[str]) -> list[list[str]]:
     One group on a single Redis; one per hash slot on a Cluster, which refuses a
     command whose keys span slots (CROSSSLOT) even when one node holds them all.
     """
-    if not isinstance(await initialized(redis), RedisCluster):
+    cluster = await initialized(redis)
+    if not isinstance(cluster, RedisCluster):
         return [list(keys)]
     groups: dict[int, list[str]] = {}
     for key in keys:
-        groups.setdefault(redis.keyslot(key), []).append(key)
+        groups.setdefault(cluster.keyslot(key), []).append(key)
     return list(groups.values())

@@ -353,7 +353,7 @@ class Store(ScriptRunner):
             answered = await self._eval_many(calls)
             replies = answered[0] if len(answered) == 1 else [r for c in answered for r in c]
         if len(parts) == 1:
-            return replies  # type: ignore[no-any-return]  # one group: its positions are the batch's, in order
+            return replies  # one group: its positions are the batch's, in order
         results: list[Any] = [None] * count
         at = 0
         for g in parts:
@@ -382,7 +382,7 @@ class Store(ScriptRunner):
             )
         except rexc.ResponseError as exc:
             raise RuntimeError(f"script failed: {exc}") from None
-        return self._answered(reply)  # type: ignore[no-any-return]
+        return self._answered(reply)
 
     def release_request(
         self, tid: uuid.UUID, conn: str, since_ms: int, reason: str
@@ -487,12 +487,13 @@ class Store(ScriptRunner):
 
 class _HeartbeatWire:
     """heartbeat.lua's EVALSHA for a batch on one Redis, written as Redis reads it (RESP:
-    an array of bulk strings) rather than argument by argument by hiredis' packer (about
-    1,500 instructions an argument, seven a heartbeat: bench/hotpath_profile.py).
+    an array of bulk strings) rather than argument by argument by hiredis' packer, whose
+    work per argument a heartbeat's seven arguments would each pay
+    (bench/hotpath_profile.py profiles it).
 
     The sessions go in groups by shard (``for_each_session`` in lua/_prelude.lua), in
-    the order of their shards: a group per session would cost Redis ~3,400 instructions
-    more a heartbeat. What a session adds is two string formats of parts made here once
+    the order of their shards: a group per session would cost Redis a group's setup on
+    every heartbeat. What a session adds is two string formats of parts made here once
     per shard.
     """
 

@@ -26,11 +26,10 @@ log = structlog.get_logger("tokend.sweeper")
 
 # Due sessions one sweep.lua call judges at most, per shard. The 16 calls of a sweep go in
 # one pipeline, which Redis runs without serving anyone else, so this bounds how long a
-# sweep holds Redis: an expiry is about ten commands (an XADD and a PUBLISH among them),
-# 20-40 us of Redis CPU on the shared 2-core machine (bench/results/2026-12-04-expiry.md), so
-# 16 x 200 is 65-130 ms at most. A sweep that found this many in a shard is followed by
+# sweep holds Redis: an expiry is about ten commands (an XADD and a PUBLISH among them;
+# bench/results/2026-12-04-expiry.md). A sweep that found this many in a shard is followed by
 # the next at once: 10,000 due at once take 4 round trips. Deadlines falling at 20,000 a
-# second leave ~100 due in all after a 5 ms pause.
+# second leave about 100 due in all after a MIN_SWEEP_PAUSE.
 SWEEP_BATCH = 200
 # Shortest pause between sweeps that found work ahead: bounds the round trips a node
 # spends on deadlines falling due one by one.

@@ -58,7 +58,7 @@ class Deadline:
         self._in_flight = asyncio.Semaphore(concurrency)
         # Only a Cluster client has a slot table to load before its commands: asked once
         # here, not per call (an isinstance of RedisCluster goes through typing's protocol
-        # check, microseconds on every heartbeat flush).
+        # check, on every heartbeat flush).
         self._cluster = isinstance(redis, RedisCluster)
 
     async def __call__(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:

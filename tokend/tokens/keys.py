@@ -316,8 +316,8 @@ class KeyRing:
     def sign(self, claims: dict[str, Any], kid: str) -> str:
         """A compact JWS of ``claims`` (RFC 7515 7.1), EdDSA-signed with ``kid``'s key.
 
-        Built here rather than with ``jwt.encode``, whose checks and encoders cost ~20 us
-        of Python per token, most of what a renewal costs besides the signature itself;
+        Built here rather than with ``jwt.encode``, whose checks and encoders, in Python,
+        are most of what a renewal costs besides the signature itself;
         the bytes are PyJWT's (tests/test_tokens.py holds them equal).
         """
         return self.sign_json(json.dumps(claims, separators=(",", ":")).encode(), kid).decode()

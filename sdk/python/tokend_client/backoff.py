@@ -11,8 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from tokend_client import protocol as p
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +69,21 @@ class Backoff:
         return retry_after + self.draw(0.0, max(retry_after, self.ceiling(attempt)))
 
 
-def going_away_limit(welcome: p.Welcome) -> float:
+class Cadence(Protocol):
+    """A WELCOME's clocks, as :func:`going_away_limit` reads them."""
+
+    @property
+    def heartbeat_ms(self) -> int: ...
+
+    @property
+    def expire_ms(self) -> int: ...
+
+
+def going_away_limit(welcome: Cadence) -> float:
     """The most seconds a first reconnect after 1001 may wait: half of what the session of
-    ``welcome`` has left at worst when the close comes (expire_after, less the heartbeat
-    interval it may already be behind), so that a spread reconnect cannot expire it."""
+    ``welcome`` (a WELCOME) has left at worst when the close comes (expire_after, less the
+    heartbeat interval it may already be behind), so that a spread reconnect cannot
+    expire it."""
     return (welcome.expire_ms - welcome.heartbeat_ms) / 2000
 
 
