@@ -251,11 +251,11 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
     assert old.admission is not None
     count = MAX_BATCH + 60
     async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(RawClient.connect(old.port)) for _ in range(count)
-        ]
-        for n, client in enumerate(clients):
+        clients = []
+        for n in range(count):  # each HELLO at once: hello_timeout runs from the connect
+            client = await stack.enter_async_context(RawClient.connect(old.port))
             await client.hello(tokens.mint(f"many-{n}"))
+            clients.append(client)
         giver = Giver(old.admission.connections, old.node, give, "new")
         running = asyncio.create_task(giver.run())
         loop = asyncio.get_running_loop()
@@ -269,18 +269,20 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
         take.close()
         report = await running
 
-        assert report.moved == len(first.records) == MAX_BATCH
-        assert dict(report.fell_back) == {"new_worker_failed": count - MAX_BATCH}
-        assert len(old.admission.connections) == count - MAX_BATCH
+        # A full batch, unless some were not quiet yet (a WELCOME still unsent) when it went.
+        taken = len(first.records)
+        assert report.moved == taken and 0 < taken <= MAX_BATCH
+        assert dict(report.fell_back) == {"new_worker_failed": count - taken}
+        assert len(old.admission.connections) == count - taken
         held_here = {str(link.session.claims.tid) for link in old.node.sessions.values()}
-        assert len(held_here) == count - MAX_BATCH
+        assert len(held_here) == count - taken
         assert held_here.isdisjoint(str(r.session.claims.tid) for r in first.records)
         served = 0
         for client in clients:
             if tid_of(client.welcome) in held_here:
                 assert (await client.heartbeat()).seq == 1  # still here, reading again
                 served += 1
-        assert served == count - MAX_BATCH
+        assert served == count - taken
 
 
 async def test_a_heartbeat_split_across_the_sighup_is_acked_by_the_new_worker(
