@@ -239,7 +239,10 @@ async def drive_release(store: Store) -> None:
 
 async def drive_move(store: Store) -> None:
     tids = await start_sessions(store)
-    sinces = [int(await store.redis.hget(store.keys.session_keys(t)[0], "since")) for t in tids]
+    sinces = [
+        int(replies.text(await store.redis.hget(store.keys.session_keys(t)[0], "since")))
+        for t in tids
+    ]
     moved = await store.moves(
         [
             MoveRequest.of(t, f"c-{t}", since, f"d-{t}")

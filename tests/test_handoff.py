@@ -44,6 +44,7 @@ from tokend.core.handoff import (
 from tokend.ops import pidfile
 from tokend.ops.app import App
 from tokend.server.handoff import RECEIVE_BUFFER, Giver, Taker
+from tokend.server.seams import SessionLink
 from tokend.store.keyspace import Keyspace, node_of
 from tokend.tokens.service import TokenService
 
@@ -65,6 +66,13 @@ def stop_first_replaced(supervisor: TokendProcess) -> dict[str, Any]:
 
 def supervisor_of(settings: Settings, workers: int) -> TokendProcess:
     return TokendProcess({**node_env(settings), "TOKEND_WORKERS": str(workers)})
+
+
+def tid_held(link: SessionLink) -> str:
+    """The tid of a session a node holds (WELCOMEd, so its claims are known)."""
+    claims = link.session.claims
+    assert claims is not None
+    return str(claims.tid)
 
 
 def holder(redis: aioredis.Redis, settings: Settings, tid: str) -> Awaitable[Any]:
@@ -274,11 +282,12 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
         assert report.moved == taken and 0 < taken <= MAX_BATCH
         assert dict(report.fell_back) == {"new_worker_failed": count - taken}
         assert len(old.admission.connections) == count - taken
-        held_here = {str(link.session.claims.tid) for link in old.node.sessions.values()}
+        held_here = {tid_held(link) for link in old.node.sessions.values()}
         assert len(held_here) == count - taken
         assert held_here.isdisjoint(str(r.session.claims.tid) for r in first.records)
         served = 0
         for client in clients:
+            assert client.welcome is not None
             if tid_of(client.welcome) in held_here:
                 assert (await client.heartbeat()).seq == 1  # still here, reading again
                 served += 1
@@ -308,7 +317,7 @@ async def test_a_heartbeat_split_across_the_sighup_is_acked_by_the_new_worker(
         async with asyncio.timeout(10):
             while len(client.frames) < 2:
                 assert await client._read(), "closed"
-        ack = p.decode(client.frames[1].data)
+        ack = p.decode(bytes(client.frames[1].data))
         holder_after = await holder(redis, settings, tid)
     finally:
         client.close()

@@ -5,6 +5,7 @@ the reader does not speak is refused by its batch number; damaged messages are r
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -41,15 +42,16 @@ from tokend.tokens.service import TokenService
 __all__ = ["clock", "node", "session", "tokens"]  # fixtures of testkit
 
 
-def moved(session: Session, **connection: object) -> Moving:
-    fields: dict[str, object] = {
-        "peer": ("203.0.113.9", 40123),
-        "unparsed": b"\x82\xb2half a frame",
-        "fragments": None,
-        "pings": (3.5, 999.0),
-    }
-    fields |= connection
-    return Moving(session=export_session(session, "digest-to-store"), **fields)  # type: ignore[arg-type]
+def moved(session: Session, **connection: Any) -> Moving:
+    """``session`` handed over, with a connection's state (``connection`` overrides)."""
+    record = Moving(
+        session=export_session(session, "digest-to-store"),
+        peer=("203.0.113.9", 40123),
+        unparsed=b"\x82\xb2half a frame",
+        fragments=None,
+        pings=(3.5, 999.0),
+    )
+    return record._replace(**connection)
 
 
 def test_a_handed_over_session_acks_the_next_heartbeat_with_the_same_key_and_seq_rules(

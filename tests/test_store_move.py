@@ -10,6 +10,7 @@ import uuid
 
 from redis.asyncio import Redis
 
+from testkit import replies
 from testkit.stores import proof_of, started, store
 from tokend.core.store_messages import HeartbeatOutcome
 from tokend.store.sessions import MoveRequest, Store
@@ -18,7 +19,7 @@ __all__ = ["store"]  # a fixture of testkit
 
 
 async def since_of(redis: Redis, store: Store, tid: uuid.UUID) -> int:
-    return int(await redis.hget(store.keys.session_keys(tid)[0], "since"))
+    return int(replies.text(await redis.hget(store.keys.session_keys(tid)[0], "since")))
 
 
 async def test_a_session_moves_only_from_the_connection_that_holds_it(
@@ -50,7 +51,7 @@ async def test_a_session_moves_only_from_the_connection_that_holds_it(
     assert isinstance(answer, int)
     [old] = await store.record_heartbeats([store.heartbeat_request(held, "node-a/1")])
     assert getattr(old, "outcome", None) is HeartbeatOutcome.TAKEN
-    stream = await redis.xrange(store.keys.script_keys(held)[1])
+    stream = replies.entries(await redis.xrange(store.keys.script_keys(held)[1]))
     kinds = [json.loads(entry["event"]) for _, entry in stream]
     assert [e["type"] for e in kinds if e["tid"] == str(held)] == ["SESSION_STARTED"]
 

@@ -22,6 +22,7 @@ import psutil
 import pytest
 from redis import asyncio as aioredis
 
+from testkit import replies
 from testkit.clients import RawClient
 from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, free_port, http_get
@@ -216,7 +217,10 @@ async def test_a_reload_under_load_hands_every_connection_over_and_no_client_see
             # Every session is alive on the new workers: an ACK after the reload.
             await eventually(lambda: all(s.last_ack > reloaded for s in held), timeout=10)
             # Each session is held by a connection of its slot's new worker.
-            holders = {s.tid: await redis.hget(session_key(settings, s.tid), "conn") for s in held}
+            holders = {
+                s.tid: replies.text(await redis.hget(session_key(settings, s.tid), "conn"))
+                for s in held
+            }
         finally:
             until.set()
             await asyncio.gather(*tasks)

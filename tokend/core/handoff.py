@@ -55,6 +55,7 @@ class FallbackReason(Enum):
     NEW_WORKER_FAILED = "new_worker_failed"  # it refused, died or did not answer in time
     STORE_UNAVAILABLE = "store_unavailable"  # the new worker could not take the sessions
     NOT_HELD = "not_held"  # the session ended or moved to another connection meanwhile
+    CLOSING = "closing"  # the connection was already closing: it ends as it was going to
 
 
 class BatchStatus(IntEnum):
