@@ -47,6 +47,7 @@ from redis.asyncio.sentinel import Sentinel  # noqa: E402
 
 from testkit import fault_history as h  # noqa: E402
 from testkit import fault_schedule as fs  # noqa: E402
+from testkit import planted, replies  # noqa: E402
 from testkit.fault_checker import Verdict, check, stories  # noqa: E402
 from testkit.fault_proxies import ClientFront, Faults, RedisLink  # noqa: E402
 from testkit.net import LOOPBACK, http_request, url_of  # noqa: E402
@@ -62,7 +63,7 @@ from tokend_client.core import ON_A_CONNECTION, ClientCore, Phase  # noqa: E402
 
 ADMIN_TOKEN = "faults-admin-token-of-32-characters"
 GROUP = "faults-checker"
-NODES = 3
+NODES = fs.NODES
 REPLICA_ARGS = ("--repl-diskless-sync-delay", "0")
 # The client port of the connection being opened, per session task (the front names its node).
 OPENING_PORT: contextvars.ContextVar[int] = contextvars.ContextVar("opening_port", default=0)
@@ -135,6 +136,12 @@ class RecordingSession(ClientSession):
             close_timeout=old.close_timeout,
         )
 
+    @property
+    def node(self) -> int | None:
+        """The node of the connection opened last."""
+        assert isinstance(self._core, RecordingCore)
+        return self._core.node
+
     def silence(self) -> None:
         """Stop for good without a BYE: the session is left to expire."""
         if self._runner is not None:
@@ -145,14 +152,14 @@ def _install_port_probe() -> None:
     """Each connection the SDK opens tells its session task its local port."""
     import tokend_client.asyncio as sdk
 
-    opener = sdk.ws_connect
+    opener = vars(sdk)["ws_connect"]
 
     async def probed(*args: Any, **kwargs: Any) -> Any:
         ws = await opener(*args, **kwargs)
         OPENING_PORT.set(int(ws.transport.get_extra_info("sockname")[1]))
         return ws
 
-    sdk.ws_connect = probed  # type: ignore[assignment]
+    vars(sdk)["ws_connect"] = probed
 
 
 class Cluster:
@@ -210,7 +217,9 @@ class Cluster:
         self.redis[0].wait_replicas(1)
         options = {"down-after-milliseconds": 500, "failover-timeout": 10000}
         self.sentinels = [
-            RedisSentinelProcess(self.scratch / f"sentinel-{n}", self.redis[0], quorum=2, options=options)
+            RedisSentinelProcess(
+                self.scratch / f"sentinel-{n}", self.redis[0], quorum=2, options=options
+            )
             for n in range(3)
         ]
         for sentinel in self.sentinels:
@@ -218,7 +227,8 @@ class Cluster:
         clients = [s.client() for s in self.sentinels]
         eventually_sync(
             lambda: all(
-                len(c.sentinel_slaves("tokend")) == 1 and len(c.sentinel_sentinels("tokend")) == 2
+                len(replies.rows(c.sentinel_slaves("tokend"))) == 1
+                and len(replies.rows(c.sentinel_sentinels("tokend"))) == 2
                 for c in clients
             ),
             30,
@@ -232,6 +242,7 @@ class Cluster:
             "TOKEND_REDIS_URL": self.links[n].url,
             "TOKEND_WORKERS": "2" if n == fs.RELOADING_NODE else "1",
             "TOKEND_ADMIN_PORT": "0",
+            "TOKEND_DATA_DIR": str(self.scratch / f"node-{n}"),  # its own pid file
         }
         if self.package is not None:
             env["PYTHONPATH"] = str(self.package)
@@ -262,14 +273,17 @@ class Cluster:
         def promoted() -> bool:
             with contextlib.suppress(redis.RedisError):
                 return all(
-                    int(c.sentinel_get_master_addr_by_name("tokend")[1]) == self.redis[new].port
+                    replies.address(c.sentinel_get_master_addr_by_name("tokend"))[1]
+                    == self.redis[new].port
                     for c in clients
                 )
             return False
 
         eventually_sync(promoted, 60, interval=0.05, what="sentinels promote the replica")
         eventually_sync(
-            lambda: self.redis[new].client().info("replication")["role"] == "master", 30, what="role"
+            lambda: self.redis[new].client().info("replication")["role"] == "master",
+            30,
+            what="role",
         )
         self.master = new
         return old
@@ -277,7 +291,12 @@ class Cluster:
     def rejoin(self, old: int) -> None:
         """The old master back, as a replica of the new one, in sync."""
         server = self.redis[old]
-        server.extra_args = (*REPLICA_ARGS, "--replicaof", LOOPBACK, str(self.redis[self.master].port))
+        server.extra_args = (
+            *REPLICA_ARGS,
+            "--replicaof",
+            LOOPBACK,
+            str(self.redis[self.master].port),
+        )
         port = server.port
         server.start()
         assert server.port == port, "the old master's port was taken"
@@ -353,7 +372,8 @@ class Run:
             except (redis.RedisError, OSError):
                 await asyncio.sleep(0.2)
                 continue
-            for stream, entries in answer or []:
+            for stream, reply in answer or []:
+                entries = replies.entries(reply)
                 for entry_id, fields in entries:
                     event = json.loads(fields["event"])
                     self.group.append({"id": f"{stream}/{entry_id}", "event": event})
@@ -369,7 +389,7 @@ class Run:
         entries = []
         for stream in Keyspace(self.cluster.settings.key_prefix).streams():
             start = "-"
-            while chunk := await master.xrange(stream, start, "+", count=5000):
+            while chunk := replies.entries(await master.xrange(stream, start, "+", count=5000)):
                 entries += [
                     {"id": f"{stream}/{i}", "event": json.loads(f["event"])} for i, f in chunk
                 ]
@@ -426,6 +446,9 @@ class Run:
     async def act(self, fault: fs.Fault) -> None:
         assert fault.session is not None
         session = self.sessions[fault.session]
+        if fault.node is not None:  # the n-th session held on that node
+            held = [s for s in self.sessions if s.connected and s.node == fault.node]
+            session = held[fault.session % len(held)]
         tid = str(session.tid)
         self.applied[fault.kind] += 1
         if fault.kind == fs.LOGOUT:
@@ -437,11 +460,14 @@ class Run:
         elif fault.kind == fs.TAKEOVER:
             if session.session_key is None:
                 return
+            self.recorder.add(tid, h.TAKEOVER, 0)
             thief = self.session(session.token, 1, session_key=session.session_key)
             self.extra.append(thief)
             thief.open()
         elif fault.kind == fs.REVOKE:
-            confirmed = await (self.revoke_cli(tid) if fault.via == "cli" else self.revoke_admin(tid))
+            confirmed = await (
+                self.revoke_cli(tid) if fault.via == "cli" else self.revoke_admin(tid)
+            )
             self.recorder.add(tid, h.REVOKED if confirmed else h.UNCONFIRMED, 0)
             if confirmed:
                 self.revoked.append(session)
@@ -484,7 +510,10 @@ class Run:
         tries = []
         for session in self.revoked:
             again = self.session(
-                session.token, 2, session_key=session.session_key, backoff=Backoff(0.1, 0.5, max_attempts=2)
+                session.token,
+                2,
+                session_key=session.session_key,
+                backoff=Backoff(0.1, 0.5, max_attempts=2),
             )
             self.extra.append(again)
             again.open()
@@ -527,6 +556,8 @@ class Run:
             for session in self.sessions + self.extra:
                 session.silence()
         history = h.History(self.recorder.records, self.windows, stream, self.group)
+        if self.args.history is not None:
+            self.args.history.write_text(json.dumps(h.as_json(history)) + "\n")
         return check(history, self.cluster.clocks, self.verify)
 
     def verify(self, token: str, at: float) -> tuple[str, int] | None:
@@ -563,12 +594,25 @@ def vars_of(item: Any) -> dict[str, Any]:
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=None, help="the schedule's seed (random if not given)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the schedule's seed (random if not given)"
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of faults and calm")
     parser.add_argument("--sessions", type=int, default=1500)
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     parser.add_argument(
-        "--package", type=Path, default=None, help="run the tokend package found under this directory"
+        "--history", type=Path, default=None, help="write every record, fault window and event here"
+    )
+    parser.add_argument(
+        "--plant",
+        choices=sorted(planted.DEFECTS),
+        default=None,
+        help="run a copy of tokend with this known defect planted (the checker must catch it)",
+    )
+    parser.add_argument(
+        "--planted-schedule",
+        action="store_true",
+        help="the short schedule under which every planted defect shows, instead of the random one",
     )
     return parser.parse_args(argv)
 
@@ -578,10 +622,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     print(f"faults: seed {seed}", flush=True)
     clocks = fs.Clocks()
-    faults = fs.schedule(seed, args.duration, args.sessions, clocks, NODES)
+    if args.planted_schedule:
+        faults = fs.planted_schedule(seed, args.sessions, clocks)
+    else:
+        faults = fs.schedule(seed, args.duration, args.sessions, clocks, NODES)
     _install_port_probe()
     with tempfile.TemporaryDirectory(prefix="tokend-faults-") as scratch:
-        cluster = Cluster(Path(scratch), clocks, args.package)
+        # `python -m tokend` looks in its working directory first: not in a checkout's.
+        os.chdir(scratch)
+        package = None
+        if args.plant is not None:
+            package = planted.planted_copy(args.plant, Path(scratch) / "planted")
+            print(f"faults: tokend with {args.plant} planted", flush=True)
+        cluster = Cluster(Path(scratch), clocks, package)
         try:
             cluster.start_redis()
             run = Run(args, cluster, faults)
@@ -592,7 +645,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for violation in result["violations"]:
         print(f"VIOLATION {violation['promise']}: {violation['detail']}\n{violation['story']}")
     print(
-        json.dumps({k: v for k, v in result.items() if k not in ("excused", "violations")}, indent=1)
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("excused", "violations")}, indent=1
+        )
     )
     print(f"faults: seed {seed}: {len(verdict.violations)} violation(s)", flush=True)
     if args.json is not None:

@@ -85,8 +85,7 @@ class Story:
         deliberate = [
             r.t
             for r in self.records
-            if r.kind in (h.SILENCE, h.LOGOUT, h.REVOKED, h.UNCONFIRMED)
-            or (r.kind == h.WELCOME and r.client == 1)
+            if r.kind in (h.SILENCE, h.LOGOUT, h.REVOKED, h.UNCONFIRMED, h.TAKEOVER)
         ]
         return min(deliberate, default=None)
 
@@ -98,6 +97,12 @@ class Story:
             what = {k: v for k, v in what.items() if k not in ("t", "tid", "at", "v", "sub")}
             lines.append(f"  {t:.3f} {source} {what}")
         return "\n".join(lines)
+
+
+def _excuse(excused: list[Excuse], excuse: Excuse) -> None:
+    """Each session is reported once per reason and window."""
+    if excuse not in excused:
+        excused.append(excuse)
 
 
 def stories(history: h.History) -> dict[str, Story]:
@@ -139,7 +144,7 @@ def outcome(story: Story) -> str:
     code = closes[-1].code if closes else None
     if code in ENDING_CODES and closes[-1] is story.records[-1]:
         return ENDING_CODES[CloseCode(code)].replace(" ", "_")
-    return "taken_over" if any(r.client == 1 for r in story.records) else "open"
+    return "taken_over" if story.first(h.TAKEOVER) else "open"
 
 
 def expired_once(story: Story) -> Iterable[Violation]:
@@ -155,20 +160,30 @@ def no_wrongful_end(
 ) -> Iterable[Violation]:
     """No expiry, revocation or takeover the session's own client did not bring on."""
     deliberate = story.action_at
-    ends = [(e["at"] / 1000, "TOKEN_EXPIRED event") for e in story.events if e["type"] == "TOKEN_EXPIRED"]
+    ends = [
+        (e["at"] / 1000, "TOKEN_EXPIRED event", True)
+        for e in story.events
+        if e["type"] == "TOKEN_EXPIRED"
+    ]
     ends += [
-        (r.t, f"closed {r.code} ({ENDING_CODES[CloseCode(r.code)]})")
+        (
+            r.t,
+            f"closed {r.code} ({ENDING_CODES[CloseCode(r.code)]})",
+            r.code == CloseCode.SESSION_EXPIRED,
+        )
         for r in story.records
         if r.kind == h.CLOSE and r.client == 0 and r.code in ENDING_CODES
     ]
-    for t, what in ends:
+    for t, what, expiry in ends:
         if deliberate is not None and t >= deliberate - SLACK:
             continue
-        excuse = expiry_excuse(story, t, windows, clocks) if "expire" in what else None
+        excuse = expiry_excuse(story, t, windows, clocks) if expiry else None
         if excuse is not None:
-            excused.append(Excuse(story.tid, excuse[0], excuse[1].name()))
+            _excuse(excused, Excuse(story.tid, excuse[0], excuse[1].name()))
             continue
-        yield Violation("no wrongful expiry", story.tid, f"{what} at {t:.3f}, client kept its cadence")
+        yield Violation(
+            "no wrongful expiry", story.tid, f"{what} at {t:.3f}, client kept its cadence"
+        )
 
 
 def node_at(story: Story, t: float) -> int | None:
@@ -217,10 +232,10 @@ def expiry_excuse(
     since = t - clocks.expire_after + clocks.warn_after
     covering: dict[int, h.Window] = {}
     for window in windows:
-        if window.node is not None and unserving(window, clocks):
-            if window.start <= since and window.end >= t - SLACK:
-                covering.setdefault(window.node, window)
-    if len(covering) == len({w.node for w in windows if w.node is not None} | {0, 1, 2}):
+        lasting = window.start <= since and window.end >= t - SLACK
+        if window.node is not None and unserving(window, clocks) and lasting:
+            covering.setdefault(window.node, window)
+    if len(covering) == fs.NODES:
         return "no_node", min(covering.values(), key=lambda w: w.end)
     return None
 
@@ -239,9 +254,14 @@ def revocation_kept(story: Story) -> Iterable[Violation]:
             yield Violation(
                 "revocation never undone",
                 story.tid,
-                f"client {r.client} welcomed at {r.t:.3f} after the revocation confirmed at {revoked.t:.3f}",
+                f"client {r.client} welcomed at {r.t:.3f}, after the revocation confirmed "
+                f"at {revoked.t:.3f}",
             )
-        if r.kind == h.ACK and r.seq is not None and sent.get((r.client, r.conn, r.seq), 0) > revoked.t:
+        if (
+            r.kind == h.ACK
+            and r.seq is not None
+            and sent.get((r.client, r.conn, r.seq), 0) > revoked.t
+        ):
             yield Violation(
                 "revocation never undone",
                 story.tid,
@@ -277,13 +297,14 @@ def one_connection(
                 None,
             )
             if excuse is not None:
-                excused.append(Excuse(story.tid, "acked_off_redis", excuse.name()))
+                _excuse(excused, Excuse(story.tid, "acked_off_redis", excuse.name()))
                 continue
             yield Violation(
                 "one connection at a time",
                 story.tid,
                 f"client {r.client} connection {r.conn} ACKed seq {r.seq} sent at {beat:.3f}, "
-                f"after client {later[0].client} connection {later[0].conn} was welcomed at {later[0].t:.3f}",
+                f"after client {later[0].client} connection {later[0].conn} was welcomed at "
+                f"{later[0].t:.3f}",
             )
 
 
@@ -303,7 +324,8 @@ def exp_forward(story: Story, verify: Verify) -> Iterable[Violation]:
                 yield Violation(
                     "exp forward",
                     story.tid,
-                    f"ACK at {r.t:.3f} hands a token that does not verify as ({story.tid}, {r.exp}): {claims}",
+                    f"ACK at {r.t:.3f} hands a token that does not verify as "
+                    f"({story.tid}, {r.exp}): {claims}",
                 )
 
 
@@ -312,7 +334,9 @@ def events_once(history: h.History) -> Iterable[Violation]:
     tids = {_payload(entry): entry["event"]["tid"] for entry in history.stream}
     for payload, count in payloads.items():
         if count > 1:
-            yield Violation("events once", tids[payload], f"{count} stream entries alike: {payload}")
+            yield Violation(
+                "events once", tids[payload], f"{count} stream entries alike: {payload}"
+            )
     delivered: dict[str, list[float]] = defaultdict(list)
     for entry in history.group:
         delivered[entry["id"]].append(entry["event"]["at"] / 1000)
@@ -320,11 +344,15 @@ def events_once(history: h.History) -> Iterable[Violation]:
     for entry in history.stream:
         if entry["id"] not in delivered:
             yield Violation(
-                "events once", entry["event"]["tid"], f"stream entry {entry['id']} never delivered to the group"
+                "events once",
+                entry["event"]["tid"],
+                f"stream entry {entry['id']} never delivered to the group",
             )
     for entry_id, times in delivered.items():
         if len(times) > 1 and not any(w.covers(times[0], 30.0) for w in failovers):
-            yield Violation("events once", "", f"entry {entry_id} delivered {len(times)} times to the group")
+            yield Violation(
+                "events once", "", f"entry {entry_id} delivered {len(times)} times to the group"
+            )
 
 
 def _payload(entry: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ REVOKED = "revoked"  # an operator's revocation, confirmed (t: when the confirma
 UNCONFIRMED = "unconfirmed"  # an operator's revocation the replicas did not confirm
 SILENCE = "silence"  # the client went silent for good
 LOGOUT = "logout"  # the client said BYE
+TAKEOVER = "takeover"  # a second client is about to resume the session with its proof
 
 
 @dataclass(slots=True)
@@ -67,3 +68,12 @@ class History:
     windows: list[Window] = field(default_factory=list)
     stream: list[dict[str, Any]] = field(default_factory=list)
     group: list[dict[str, Any]] = field(default_factory=list)
+
+
+def as_json(history: History) -> dict[str, Any]:
+    return {
+        "records": [r.as_json() for r in history.records],
+        "windows": [asdict(w) for w in history.windows],
+        "stream": history.stream,
+        "group": history.group,
+    }

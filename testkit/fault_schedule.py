@@ -30,6 +30,7 @@ NODE_FAULTS = (NODE_KILL, NODE_PAUSE, NODE_REDIS_CUT, NODE_REDIS_DELAY)
 LINK_FAULTS = (CLIENT_CUT, CLIENT_DROP, CLIENT_DELAY)
 SESSION_ACTIONS = (REVOKE, LOGOUT, SILENCE, TAKEOVER)
 KINDS = (*NODE_FAULTS, NODE_RELOAD, REDIS_FAILOVER, *LINK_FAULTS, *SESSION_ACTIONS)
+NODES = 3  # tokend nodes in a run
 # Node 0 is a supervisor with workers (it reloads); SIGKILL and SIGSTOP go to the
 # single-process nodes, whose death takes no orphaned workers along.
 RELOADING_NODE = 0
@@ -67,7 +68,7 @@ class Fault:
 
 
 def schedule(
-    seed: int, duration: float, sessions: int, clocks: Clocks, nodes: int = 3
+    seed: int, duration: float, sessions: int, clocks: Clocks, nodes: int = NODES
 ) -> list[Fault]:
     """The faults and actions of a run of ``duration`` seconds over ``sessions`` sessions,
     ordered by time; the last ``expire_after`` plus a margin stays calm so that every
@@ -132,4 +133,27 @@ def schedule(
         when = round(rng.uniform(3.0, max(3.5, end)), 3)
         faults.append(Fault(when, kind, session=session, via=via))
     faults.sort(key=lambda f: (f.at, f.kind))
+    return faults
+
+
+def planted_schedule(seed: int, sessions: int, clocks: Clocks) -> list[Fault]:
+    """A short schedule (40 s) under which each planted defect (testkit/planted.py) shows:
+    revocations by both ways, a failover after them (each revoked token is then tried
+    again), logouts and silences, and takeovers of sessions held on node 1 while node 1 is
+    cut from Redis (the takeover's close never reaches the old connection: only the
+    heartbeat script's check of the connection ends it), then a node killed."""
+    rng = random.Random(seed)
+    chosen = iter(rng.sample(range(sessions), 8))
+    faults = [
+        Fault(2.0 + n / 4, REVOKE, session=next(chosen), via=("cli", "admin")[n % 2])
+        for n in range(4)
+    ]
+    faults.append(Fault(5.0, REDIS_FAILOVER, duration=3.0))
+    faults += [
+        Fault(6.0, kind, session=next(chosen)) for kind in (LOGOUT, LOGOUT, SILENCE, SILENCE)
+    ]
+    faults.append(Fault(14.0, NODE_REDIS_CUT, node=1, duration=6.0))
+    # `session` of a takeover with a node: the n-th session (by index) held on that node.
+    faults += [Fault(15.0 + n / 4, TAKEOVER, node=1, session=n) for n in range(6)]
+    faults.append(Fault(24.0, NODE_KILL, node=2, duration=2.0))
     return faults
