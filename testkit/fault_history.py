@@ -12,6 +12,7 @@ WELCOME = "welcome"  # node, resumed, exp
 HEARTBEAT = "hb"  # seq: sent
 ACK = "ack"  # seq, exp, token (when the ACK carried one), token_ok
 CLOSE = "close"  # code (None: the connection was lost without a close frame)
+REFUSED = "refused"  # no connection: code the HTTP status, None when none could be opened
 REVOKED = "revoked"  # an operator's revocation, confirmed (t: when the confirmation came)
 UNCONFIRMED = "unconfirmed"  # an operator's revocation the replicas did not confirm
 SILENCE = "silence"  # the client went silent for good

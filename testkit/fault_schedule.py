@@ -40,9 +40,9 @@ RELOADING_NODE = 0
 class Clocks:
     """The session clocks of a run (seconds), tokend's settings of the same names."""
 
-    heartbeat_interval: float = 1.0
-    warn_after: float = 3.0
-    expire_after: float = 8.0
+    heartbeat_interval: float = 2.0
+    warn_after: float = 6.0
+    expire_after: float = 15.0
     redis_timeout: float = 1.0
 
 

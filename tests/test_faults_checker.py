@@ -19,7 +19,7 @@ from testkit.fault_checker import Verdict, check
 from testkit.planted import DEFECTS, planted_copy
 
 ROOT = Path(__file__).resolve().parent.parent
-CLOCKS = fs.Clocks()
+CLOCKS = fs.Clocks(heartbeat_interval=1.0, warn_after=3.0, expire_after=8.0, redis_timeout=1.0)
 TID = "6f1c0000-0000-4000-8000-000000000001"
 EXP = 1_000_000_000
 
