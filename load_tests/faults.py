@@ -670,11 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"VIOLATION {violation['promise']}: session {violation['tid']}: {violation['detail']}"
         )
-    told: set[str] = set()
-    for violation in result["violations"]:  # each session's whole story, once
-        if violation["tid"] not in told:
-            told.add(violation["tid"])
-            print(violation["story"])
+    for story in result["stories"].values():  # each session's whole story, once
+        print(story)
     print(
         json.dumps(
             {k: v for k, v in result.items() if k not in ("excused", "violations", "stories")},
