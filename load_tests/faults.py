@@ -666,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             cluster.stop()
     result = summary(run, verdict, seed)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     for violation in result["violations"]:
         print(
             f"VIOLATION {violation['promise']}: session {violation['tid']}: {violation['detail']}"
@@ -679,8 +681,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print(f"faults: seed {seed}: {len(verdict.violations)} violation(s)", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 1 if verdict.violations or run.problems else 0
 
 
