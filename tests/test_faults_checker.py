@@ -246,4 +246,4 @@ def test_a_short_seeded_run_breaks_no_promise(tmp_path: Path) -> None:
     result = faults_run(tmp_path, "--seed", "11", "--duration", "60", "--sessions", "400")
     assert result["violations"] == []
     assert sum(result["faults_by_kind"].values()) >= 10
-    assert result["sessions_by_outcome"].get("open", 0) > 300
+    assert result["sessions_by_outcome"].get("open", 0) > 200
