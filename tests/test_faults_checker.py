@@ -205,7 +205,7 @@ def faults_run(tmp_path: Path, *args: str) -> dict[str, Any]:
         [sys.executable, str(ROOT / "load_tests" / "faults.py"), "--json", str(summary), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=RUN_TIMEOUT,
         check=False,
     )
     assert summary.exists(), done.stdout[-3000:] + done.stderr[-3000:]
@@ -229,6 +229,11 @@ CAUGHT_AS = {
 PLANTED_RUN = ("--seed", "3", "--duration", "40", "--sessions", "200", "--planted-schedule")
 
 
+# A run: its processes started, its sessions opened, its schedule and its calm end.
+RUN_TIMEOUT = 600
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize("defect", [None, *CAUGHT_AS])
 def test_the_checker_catches_each_planted_defect_and_nothing_without(
     tmp_path: Path, defect: str | None
@@ -242,6 +247,7 @@ def test_the_checker_catches_each_planted_defect_and_nothing_without(
         assert CAUGHT_AS[defect] in caught, result["violations"][:3]
 
 
+@pytest.mark.timeout(RUN_TIMEOUT)
 def test_a_short_seeded_run_breaks_no_promise(tmp_path: Path) -> None:
     result = faults_run(tmp_path, "--seed", "11", "--duration", "60", "--sessions", "400")
     assert result["violations"] == []
