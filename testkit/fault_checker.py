@@ -319,7 +319,8 @@ def exp_forward(story: Story, verify: Verify) -> Iterable[Violation]:
             yield Violation(
                 "exp forward",
                 story.tid,
-                f"client {r.client} {r.kind} at {r.t:.3f} says exp {r.exp} after {highest[r.client]}",
+                f"client {r.client} {r.kind} at {r.t:.3f} says exp {r.exp} "
+                f"after {highest[r.client]}",
             )
         highest[r.client] = max(highest[r.client], r.exp)
         if r.kind == h.ACK and r.token is not None:
