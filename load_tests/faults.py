@@ -593,6 +593,10 @@ class Run:
         return str(claims.tid), claims.exp * 1000
 
 
+# Summary entries too long for the terminal (each violation is printed on its own line).
+SHOWN_APART = ("schedule", "excused", "violations", "stories")
+
+
 def summary(run: Run, verdict: Verdict, seed: int) -> dict[str, Any]:
     told = stories(h.History(run.recorder.records))
     resumes = sum(1 for r in run.recorder.records if r.kind == h.WELCOME and r.resumed)
@@ -600,6 +604,7 @@ def summary(run: Run, verdict: Verdict, seed: int) -> dict[str, Any]:
         "seed": seed,
         "duration_s": run.args.duration,
         "sessions": run.args.sessions,
+        "schedule": [fault.as_json() for fault in run.faults],
         "faults_by_kind": dict(sorted(run.applied.items())),
         "resumes": resumes,
         "sessions_by_outcome": dict(sorted(verdict.outcomes.items())),
@@ -676,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(story)
     print(
         json.dumps(
-            {k: v for k, v in result.items() if k not in ("excused", "violations", "stories")},
+            {k: v for k, v in result.items() if k not in SHOWN_APART},
             indent=1,
         )
     )
