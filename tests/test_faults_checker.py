@@ -8,6 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,8 @@ def event(kind: str, at: float, **fields: Any) -> dict[str, Any]:
 
 def judged(
     records: list[h.Record],
-    events: list[dict[str, Any]] = (),  # type: ignore[assignment]
-    windows: list[h.Window] = (),  # type: ignore[assignment]
+    events: Sequence[dict[str, Any]] = (),
+    windows: Sequence[h.Window] = (),
     group: list[dict[str, Any]] | None = None,
 ) -> Verdict:
     stream = [{"id": f"s/{n}-0", "event": e} for n, e in enumerate(events)]
