@@ -223,24 +223,30 @@ async def two_nodes(
     return old, new
 
 
-async def test_an_unknown_handoff_version_falls_back_and_the_connection_stays(
-    two_nodes: tuple[App, App], tokens: TokenService, redis: aioredis.Redis
-) -> None:
-    old, new = two_nodes
+def handing_over(old: App, new: App) -> Giver:
+    """A giver of ``old``'s connections to a taker of ``new``'s, over a socketpair."""
     give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     give.setblocking(False)
     assert new.admission is not None and old.admission is not None
     Taker(new.admission, new.node, take, lambda: True).start()
+    return Giver(old.admission.connections, old.node, give, new.node.name)
+
+
+async def test_an_unknown_handoff_version_falls_back_and_the_connection_stays(
+    two_nodes: tuple[App, App], tokens: TokenService, redis: aioredis.Redis
+) -> None:
+    old, new = two_nodes
     async with RawClient.connect(old.port) as client:
         welcome = await client.hello(tokens.mint("alice"))
         await client.heartbeat()
-        giver = Giver(old.admission.connections, old.node, give, new.node.name)
+        giver = handing_over(old, new)
         giver.version = HANDOFF_VERSION + 1
         report = await giver.run()
 
         assert (report.moved, dict(report.fell_back)) == (0, {"unknown_version": 1})
         assert old.node.metrics.handoff_fell_back == {"unknown_version": 1}
-        assert new.node.metrics.handoff_taken == 0 and not new.admission.connections
+        assert new.node.metrics.handoff_taken == 0
+        assert new.admission is not None and not new.admission.connections
         # The connection stayed with the old worker: still its session, still answered.
         conn = await holder(redis, old.settings, tid_of(welcome))
         assert node_of(conn) == "old"
@@ -252,10 +258,7 @@ async def test_a_connection_already_closing_is_not_moved_and_ends_as_it_was_goin
     two_nodes: tuple[App, App], tokens: TokenService
 ) -> None:
     old, new = two_nodes
-    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    give.setblocking(False)
-    assert new.admission is not None and old.admission is not None
-    Taker(new.admission, new.node, take, lambda: True).start()
+    assert old.admission is not None
     async with (
         RawClient.connect(old.port) as leaving,
         RawClient.connect(old.port) as staying,
@@ -268,8 +271,7 @@ async def test_a_connection_already_closing_is_not_moved_and_ends_as_it_was_goin
             if c.link is not None and tid_held(c.link) == tid_of(leaving_welcome)
         ]
         closing.close(p.CloseCode.GOING_AWAY, "going away")  # its closing handshake begun
-        giver = Giver(old.admission.connections, old.node, give, new.node.name)
-        report = await giver.run()
+        report = await handing_over(old, new).run()
 
         assert (report.moved, dict(report.fell_back)) == (1, {"closing": 1})
         assert (await leaving.expect_close()).code == p.CloseCode.GOING_AWAY
