@@ -419,15 +419,19 @@ class Run:
         node = fault.node
         kind = fault.kind
         if kind == fs.NODE_KILL and node is not None:
+            self.front.faults.down[node] = True
             await asyncio.to_thread(c.nodes[node].kill)
             await asyncio.sleep(fault.duration)
             await asyncio.to_thread(c.restart, node)
+            self.front.faults.down[node] = False
         elif kind == fs.NODE_PAUSE and node is not None:
             process = c.nodes[node].process
             assert process is not None
+            self.front.faults.down[node] = True
             process.send_signal(signal.SIGSTOP)
             await asyncio.sleep(fault.duration)
             process.send_signal(signal.SIGCONT)
+            self.front.faults.down[node] = False
         elif kind == fs.NODE_RELOAD and node is not None:
             await asyncio.to_thread(c.nodes[node].reload, 60)
         elif kind == fs.REDIS_FAILOVER:

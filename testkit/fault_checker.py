@@ -160,20 +160,15 @@ def no_wrongful_end(
 ) -> Iterable[Violation]:
     """No expiry, revocation or takeover the session's own client did not bring on."""
     deliberate = story.action_at
-    ends = [
-        (e["at"] / 1000, "TOKEN_EXPIRED event", True)
-        for e in story.events
-        if e["type"] == "TOKEN_EXPIRED"
-    ]
-    ends += [
-        (
-            r.t,
-            f"closed {r.code} ({ENDING_CODES[CloseCode(r.code)]})",
-            r.code == CloseCode.SESSION_EXPIRED,
-        )
-        for r in story.records
-        if r.kind == h.CLOSE and r.client == 0 and r.code in ENDING_CODES
-    ]
+    expiries = [e["at"] / 1000 for e in story.events if e["type"] == "TOKEN_EXPIRED"]
+    ends = [(t, "TOKEN_EXPIRED event", True) for t in expiries]
+    for r in story.records:
+        if r.kind != h.CLOSE or r.client != 0 or r.code not in ENDING_CODES:
+            continue
+        if r.code == CloseCode.SESSION_EXPIRED and any(t <= r.t for t in expiries):
+            continue  # the client told of an expiry in the stream: judged by the event's time
+        what = f"closed {r.code} ({ENDING_CODES[CloseCode(r.code)]})"
+        ends.append((r.t, what, r.code == CloseCode.SESSION_EXPIRED))
     for t, what, expiry in ends:
         if deliberate is not None and t >= deliberate - SLACK:
             continue

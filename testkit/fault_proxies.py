@@ -35,11 +35,13 @@ class Pair:
 
 
 class Faults:
-    """The faults of each node's links: ``cut`` (no new connection passes), ``delay``
-    (seconds added to what the dialling side sends)."""
+    """The faults of each node's links: ``cut`` (no new connection passes), ``down`` (the
+    node is dead or frozen: a balancer's health check takes it out, so no new connection
+    goes there), ``delay`` (seconds added to what the dialling side sends)."""
 
     def __init__(self, nodes: int) -> None:
         self.cut = [False] * nodes
+        self.down = [False] * nodes
         self.delay = [0.0] * nodes
         self.pairs: set[Pair] = set()
 
@@ -148,7 +150,7 @@ class ClientFront(_Listener):
         client_port = int(writer.get_extra_info("peername")[1])
         for _ in self.nodes:
             node = next(self._turn) % len(self.nodes)
-            if self.faults.cut[node]:
+            if self.faults.cut[node] or self.faults.down[node]:
                 continue
             with contextlib.suppress(OSError):
                 upstream = await asyncio.open_connection(LOOPBACK, self.nodes[node])

@@ -123,6 +123,9 @@ def test_an_expiry_under_its_nodes_long_cut_from_redis_is_excused_and_named() ->
     assert verdict.violations == []
     assert verdict.excused_by_reason() == {"node_off_redis": 1}
     assert verdict.excused[0].window == long_cut.name()
+    # The client hears of it (4505) once its node is back on Redis: the same expiry.
+    told = [*records, h.Record(116.5, TID, h.CLOSE, conn=1, code=4505)]
+    assert judged(told, [event("TOKEN_EXPIRED", 112)], [long_cut]).violations == []
     # Narrow: a cut shorter than the clocks, a cut of another node, or an expiry long
     # after the cut excuses nothing.
     short_cut = h.Window(fs.NODE_REDIS_CUT, 103.5, 106.0, node=1)
