@@ -64,7 +64,8 @@ class Fault:
     via: str = ""
 
     def as_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v not in (None, 0.0, "")}
+        unset = {"node": None, "session": None, "duration": 0.0, "amount": 0.0, "via": ""}
+        return {k: v for k, v in asdict(self).items() if k not in unset or v != unset[k]}
 
 
 def schedule(

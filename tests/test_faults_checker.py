@@ -33,6 +33,9 @@ def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> Non
     assert first == fs.schedule(42, 600, 2000, CLOCKS)
     assert first != fs.schedule(43, 600, 2000, CLOCKS)
     assert fs.planted_schedule(5, 200, CLOCKS) == fs.planted_schedule(5, 200, CLOCKS)
+    # As the summary shows it: node 0 and session 0 named, what is unset left out.
+    cut = fs.Fault(1.0, fs.CLIENT_CUT, node=0, duration=2.0).as_json()
+    assert cut == {"at": 1.0, "kind": fs.CLIENT_CUT, "node": 0, "duration": 2.0}
 
 
 def test_the_schedule_keeps_a_node_serving_and_a_calm_end() -> None:
