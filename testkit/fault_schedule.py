@@ -38,11 +38,18 @@ RELOADING_NODE = 0
 
 @dataclass(frozen=True, slots=True)
 class Clocks:
-    """The session clocks of a run (seconds), tokend's settings of the same names."""
+    """The session clocks of a run (seconds), tokend's settings of the same names.
+
+    expire_after is longer than the held-live window (heartbeat_interval + 15 s,
+    tokend.core.lifecycle.HELD_LIVE_SLACK_MS): a client that missed a WELCOME (its resume
+    went through, the WELCOME was lost with its link) shows a stale resume proof and is
+    refused 4509 until that window has passed; with a shorter expire_after its session
+    expires meanwhile (docs/security.md, "Random faults and the promises").
+    """
 
     heartbeat_interval: float = 2.0
     warn_after: float = 6.0
-    expire_after: float = 15.0
+    expire_after: float = 25.0
     redis_timeout: float = 1.0
 
 
