@@ -660,6 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         faults = fs.schedule(seed, args.duration, args.sessions, clocks, NODES)
     _install_port_probe()
+    # Stopped (SIGTERM), the run still stops the processes it started (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="tokend-faults-") as scratch:
         # `python -m tokend` looks in its working directory first: not in a checkout's.
         os.chdir(scratch)
