@@ -417,6 +417,18 @@ class Settings:
         unit=SECONDS,
         at_least=0,
     )
+    shed_pause: float = _setting(
+        5.0,
+        "while a node sheds every class but its best and is still overloaded: how long it "
+        "stops reading a connection whose heartbeat it left unanswered (TCP back-pressure), "
+        "never past half an interval after that connection's last answered heartbeat; at "
+        "most 10 s, as max_frame_rate's burst holds ten seconds of frames; 0: close it "
+        "with 1013 instead",
+        Group.LIMITS,
+        unit=SECONDS,
+        at_least=0,
+        at_most=10,
+    )
     # operations
     node_name: str = _setting(
         "", "this node's name in events and logs", Group.OPERATIONS, shown="<hostname>-<pid>"
