@@ -50,6 +50,9 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   the refusals met on the way (HTTP 503) and when each resume happened. With
   ``connect``, the connections not open yet connect the same way (a connect storm
   whose sessions keep the cadence from their WELCOME).
+* ``prepare_flood {every, seconds, per_write}``: build the next soak's flood now (a
+  ``flood`` of ``every`` seconds for ``seconds``, ``per_write`` to a write), so that the
+  soak writes it without building it; the reply says the frames and the CPU seconds.
 * ``drop``: drop every connection (no close handshake), keep what each learnt (token,
   session key: the next ``connect`` resumes with the resume proof, as the SDK does);
   the reply comes once every connection is down on this side.
@@ -446,6 +449,7 @@ class Flood:
         self.plans = [(c, c.transport, c.flood_writes(writes, per_write)) for c in conns]
         self.per_write = per_write
         self.writes = writes
+        self.frames = writes * per_write * len(self.plans)
 
     def start(self) -> None:
         step = max(1, -(-len(self.plans) // FLOOD_SLICES))
@@ -518,6 +522,7 @@ class Generator:
         self.epoch = 0
         self.interval = self.flood = self.flood_end = 0.0
         self.beat_until = -math.inf
+        self.prepared: Flood | None = None  # the next soak's flood, built (prepare_flood)
 
     async def open(self, conn: Conn) -> None:
         """Connect, handshake and (tokend) HELLO → WELCOME; raises what went wrong."""
@@ -646,6 +651,13 @@ class Generator:
             "latencies_us": self.latencies.tolist(),
         }
 
+    async def prepare_flood(self, every: float, seconds: float, per_write: int) -> dict[str, Any]:
+        """Build the next soak's flood now (:class:`Flood`), so that its cost is not the
+        flood's: the CPU seconds it took are answered."""
+        cpu0 = cpu_seconds()
+        self.prepared = Flood(self, [c for c in self.conns if c.live], every, seconds, per_write)
+        return {"frames": self.prepared.frames, "cpu_s": round(cpu_seconds() - cpu0, 2)}
+
     def loop_ended(self) -> None:
         self.running -= 1
         if self.running <= 0:
@@ -663,8 +675,8 @@ class Generator:
         flood_per_write: int = 0,
     ) -> dict[str, Any]:
         live = [c for c in self.conns if c.live]
-        prebuilt = None
-        if flood and flood_per_write:  # built first: the cadence runs from its end
+        prebuilt, self.prepared = self.prepared, None
+        if flood and flood_per_write and prebuilt is None:  # the cadence runs from its end
             prebuilt = Flood(self, live, flood, flood_for, flood_per_write)
         self.begin_heartbeats(interval, duration, flood, flood_for)
         self.soaking, self.reconnect = True, reconnect
@@ -834,6 +846,7 @@ async def serve(job: dict[str, Any]) -> None:
         "loop": gen.closed_loop,
         "burst": gen.burst,
         "soak": gen.soak,
+        "prepare_flood": gen.prepare_flood,
         "drop": gen.drop_all,
     }
     reader = asyncio.StreamReader()

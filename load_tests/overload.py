@@ -280,6 +280,23 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             figures["baseline"] = {
                 n: common.heartbeat_figures(r) for n, r in zip(soaking, baseline, strict=True)
             }
+            # The flood is built now, before it is measured (its cost: figures["flood_built"]).
+            built = await asyncio.gather(
+                *(
+                    groups[n].ask(
+                        "prepare_flood",
+                        timeout=120,
+                        every=args.flood,
+                        seconds=args.overload_for - (warn_delay if n == "warn" else 0.0),
+                        per_write=args.flood_per_write,
+                    )
+                    for n in FLOODERS
+                )
+            )
+            figures["flood_built"] = {
+                "frames": sum(r["frames"] for replies in built for r in replies),
+                "cpu_s": round(sum(r["cpu_s"] for replies in built for r in replies), 2),
+            }
             roles = {"tokend": server.pid, **{f"{n}": groups[n].pids[0] for n in groups}}
             cpu = CpuMeter(roles)
             cpu.start()
@@ -440,6 +457,10 @@ def report(figures: dict[str, Any], problems: list[str]) -> str:
         + " (% of each on a CPU / waiting for one)"
     )
     lines.append(f"CPU during the overload (% of a core): {figures['cpu_pct_overload']}")
+    built = figures["flood_built"]
+    lines.append(
+        f"flood built before the overload: {built['frames']:,} frames in {built['cpu_s']} CPU s"
+    )
     lines.append(
         "waited for a CPU during the overload (% of it; tokend's own process, the first of "
         f"each group's): {figures['cpu_wait_pct_overload']}"
