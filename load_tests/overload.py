@@ -242,7 +242,10 @@ def shedding_steps(log: Path, since: float) -> list[str]:
         if SHED_LINE in line or "shedding fewer" in line or "shedding ended" in line:
             entry = json.loads(line)
             at = datetime.fromisoformat(entry["timestamp"]).timestamp()
-            steps.append(f"+{at - since:.1f} s {entry['event']}: {entry.get('shed', '')}")
+            what = entry.get("shed", "")
+            if "unanswered_heartbeats" in entry:  # shedding ended: what it left unanswered
+                what = f"{entry['unanswered_heartbeats']:,} heartbeats left unanswered"
+            steps.append(f"+{at - since:.1f} s {entry['event']}: {what}")
     return steps
 
 
