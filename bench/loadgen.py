@@ -103,6 +103,8 @@ from tokend_client.backoff import Backoff, going_away_limit, retry_after
 _SIGNED = struct.Struct(">BB16sQQ")
 _ACK = p.FrameType.HEARTBEAT_ACK
 _NOTICE = p.FrameType.NOTICE
+# An ACK's flags (byte 1) that say it carries a token: renewed, or re-sent.
+_ACK_CARRIES_TOKEN = p.ACK_RENEWED | p.ACK_RESENT
 # Socket.IO over engine.io v4: OPEN, CONNECT, EVENT and ACK packets; PING/PONG.
 _SIO_OPEN, _SIO_CONNECT, _SIO_ACK = b"0{", b"40", b"43"
 _SIO_PING, _SIO_PONG = b"2", b"3"
@@ -395,6 +397,8 @@ class Conn:
     def _soak_reply(self, data: bytes) -> None:
         if data[0] != _ACK:
             return  # a NOTICE: counted by the server's events, not an answer
+        if not self.pending and not data[1] & _ACK_CARRIES_TOKEN:
+            return  # a flood heartbeat's ACK (not timed) without a token: nothing to read
         gen = self.gen
         ack = p.decode(data)
         assert isinstance(ack, p.HeartbeatAck)
