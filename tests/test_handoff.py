@@ -216,35 +216,67 @@ async def test_tokend_reload_and_the_status_file_say_what_moved(
 async def two_nodes(
     start_app: Callable[..., Awaitable[App]],
 ) -> tuple[App, App]:
-    """Two nodes on one Redis: an old worker and a new one, in this process."""
-    old = await start_app(node_name="old", max_connections_per_ip=0)
-    new = await start_app(node_name="new")
+    """Two nodes on one Redis: an old worker and a new one, in this process; calm clocks,
+    so that no session expires while a test opens hundreds of them on a busy machine."""
+    old = await start_app(**CALM_CLOCKS, node_name="old", max_connections_per_ip=0)
+    new = await start_app(**CALM_CLOCKS, node_name="new")
     return old, new
+
+
+def handing_over(old: App, new: App) -> Giver:
+    """A giver of ``old``'s connections to a taker of ``new``'s, over a socketpair."""
+    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    give.setblocking(False)
+    assert new.admission is not None and old.admission is not None
+    Taker(new.admission, new.node, take, lambda: True).start()
+    return Giver(old.admission.connections, old.node, give, new.node.name)
 
 
 async def test_an_unknown_handoff_version_falls_back_and_the_connection_stays(
     two_nodes: tuple[App, App], tokens: TokenService, redis: aioredis.Redis
 ) -> None:
     old, new = two_nodes
-    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    give.setblocking(False)
-    assert new.admission is not None and old.admission is not None
-    Taker(new.admission, new.node, take, lambda: True).start()
     async with RawClient.connect(old.port) as client:
         welcome = await client.hello(tokens.mint("alice"))
         await client.heartbeat()
-        giver = Giver(old.admission.connections, old.node, give, new.node.name)
+        giver = handing_over(old, new)
         giver.version = HANDOFF_VERSION + 1
         report = await giver.run()
 
         assert (report.moved, dict(report.fell_back)) == (0, {"unknown_version": 1})
         assert old.node.metrics.handoff_fell_back == {"unknown_version": 1}
-        assert new.node.metrics.handoff_taken == 0 and not new.admission.connections
+        assert new.node.metrics.handoff_taken == 0
+        assert new.admission is not None and not new.admission.connections
         # The connection stayed with the old worker: still its session, still answered.
         conn = await holder(redis, old.settings, tid_of(welcome))
         assert node_of(conn) == "old"
         ack = await client.heartbeat()
         assert ack.seq == 2
+
+
+async def test_a_connection_already_closing_is_not_moved_and_ends_as_it_was_going_to(
+    two_nodes: tuple[App, App], tokens: TokenService
+) -> None:
+    old, new = two_nodes
+    assert old.admission is not None
+    async with (
+        RawClient.connect(old.port) as leaving,
+        RawClient.connect(old.port) as staying,
+    ):
+        leaving_welcome = await leaving.hello(tokens.mint("leaving"))
+        await staying.hello(tokens.mint("staying"))
+        (closing,) = [
+            c
+            for c in old.admission.connections
+            if c.link is not None and tid_held(c.link) == tid_of(leaving_welcome)
+        ]
+        closing.close(p.CloseCode.GOING_AWAY, "going away")  # its closing handshake begun
+        report = await handing_over(old, new).run()
+
+        assert (report.moved, dict(report.fell_back)) == (1, {"closing": 1})
+        assert (await leaving.expect_close()).code == p.CloseCode.GOING_AWAY
+        assert (await staying.heartbeat()).seq == 1  # moved, answered by the new worker
+    assert new.node.metrics.handoff_taken == 1
 
 
 async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connection_here(

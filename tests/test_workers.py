@@ -158,6 +158,49 @@ async def test_workers_die_with_a_sigkilled_supervisor(make_settings: Callable[.
     assert not alive
 
 
+def test_workers_stopped_as_soon_as_they_listen_stop_cleanly(
+    make_settings: Callable[..., Settings],
+):
+    # SIGTERM the moment both workers have logged `listening`, before `workers ready`:
+    # each worker already stops on it (its handler is set before its start).
+    supervisor = supervisor_of(make_settings(node_name="pool"), 2)
+    supervisor.start()
+    children = descendants(supervisor)
+    assert supervisor.stop(signal.SIGTERM) == 0
+    assert not supervisor.logged("worker stopped uncleanly"), supervisor.log_lines[-5:]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
+def test_a_supervisor_whose_log_reader_is_gone_still_stops(
+    make_settings: Callable[..., Settings],
+):
+    # The log's pipe broken (its reader died): every line fails to write, and the
+    # supervisor and its workers still stop on SIGTERM, with status 0.
+    env = {**node_env(make_settings(node_name="pool")), "TOKEND_WORKERS": "2"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokend", "serve"],
+        env={**os.environ, **env, "TOKEND_PORT": str(free_port()), "TOKEND_LOG_FORMAT": "json"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    try:
+        for line in process.stderr:
+            if b'"workers ready"' in line:
+                break
+        children = psutil.Process(process.pid).children(recursive=True)
+        process.stderr.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
 def test_several_workers_need_a_fixed_port(make_settings: Callable[..., Settings]):
     with pytest.raises(ConfigError, match="workers"):
         make_settings(workers=2, port=0)

@@ -8,7 +8,9 @@ called, the node it was logged for: no module binds the node name itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import sys
 import time
@@ -33,10 +35,25 @@ class StderrLogger:
 
     def msg(self, message: str) -> None:
         stream = sys.stderr
-        stream.write(message + "\n")
-        stream.flush()
+        try:
+            stream.write(message + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            # Whatever read the log is gone (a broken pipe, a closed stream): this line
+            # and the later ones are lost, and the process serves, reloads and stops on.
+            _discard_stderr(stream)
 
     debug = info = warning = warn = error = critical = exception = fatal = failure = log = msg
+
+
+def _discard_stderr(stream: Any) -> None:
+    """Point the file descriptor under ``stream`` at /dev/null, so that every later write
+    to it succeeds: this logger's, the standard library's, and the interpreter's last
+    flush at exit (which would otherwise turn a clean exit into status 120)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 class Sampled:

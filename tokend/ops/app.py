@@ -273,6 +273,17 @@ async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> 
     """
     notifier = activation.Notifier.from_environ()
     app = App(settings)
+    stopping, hurry = asyncio.Event(), asyncio.Event()
+
+    def signalled() -> None:
+        (hurry if stopping.is_set() else stopping).set()
+
+    # Before the start, so that a signal during it stops the process cleanly once started
+    # (uncaught, SIGTERM would kill it with the start half done).
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled)
+    loop.add_signal_handler(signal.SIGHUP, _cannot_reload)
     try:
         await app.start()
     except BaseException:
@@ -284,15 +295,6 @@ async def serve_until_signalled(settings: Settings, *, worker: bool = False) -> 
     )
     collector.start()
     app.node.background.spawn(collector.run(lambda: app.node.running), "collector")
-    stopping, hurry = asyncio.Event(), asyncio.Event()
-
-    def signalled() -> None:
-        (hurry if stopping.is_set() else stopping).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signalled)
-    loop.add_signal_handler(signal.SIGHUP, _cannot_reload)
     if worker:
         loop.add_signal_handler(activation.STOP_ACCEPTING, app.stop_accepting)
         app.listen_to_supervisor()
