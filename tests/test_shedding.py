@@ -98,12 +98,12 @@ def test_a_shed_heartbeat_with_a_bad_proof_is_closed_as_always(
     assert session.receive(forged, 0) == Close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
 
 
-def test_a_heartbeat_on_cadence_is_not_shed_unless_the_session_is_in_warn(
+def test_a_heartbeat_at_the_cadence_is_recorded_even_in_warn_and_only_faster_ones_are_shed(
     session: Session, tokens: TokenService, clock: FakeClock
 ) -> None:
     """A client that keeps its cadence costs one heartbeat per interval: it is never shed,
     in WARN neither (its heartbeat recovers the session); in WARN, as in ACTIVE, only
-    what comes faster is. (The name is the one docs/security.md cites.)"""
+    what comes faster is."""
     w = welcome(session, tokens)
     shed_all = 0  # every rank is shed
     # The first of the connection (clients send one on WELCOME): recorded.
