@@ -31,11 +31,15 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
   connection; ACKs and latencies inside the measured window.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
-* ``soak {interval, duration, reconnect, flood, flood_for, spread}``: every connection
-  heartbeats every ``interval`` seconds (every ``flood`` seconds for the first
-  ``flood_for``; staggered, open loop: a heartbeat does not wait for the previous ACK)
-  for ``duration``; a connection that heartbeated keeps its cadence, or with ``spread``
-  moves to an even share of the interval (connections opened together heartbeat
+* ``soak {interval, duration, reconnect, flood, flood_for, flood_per_write, spread}``:
+  every connection heartbeats every ``interval`` seconds (every ``flood`` seconds for the
+  first ``flood_for``; staggered, open loop: a heartbeat does not wait for the previous
+  ACK) for ``duration``. The flood is built before it begins (:class:`Flood`: every
+  heartbeat of it signed, framed and masked, ``flood_per_write`` to a write) and
+  written as it is, so that the flood costs this process a write per connection per
+  ``flood_per_write`` heartbeats and nothing per heartbeat; its ACKs are not timed.
+  A connection that heartbeated keeps its cadence, or with ``spread`` moves to an even
+  share of the interval (connections opened together heartbeat
   together otherwise, as real clients do not); heartbeats sent and ACKed, ACK latencies
   (and, by wall-clock second, ACKs, those slower than 250 ms and the slowest), and every
   connection lost meanwhile with its close code (``load_tests/soak.py``). With ``reconnect``, a
@@ -46,6 +50,9 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   the refusals met on the way (HTTP 503) and when each resume happened. With
   ``connect``, the connections not open yet connect the same way (a connect storm
   whose sessions keep the cadence from their WELCOME).
+* ``prepare_flood {every, seconds, per_write}``: build the next soak's flood now (a
+  ``flood`` of ``every`` seconds for ``seconds``, ``per_write`` to a write), so that the
+  soak writes it without building it; the reply says the frames and the CPU seconds.
 * ``drop``: drop every connection (no close handshake), keep what each learnt (token,
   session key: the next ``connect`` resumes with the resume proof, as the SDK does);
   the reply comes once every connection is down on this side.
@@ -65,6 +72,7 @@ import hmac
 import itertools
 import json
 import math
+import os
 import resource
 import socket
 import ssl
@@ -87,6 +95,7 @@ from picows import (
 )
 
 from tokend.core import protocol as p
+from tokend.edge.websocket import unmask
 from tokend_client.backoff import Backoff, going_away_limit, retry_after
 
 # The heartbeat's signed part, as in tokend.core.protocol; checked against the codec once
@@ -94,6 +103,8 @@ from tokend_client.backoff import Backoff, going_away_limit, retry_after
 _SIGNED = struct.Struct(">BB16sQQ")
 _ACK = p.FrameType.HEARTBEAT_ACK
 _NOTICE = p.FrameType.NOTICE
+# An ACK's flags (byte 1) that say it carries a token: renewed, or re-sent.
+_ACK_CARRIES_TOKEN = p.ACK_RENEWED | p.ACK_RESENT
 # Socket.IO over engine.io v4: OPEN, CONNECT, EVENT and ACK packets; PING/PONG.
 _SIO_OPEN, _SIO_CONNECT, _SIO_ACK = b"0{", b"40", b"43"
 _SIO_PING, _SIO_PONG = b"2", b"3"
@@ -105,6 +116,8 @@ SOAK_GRACE_S = 2.0  # after a soak, how long the last heartbeats' ACKs may take
 # A soak's probe of this process's own loop: a timer every LAG_TICK_S, and how late it
 # ran. An ACK's latency is taken when this loop reads it, so it includes this lateness.
 LAG_TICK_S = 0.05
+# A prebuilt flood's connections are written in this many slices spread over each tick.
+FLOOD_SLICES = 20
 
 
 def cpu_seconds() -> float:
@@ -284,6 +297,17 @@ class Conn:
         mac.update(signed)
         return signed + mac.digest()[: p.MAC_LENGTH]
 
+    def flood_writes(self, writes: int, per_write: int) -> list[bytes]:
+        """The next ``writes * per_write`` heartbeats (their seqs taken now), each a masked
+        binary WebSocket frame (RFC 6455 5.2, 5.3), ``per_write`` to a write."""
+        head = bytes((0x82, 0x80 | p.HEARTBEAT_LENGTH))
+        frames = []
+        for _ in range(writes * per_write):
+            self.seq += 1
+            key = os.urandom(4)
+            frames.append(head + key + unmask(self._heartbeat(self.seq), key))
+        return [b"".join(frames[i : i + per_write]) for i in range(0, len(frames), per_write)]
+
     def _send(self, kind: WSMsgType, data: bytes) -> None:
         assert self.transport is not None
         self.transport.send(kind, data)
@@ -373,6 +397,8 @@ class Conn:
     def _soak_reply(self, data: bytes) -> None:
         if data[0] != _ACK:
             return  # a NOTICE: counted by the server's events, not an answer
+        if not self.pending and not data[1] & _ACK_CARRIES_TOKEN:
+            return  # a flood heartbeat's ACK (not timed) without a token: nothing to read
         gen = self.gen
         ack = p.decode(data)
         assert isinstance(ack, p.HeartbeatAck)
@@ -410,6 +436,41 @@ class Conn:
             self.exp_ms = frame.exp_ms
         self.on_data = self._idle
         self.answered.set_result(frame)
+
+
+class Flood:
+    """Heartbeats faster than the cadence, built before they are sent: each connection's
+    writes of ``per_write`` frames, written one per ``every * per_write`` seconds, the
+    connections spread over that tick in :data:`FLOOD_SLICES` slices. A connection that
+    reconnected meanwhile (another transport: its frames carry the old key) is left out."""
+
+    def __init__(
+        self, gen: Generator, conns: list[Conn], every: float, seconds: float, per_write: int
+    ) -> None:
+        self.gen = gen
+        self.tick = every * per_write
+        writes = max(1, round(seconds / self.tick))
+        self.plans = [(c, c.transport, c.flood_writes(writes, per_write)) for c in conns]
+        self.per_write = per_write
+        self.writes = writes
+        self.frames = writes * per_write * len(self.plans)
+
+    def start(self) -> None:
+        step = max(1, -(-len(self.plans) // FLOOD_SLICES))
+        for index, first in enumerate(range(0, len(self.plans), step)):
+            delay = self.tick * index / FLOOD_SLICES
+            self.gen.loop.call_later(delay, self._write, first, first + step, 0)
+
+    def _write(self, first: int, end: int, nth: int) -> None:
+        gen = self.gen
+        if nth + 1 < self.writes:
+            gen.loop.call_later(self.tick, self._write, first, end, nth + 1)
+        written = 0
+        for conn, transport, writes in self.plans[first:end]:
+            if conn.transport is transport and transport is not None and conn.live:
+                transport.underlying_transport.write(writes[nth])
+                written += 1
+        gen.sent += written * self.per_write
 
 
 class Generator:
@@ -465,6 +526,7 @@ class Generator:
         self.epoch = 0
         self.interval = self.flood = self.flood_end = 0.0
         self.beat_until = -math.inf
+        self.prepared: Flood | None = None  # the next soak's flood, built (prepare_flood)
 
     async def open(self, conn: Conn) -> None:
         """Connect, handshake and (tokend) HELLO → WELCOME; raises what went wrong."""
@@ -593,6 +655,13 @@ class Generator:
             "latencies_us": self.latencies.tolist(),
         }
 
+    async def prepare_flood(self, every: float, seconds: float, per_write: int) -> dict[str, Any]:
+        """Build the next soak's flood now (:class:`Flood`), so that its cost is not the
+        flood's: the CPU seconds it took are answered."""
+        cpu0 = cpu_seconds()
+        self.prepared = Flood(self, [c for c in self.conns if c.live], every, seconds, per_write)
+        return {"frames": self.prepared.frames, "cpu_s": round(cpu_seconds() - cpu0, 2)}
+
     def loop_ended(self) -> None:
         self.running -= 1
         if self.running <= 0:
@@ -607,18 +676,27 @@ class Generator:
         flood_for: float = 0.0,
         connect: bool = False,
         spread: bool = False,
+        flood_per_write: int = 0,
     ) -> dict[str, Any]:
+        live = [c for c in self.conns if c.live]
+        prebuilt, self.prepared = self.prepared, None
+        if flood and flood_per_write and prebuilt is None:  # the cadence runs from its end
+            prebuilt = Flood(self, live, flood, flood_for, flood_per_write)
         self.begin_heartbeats(interval, duration, flood, flood_for)
         self.soaking, self.reconnect = True, reconnect
-        live = [c for c in self.conns if c.live]
         now = self.loop.time()
+        if prebuilt is not None:
+            prebuilt.start()
         for i, conn in enumerate(live):
             conn.on_data = conn._soak_reply
             # A connection that has heartbeated keeps its cadence (from its WELCOME, or
             # from the command before; those overdue spread over a moment, not at once),
             # unless it floods now; the others are staggered over one pause.
             due = conn.last_sent + interval - now
-            if flood or due == -math.inf:
+            if prebuilt is not None:  # at the cadence once the flood written has ended
+                conn.last_sent = now + flood_for
+                delay = flood_for + interval * i / len(live)
+            elif flood or due == -math.inf:
                 delay = (flood or interval) * i / len(live)
             elif spread:
                 # Each one's phase i/len(live) of an interval from half an interval after
@@ -772,6 +850,7 @@ async def serve(job: dict[str, Any]) -> None:
         "loop": gen.closed_loop,
         "burst": gen.burst,
         "soak": gen.soak,
+        "prepare_flood": gen.prepare_flood,
         "drop": gen.drop_all,
     }
     reader = asyncio.StreamReader()

@@ -24,6 +24,7 @@ import jwt
 import pytest
 from websockets.asyncio.server import ServerConnection
 
+import tokend_client
 from testkit.certificates import tls_node
 from testkit.clients import RawClient
 from testkit.events import EventLog
@@ -39,6 +40,7 @@ from testkit.reconnects import (
     balanced,
     resumed_at,
 )
+from testkit.shedding import BEST_PRIO, FLOOD_PRIO, FLOOD_S, SHED_SETTINGS, shed_period
 from testkit.tokens import WallClockTokens, minter
 from tokend.core import protocol as p
 from tokend.ops.app import App
@@ -670,9 +672,23 @@ class NodeSession:
     @classmethod
     @contextlib.asynccontextmanager
     async def run(
-        cls, node_dir: Path, url: str, token: str, hold_ms: int, **options: Any
+        cls,
+        node_dir: Path,
+        url: str,
+        token: str,
+        hold_ms: int,
+        flood_ms: int = 0,
+        **options: Any,
     ) -> AsyncIterator[NodeSession]:
-        config = json.dumps({"url": url, "token": token, "options": options, "holdMs": hold_ms})
+        config = json.dumps(
+            {
+                "url": url,
+                "token": token,
+                "options": options,
+                "holdMs": hold_ms,
+                "floodMs": flood_ms,
+            }
+        )
         process = await asyncio.create_subprocess_exec(
             shutil.which("node") or "node",
             str(ROOT / "tests" / "browser" / "node_session.mjs"),
@@ -745,6 +761,33 @@ async def test_under_node_a_session_outlives_open_timeout_without_reconnecting(
     assert held["stats"]["acks"] >= 3
     assert lines[-1] == {"done": {"error": None}}
     await one_connection_then_logout(events, tid)
+
+
+async def test_under_node_a_flood_client_stays_connected_through_a_shed_period(
+    node_dir: Path, start_app: StartApp, tokens: WallClockTokens
+):
+    """The SDK under Node heartbeating faster than the cadence, of a class the node
+    sheds: its extra heartbeats go unanswered, its reading is paused, and it keeps its
+    connection (it waits warn_after for an ACK; one comes every half interval)."""
+    app = await start_app(**SHED_SETTINGS)
+    url = url_of(app.port)
+    metrics = app.node.metrics
+    async with tokend_client.connect(
+        url, tokens.mint("best", prio=BEST_PRIO), backoff=tokend_client.Backoff(base=0.05)
+    ) as best:
+        token = tokens.mint("flood", prio=FLOOD_PRIO)
+        options = {"backoff": FAST_BACKOFF}
+        flood_ms = int(FLOOD_S * 1000)
+        async with NodeSession.run(node_dir, url, token, 60_000, flood_ms, **options) as node:
+            # The node's ACKs but the best session's: the flood client's.
+            await shed_period(app, lambda: metrics.acked_heartbeats - best.stats.acks)
+            lines = await node.finish(30)
+    kinds = [line["change"]["kind"] for line in lines if "change" in line]
+    held = next(line["held"] for line in lines if "held" in line)
+    assert kinds == ["connected", "ended"], lines
+    assert held["connected"] and held["stats"]["reconnects"] == 0, held
+    assert held["stats"]["heartbeats"] > held["stats"]["acks"] >= 4, held
+    assert lines[-1] == {"done": {"error": None}}
 
 
 async def test_under_node_open_timeout_ends_a_handshake_that_never_finishes(

@@ -37,6 +37,7 @@ from testkit.reconnects import (
     resumed_at,
 )
 from testkit.redis_servers import RedisProcess
+from testkit.shedding import BEST_PRIO, FLOOD_PRIO, FLOOD_S, SHED_SETTINGS, shed_period
 from testkit.tokens import WallClockTokens, minter
 from testkit.waiting import eventually
 from tokend.core import protocol as p
@@ -237,6 +238,24 @@ async def test_survives_a_redis_outage(
     reconnecting = [c for c in recorder.seen if c.kind is Change.RECONNECTING]
     assert all(c.delay is not None and c.delay <= FAST.cap for c in reconnecting)
     assert session.error is None
+
+
+async def test_a_flood_client_stays_connected_through_a_shed_period(
+    start_app: StartApp, tokens: WallClockTokens
+):
+    """A client heartbeating faster than the cadence, of a class the node sheds: its
+    extra heartbeats go unanswered (spec revision 3), even its reading paused, and it
+    keeps its connection and its session (an ACK at least every half interval, well
+    within the warn_after it waits for one)."""
+    app = await start_app(**SHED_SETTINGS)
+    url = url_of(app.port)
+    best = connect(url, tokens.mint("best", prio=BEST_PRIO), backoff=FAST)
+    flood = ClientSession(url, tokens.mint("flood", prio=FLOOD_PRIO), backoff=FAST, cadence=FLOOD_S)
+    async with best, flood:
+        await shed_period(app, lambda: flood.stats.acks)
+        assert flood.connected and flood.error is None
+        assert flood.stats.reconnects == 0 and best.stats.reconnects == 0
+        assert flood.stats.heartbeats > flood.stats.acks
 
 
 async def test_revocation_is_terminal(start_app: StartApp, tokens: WallClockTokens):

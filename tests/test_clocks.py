@@ -20,6 +20,7 @@ from tokend.core.lifecycle import (
     held_live,
     parked_heartbeat,
     parked_hold,
+    resume_outlasted,
     serving_rank,
     unparked_heartbeat,
 )
@@ -234,6 +235,13 @@ def test_a_session_is_held_live_up_to_an_interval_and_15_s_after_the_last_heartb
     assert not held_live(True, HB, HB + interval + HELD_LIVE_SLACK_MS + 1, interval)
     # No connection holds it (the one that did ended): never held live.
     assert not held_live(False, HB, HB, interval)
+
+
+def test_a_session_outlasts_a_lost_connections_hold_with_the_defaults_only_if_set_so() -> None:
+    assert not resume_outlasted(30_000, 120_000)  # the defaults: 45 s held, 120 s to expire
+    assert not resume_outlasted(30_000, 45_001)
+    assert resume_outlasted(30_000, 45_000)
+    assert resume_outlasted(200, 1_200)  # the tests' short clocks
 
 
 # --- Clocks validation ------------------------------------------------------------------------

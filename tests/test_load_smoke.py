@@ -196,6 +196,10 @@ def test_overload_smoke_run(tmp_path: Path):
     assert figures["overload"]["high"]["refusals"] == {}
     flood = figures["overload"]["low-flood"]
     assert flood["sent"] > figures["baseline"]["low-flood"]["sent"]  # flooded
+    # The done criterion: no flood client closed, what the flood cost each side.
+    done = figures["done"]
+    assert done["flood_closed"] == 0 and done["tokend_cpu_s"] > 0
+    assert done["generator_cpu_s"] >= 0 and done["high_p99_ratio"] is not None
     assert {"storm-mid", "storm-low"} <= figures["overload"].keys()
     assert set(figures["cpu_wait_pct_overload"]) == set(figures["cpu_pct_overload"])
     # tokend's own CPU by 5 s, and the ACKs of the top group in the same buckets.

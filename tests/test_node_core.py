@@ -39,7 +39,13 @@ from tokend.core.store_messages import (
 )
 from tokend.server import batchers as batchers_module
 from tokend.server import seams
-from tokend.server.batchers import HeartbeatBatcher, HelloBatcher, ReleaseBatcher
+from tokend.server.batchers import (
+    RATE_WINDOW,
+    HeartbeatBatcher,
+    HelloBatcher,
+    ReleaseBatcher,
+    gathers,
+)
 from tokend.server.node import Node
 from tokend.store.redis_client import open_client
 from tokend.store.sessions import HelloRequest, Store
@@ -490,6 +496,38 @@ async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
         [busy[1].tid],
         [busy[0].tid],
     ]
+
+
+def test_a_gather_waits_only_while_fewer_than_one_heartbeat_comes_per_round_trip() -> None:
+    # The production cadence: 20,000 idle sessions at 30 s, a 0.3 ms round trip.
+    assert gathers(20_000 / 30, 0.0003)
+    # A closed loop of 100 clients answered in 3 ms: each trip finds the next waiting.
+    assert not gathers(100 / 0.003, 0.0003)
+    assert gathers(0.0, 0.0)  # nothing measured yet
+    assert not gathers(1000.0, 0.001)  # one per round trip: the boundary does not wait
+
+
+async def test_heartbeats_faster_than_round_trips_wait_for_no_gather(
+    token_node: TokenNode, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rate and the round trip are taken from the flushes: after a quarter second of
+    heartbeats that came faster than one per round trip, a heartbeat that finds the
+    store idle goes at once. A gather of an hour shows that it did not wait for it."""
+    waiters = await started(token_node, store, ["fast-1", "fast-2"])
+    batcher = HeartbeatBatcher(store, batch_size=10, gather=3600)
+    batcher.round_trip = 0.001  # as if measured
+    batcher.arrived = 10_000  # in the quarter second under way: 40,000 a second
+    batcher._rate_since -= RATE_WINDOW
+
+    async with running_lanes(batcher):
+        waiters[0].beat()
+        batcher.submit(waiters[0])  # the rate is not taken yet: it waits the hour
+        assert batcher.pending == 1
+        await batcher.flush()  # flushed here; the rate taken
+        assert batcher.rate > 1 / batcher.round_trip
+        waiters[1].beat()
+        batcher.submit(waiters[1])
+        await eventually(lambda: waiters[1].calls[-1][0] == "stored", what="answered at once")
 
 
 async def test_an_outage_is_logged_once_and_held_heartbeats_are_replayed(

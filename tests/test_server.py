@@ -8,6 +8,8 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 import jwt
 import pytest
@@ -537,3 +539,13 @@ def test_listening_line_names_the_redis_without_its_password(
     finally:
         node.stop()
     assert "s3cret" not in json.dumps(node.log_lines)
+
+
+async def test_clocks_that_let_a_session_expire_while_a_lost_connection_holds_it_are_logged(
+    start_app: Callable[..., Awaitable[App]], tokend_logs: list[MutableMapping[str, Any]]
+) -> None:
+    await start_app(**CALM_CLOCKS)  # 5 s + 15 s held against 30 s: no warning
+    assert not [e for e in tokend_logs if e["event"].startswith("expire_after")]
+    await start_app()  # the short clocks: 0.2 s + 15 s held against 1.2 s
+    (warning,) = [e for e in tokend_logs if e["event"].startswith("expire_after")]
+    assert (warning["heartbeat_interval"], warning["expire_after"]) == (0.2, 1.2)

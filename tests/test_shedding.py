@@ -9,11 +9,16 @@ the penalties on a real tokend (its probe off: the test steps its shedder).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import hypothesis
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import strategies as st
 from websockets.exceptions import InvalidStatus
 
 from testkit.clients import RawClient
@@ -33,8 +38,8 @@ from testkit.tokens import minter
 from testkit.waiting import eventually
 from tokend.config import Settings
 from tokend.core import protocol as p
-from tokend.core.lifecycle import RANKS, serving_rank
-from tokend.core.session import OVERLOADED, Ask, Close, Session, Welcome
+from tokend.core.lifecycle import RANKS, Clocks, State, due_transition, serving_rank
+from tokend.core.session import OVERLOADED, Ask, Close, Session, Unanswered, Welcome
 from tokend.core.store_messages import HelloAnswer, HelloOutcome
 from tokend.ops.app import App
 from tokend.server.shedding import (
@@ -63,30 +68,68 @@ def heartbeat_key(session: Session) -> p.Welcome:
     return frame
 
 
-def test_a_heartbeat_ranked_among_the_shed_is_refused_with_1013(
-    session: Session, tokens: TokenService
-) -> None:
-    w = welcome(session, tokens)  # prio 5, ACTIVE
-    assert session.receive(heartbeat(w, 1), serving_rank(4, False)) is Ask.HEARTBEAT
-    # The next one at once: faster than the cadence.
-    assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
-    assert session.receive(heartbeat(w, 3), RANKS) is None  # closed: nothing more
+HALF_S = CADENCE.heartbeat_ms / 2000  # half an interval: the cadence's bound
 
 
-def test_a_heartbeat_on_cadence_is_not_shed_unless_the_session_is_in_warn(
+def test_a_heartbeat_of_a_shed_class_faster_than_the_cadence_is_checked_and_unanswered(
     session: Session, tokens: TokenService, clock: FakeClock
 ) -> None:
-    """A client that keeps its cadence costs one heartbeat per interval: shedding it
-    would save nothing and cost it its session. Only what comes faster is shed."""
+    """Spec revision 3: checked (mac, tid, seq), its seq consumed, nothing recorded, no
+    answer, and the connection stays."""
+    w = welcome(session, tokens)  # prio 5, ACTIVE
+    assert session.receive(heartbeat(w, 1), serving_rank(4, False)) is Ask.HEARTBEAT
+    clock.now += 0.1  # the next one at once: faster than the cadence
+    assert session.receive(heartbeat(w, 2), serving_rank(5, False)) is Unanswered.SHED
+    assert [seq for seq, _ in session.unanswered] == [1] and session.last_seq == 2
+    # Served again: the next one is recorded and answered, at any pace.
+    assert session.receive(heartbeat(w, 3), RANKS) is Ask.HEARTBEAT
+    # Its seq was consumed: shown again, it is a replay.
+    assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == Close(
+        p.CloseCode.BAD_HEARTBEAT, "old_seq"
+    )
+
+
+def test_a_shed_heartbeat_with_a_bad_proof_is_closed_as_always(
+    session: Session, tokens: TokenService, clock: FakeClock
+) -> None:
     w = welcome(session, tokens)
-    shed_from = serving_rank(9, warned=False)  # everything below prio 9 is shed
-    # The first of the connection (clients send one on WELCOME): served.
-    assert session.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
-    clock.now += CADENCE.heartbeat_ms / 1000 / 2
-    assert session.receive(heartbeat(w, 2), shed_from) is Ask.HEARTBEAT
-    session.warn()  # it missed heartbeats before: WARN is shed even on cadence
-    clock.now += CADENCE.heartbeat_ms / 1000
-    assert session.receive(heartbeat(w, 3), shed_from) == SHED
+    assert session.receive(heartbeat(w, 1)) is Ask.HEARTBEAT
+    forged = dataclasses.replace(heartbeat(w, 2), mac=bytes(p.MAC_LENGTH))
+    assert session.receive(forged, 0) == Close(p.CloseCode.BAD_HEARTBEAT, "bad_mac")
+
+
+def test_a_heartbeat_at_the_cadence_is_recorded_even_in_warn_and_only_faster_ones_are_shed(
+    session: Session, tokens: TokenService, clock: FakeClock
+) -> None:
+    """A client that keeps its cadence costs one heartbeat per interval: it is never shed,
+    in WARN neither (its heartbeat recovers the session); in WARN, as in ACTIVE, only
+    what comes faster is."""
+    w = welcome(session, tokens)
+    shed_all = 0  # every rank is shed
+    # The first of the connection (clients send one on WELCOME): recorded.
+    assert session.receive(heartbeat(w, 1), shed_all) is Ask.HEARTBEAT
+    clock.now += HALF_S
+    assert session.receive(heartbeat(w, 2), shed_all) is Ask.HEARTBEAT
+    session.warn()
+    clock.now += 2 * HALF_S
+    assert session.receive(heartbeat(w, 3), shed_all) is Ask.HEARTBEAT
+    clock.now += 0.01
+    assert session.receive(heartbeat(w, 4), shed_all) is Unanswered.SHED
+
+
+def test_the_cadence_runs_from_the_last_heartbeat_recorded_not_the_last_received(
+    session: Session, tokens: TokenService, clock: FakeClock
+) -> None:
+    w = welcome(session, tokens)
+    shed_all = 0
+    assert session.receive(heartbeat(w, 1), shed_all) is Ask.HEARTBEAT
+    recorded_at = clock.now
+    for seq in range(2, 6):  # a flood, 0.1 s apart: shed
+        clock.now += 0.1
+        assert session.receive(heartbeat(w, seq), shed_all) is Unanswered.SHED
+    assert session.recorded_from == recorded_at + HALF_S
+    clock.now = recorded_at + HALF_S  # 0.1 s after the last one, half an interval after
+    assert session.receive(heartbeat(w, 6), shed_all) is Ask.HEARTBEAT
 
 
 def test_a_heartbeat_on_cadence_is_stored_before_floods_of_better_ranked_sessions(
@@ -104,27 +147,89 @@ def test_a_heartbeat_on_cadence_is_stored_before_floods_of_better_ranked_session
     assert low.rank > high.rank and low.batch_rank < high.batch_rank
 
 
-def test_a_heartbeat_faster_than_the_cadence_is_shed(
-    session: Session, tokens: TokenService, clock: FakeClock
-) -> None:
-    w = welcome(session, tokens)
-    assert session.receive(heartbeat(w, 1), RANKS) is Ask.HEARTBEAT
-    clock.now += 0.1  # a flood: the next one 100 ms later
-    assert session.receive(heartbeat(w, 2), serving_rank(5, False)) == SHED
-
-
 def test_a_session_in_warn_is_shed_before_an_active_one_of_any_prio(
-    node: TokenNode, tokens: TokenService
+    node: TokenNode, tokens: TokenService, clock: FakeClock
 ) -> None:
     shed_from = serving_rank(9, warned=True)  # only WARN sessions, down to prio 9
-    active = Session(node, CADENCE, "node-a/1", time.monotonic)
+    active = Session(node, CADENCE, "node-a/1", clock)
     w = welcome(active, tokens)
     assert active.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT
     assert active.receive(heartbeat(w, 2), shed_from) is Ask.HEARTBEAT  # prio 5: not shed
-    warned = Session(node, CADENCE, "node-a/2", time.monotonic)
+    warned = Session(node, CADENCE, "node-a/2", clock)
     w = welcome(warned, tokens)
     warned.warn()
-    assert warned.receive(heartbeat(w, 1), shed_from) == SHED
+    assert warned.receive(heartbeat(w, 1), shed_from) is Ask.HEARTBEAT  # on cadence
+    assert warned.receive(heartbeat(w, 2), shed_from) is Unanswered.SHED
+
+
+# Arrival patterns: (seconds since the heartbeat before, shedding every rank or none).
+ARRIVALS = st.lists(
+    st.tuples(st.floats(0, 2 * CADENCE.heartbeat_ms / 1000), st.booleans()),
+    min_size=1,
+    max_size=60,
+)
+
+
+def arrive(
+    node: TokenNode, tokens: TokenService, arrivals: list[tuple[float, bool]]
+) -> list[tuple[float, bool, Ask | Close | Unanswered | None]]:
+    """A session (no frame-rate limit) given a heartbeat at each arrival, the store
+    answering each one recorded at once: (when, shedding, outcome) of each."""
+    clock = FakeClock()
+    session = Session(node, dataclasses.replace(CADENCE, max_frame_rate=0), "node-a/1", clock)
+    w = welcome(session, tokens)
+    seen = []
+    for seq, (gap, shedding) in enumerate(arrivals, 1):
+        clock.now += gap
+        outcome = session.receive(heartbeat(w, seq), 0 if shedding else RANKS)
+        if outcome is Ask.HEARTBEAT:
+            session.take_heartbeats()
+            assert isinstance(session.stored(EXP_MS), list)
+        seen.append((clock.now, shedding, outcome))
+    return seen
+
+
+@hypothesis.settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@hypothesis.given(arrivals=ARRIVALS)
+def test_every_heartbeat_is_recorded_unless_shed_and_faster_than_the_cadence(
+    node: TokenNode, tokens: TokenService, arrivals: list[tuple[float, bool]]
+) -> None:
+    last_recorded = -math.inf
+    for at, shedding, outcome in arrive(node, tokens, arrivals):
+        on_cadence = at >= last_recorded + HALF_S
+        if shedding and not on_cadence:
+            assert outcome is Unanswered.SHED
+        else:
+            assert outcome is Ask.HEARTBEAT
+            last_recorded = at
+
+
+@hypothesis.settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@hypothesis.given(
+    arrivals=st.lists(
+        st.tuples(st.floats(0, CADENCE.heartbeat_ms / 1000), st.booleans()),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_a_client_at_the_cadence_is_never_expired_by_shedding(
+    node: TokenNode, tokens: TokenService, arrivals: list[tuple[float, bool]]
+) -> None:
+    """A client that sends at least one heartbeat per interval (and any number more),
+    whatever the node sheds meanwhile: by the session clocks, no heartbeat of it finds
+    its session due to WARN (let alone expire) since the last one recorded."""
+    clocks = Clocks(CADENCE.warn_ms, CADENCE.expire_ms)
+    last_ms: int | None = None
+    for at, _, outcome in arrive(node, tokens, arrivals):
+        now_ms = int(at * 1000)
+        if last_ms is not None:
+            assert due_transition(State.ACTIVE, last_ms, EXP_MS, now_ms, clocks) is None
+        if outcome is Ask.HEARTBEAT:
+            last_ms = now_ms
 
 
 def test_a_hello_ranked_among_the_shed_is_refused_before_the_store(
@@ -270,6 +375,33 @@ def test_the_classes_held_are_read_from_the_sessions_once_per_held_for() -> None
     assert reads == 2 and shedder.shed_from == serving_rank(0, False)
 
 
+def test_a_shed_flood_keeps_its_class_shed_until_it_ends() -> None:
+    """The node keeps seeing the flood it sheds: a class whose unanswered heartbeats
+    would bring back more than half of what the node recorded when it fell behind is not
+    served again, however punctual its loop; once the flood ends, it is."""
+    held = Held(serving_rank(9, False), serving_rank(0, False))
+    recorded = 0
+    shedder = Shedder(0.01, lambda: held.ranks, lambda: False, recorded=lambda: recorded)
+    recorded += 2000
+    shedder.window_ended(WINDOW)  # 10,000 a second recorded, and the loop late
+    shedder.step_down(lag=0.05)
+    low = serving_rank(0, False)
+    assert shedder.shed_from == low and shedder.capacity == 2000 / WINDOW
+    for _ in range(1000):  # a window of the flood, shed: 5,000 a second would come back
+        shedder.shed_heartbeat(low)
+    recorded += 20
+    shedder.window_ended(WINDOW)
+    assert not shedder.returning_fits()
+    for _ in range(100):  # a tenth of it: fits in the half
+        shedder.shed_heartbeat(low)
+    shedder.window_ended(WINDOW)
+    assert shedder.returning_fits()
+    shedder.window_ended(WINDOW)  # over
+    assert shedder.returning_fits()
+    shedder.step_up()
+    assert not shedder.active and shedder.capacity == 0 and shedder.shed_in_episode == 0
+
+
 def test_sessions_that_all_rank_alike_are_never_shed() -> None:
     shedder = Held(*[serving_rank(5, False)] * 100).shedder()
     shedder.step_down(lag=1.0)
@@ -328,7 +460,9 @@ async def shedding(
 ) -> AsyncIterator[App]:
     """A tokend holding a session of the best prio and one of the lowest, shedding the
     lowest (stepped by the test: shed_lag 0 runs no probe that would step back up)."""
-    app = await start_app(shed_lag=0, shed_penalty=PENALTY_S, max_connections_per_ip=0)
+    app = await start_app(
+        shed_lag=0, shed_penalty=PENALTY_S, shed_pause=0, max_connections_per_ip=0
+    )
     async with RawClient.connect(app.port) as best, RawClient.connect(app.port) as low:
         await best.hello(tokens.mint("best-held", prio=BEST_PRIO))
         await low.hello(tokens.mint("low-held", prio=SHED_PRIO))
@@ -348,15 +482,19 @@ async def hello_closed(port: int, token: str, source: str) -> tuple[int | None, 
 
 async def shed_at_a_heartbeat(app: App, token: str, source: str) -> tuple[int | None, str]:
     """A session of ``token`` from ``source``, WELCOMEd while its class is served, then
-    shed at a heartbeat faster than the cadence: the close the server answers it with."""
+    shed at a heartbeat faster than the cadence by a node that sheds all it can and
+    does not pause reading (``shed_pause`` 0): the close the server answers it with."""
     shedder = app.node.shedder
     shedder.step_up()
     async with RawClient.connect(app.port, source=source) as client:
         await client.hello(token)
         await client.heartbeat()
         shedder.step_down(lag=1.0)
+        shedder.step_down(lag=1.0)  # nothing more to shed: saturated
+        assert shedder.saturated
         await client.send(client.heartbeat_bytes())
         closed = await client.expect_close()
+    shedder.saturated = False  # handshakes admitted again, the low class still shed
     return closed.code, closed.reason
 
 

@@ -312,8 +312,8 @@ class Settings:
     heartbeat_gather: float = _setting(
         0.002,
         "how long a heartbeat that finds no Redis round trip in flight waits for others to "
-        "share its round trip; 0: at once. Under load a round trip is in flight and nothing "
-        "waits",
+        "share its round trip, while heartbeats come slower than one per round trip; 0: at "
+        "once. Under load a round trip is in flight and nothing waits",
         Group.REDIS,
         unit=SECONDS,
         at_least=0,
@@ -416,6 +416,18 @@ class Settings:
         Group.LIMITS,
         unit=SECONDS,
         at_least=0,
+    )
+    shed_pause: float = _setting(
+        5.0,
+        "while a node sheds every class but its best and is still overloaded: how long it "
+        "stops reading a connection whose heartbeat it left unanswered (TCP back-pressure), "
+        "never past half an interval after that connection's last answered heartbeat; at "
+        "most 10 s, as max_frame_rate's burst holds ten seconds of frames; 0: close it "
+        "with 1013 instead",
+        Group.LIMITS,
+        unit=SECONDS,
+        at_least=0,
+        at_most=10,
     )
     # operations
     node_name: str = _setting(

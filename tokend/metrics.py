@@ -161,6 +161,10 @@ class Metrics:
         # handshakes refused with 503 meanwhile.
         self.shed: Counter[int] = Counter(dict.fromkeys(PRIOS, 0))
         self.shed_handshakes = 0
+        # Heartbeats left unanswered while shedding (spec revision 3), by token prio; and
+        # connections whose reading was paused for it (shed_pause).
+        self.shed_heartbeats: Counter[int] = Counter(dict.fromkeys(PRIOS, 0))
+        self.shed_pauses = 0
         # Connections refused (REFUSALS), by (code, reason).
         self.refusals: Counter[tuple[int, str]] = Counter(dict.fromkeys(REFUSALS, 0))
         # TLS certificate reloads by result (ok, failed) and whether the files on disk
@@ -256,6 +260,17 @@ class _LiveCollector(Collector):
             "Heartbeats and HELLOs refused with 1013 under overload, by token prio.",
             "prio",
             ((str(prio), n) for prio, n in m.shed.items()),
+        )
+        yield _labelled(
+            "tokend_shed_heartbeats",
+            "Heartbeats checked and left unanswered under overload, by token prio.",
+            "prio",
+            ((str(prio), n) for prio, n in m.shed_heartbeats.items()),
+        )
+        yield CounterMetricFamily(
+            "tokend_shed_pauses",
+            "Connections whose reading paused (shed_pause) under overload.",
+            value=m.shed_pauses,
         )
         yield CounterMetricFamily(
             "tokend_shed_handshakes",

@@ -128,12 +128,25 @@ def unparked_heartbeat(last_heartbeat_ms: int, hold_ms: int) -> int:
 HELD_LIVE_SLACK_MS = 15_000
 
 
+def held_live_ms(heartbeat_interval_ms: int) -> int:
+    """How long after its last heartbeat (or WELCOME) a connection holds its session live."""
+    return heartbeat_interval_ms + HELD_LIVE_SLACK_MS
+
+
 def held_live(held: bool, last_heartbeat_ms: int, now_ms: int, heartbeat_interval_ms: int) -> bool:
     """Spec "Resume proof": whether a connection holds the session live, so that a HELLO
     without a valid resume proof cannot take it (close 4509). ``held``: a connection holds
     the session (none once its connection ended: ``release.lua``); it must have heartbeat
-    (or been WELCOMEd) at most ``heartbeat_interval`` + :data:`HELD_LIVE_SLACK_MS` ago."""
-    return held and now_ms - last_heartbeat_ms <= heartbeat_interval_ms + HELD_LIVE_SLACK_MS
+    (or been WELCOMEd) at most :func:`held_live_ms` ago."""
+    return held and now_ms - last_heartbeat_ms <= held_live_ms(heartbeat_interval_ms)
+
+
+def resume_outlasted(heartbeat_interval_ms: int, expire_after_ms: int) -> bool:
+    """Whether a session can expire while a connection that went away unseen (no FIN: a
+    cut, a client that lost its WELCOME) still holds it live: its client, without the
+    resume proof, is refused 4509 until then, and may find it expired. Never so with the
+    defaults (30 s + 15 s against 120 s)."""
+    return held_live_ms(heartbeat_interval_ms) >= expire_after_ms
 
 
 # Ranks run 0..RANKS-1.

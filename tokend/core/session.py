@@ -103,6 +103,13 @@ class Ask(Enum):
     BYE = "bye"  # end the session (logout)
 
 
+class Unanswered(Enum):
+    """A heartbeat checked and left unanswered (spec "Shedding without closing", revision
+    3): its seq is consumed, nothing is recorded, no ACK is sent, the connection stays."""
+
+    SHED = "shed"
+
+
 # since_ms of a connection whose HELLO went unanswered (the store call failed after it was
 # sent): its release frees the session only if this connection holds it (release.lua).
 SINCE_UNKNOWN = -1
@@ -222,7 +229,9 @@ class Session:
         self.token_digest = ""
         self.unverified: str | None = None
         self.last_seq = 0
-        self.last_beat = -math.inf  # clock() at the last heartbeat verified
+        # clock() at the last heartbeat recorded (given to the store), -inf before the
+        # first of the connection; a shed heartbeat is checked but not recorded.
+        self.last_beat = -math.inf
         self.cadenced = False  # that heartbeat came on cadence (see receive_heartbeat)
         self.exp_ms = 0  # the session's current exp, as the store last said
         self.iat_s = 0
@@ -255,18 +264,26 @@ class Session:
         expired), then the others; each by :attr:`rank`."""
         return self.rank - RANKS if self.cadenced else self.rank
 
+    @property
+    def recorded_from(self) -> float:
+        """The clock() reading from which this connection's next heartbeat is recorded and
+        answered whatever the shedding: half an interval after the last one recorded."""
+        return self.last_beat + self.cadence.heartbeat_ms / 2000
+
     # Frames from the client
 
-    def receive(self, frame: p.Frame, shed_from: int = RANKS) -> Ask | Close | None:
+    def receive(self, frame: p.Frame, shed_from: int = RANKS) -> Ask | Close | Unanswered | None:
         """A decoded message from the client: what to ask the store, or how to close.
 
-        ``shed_from`` is the node's load shedding (:mod:`tokend.server.shedding`): a heartbeat
-        of a session ranked there or worse, or a HELLO whose token would rank there, is
-        refused with 1013 before any work is done for it. Not a heartbeat on cadence of
-        an ACTIVE session (the first of its connection, as clients send one on WELCOME,
-        or half an interval or more after the one before): a client that keeps its
-        cadence costs one heartbeat per interval, and shedding it would save next to
-        nothing and cost it its session.
+        ``shed_from`` is the node's load shedding (:mod:`tokend.server.shedding`). A HELLO
+        whose token would rank there or worse is refused with 1013 before any work is
+        done for it. A heartbeat of a session ranked there or worse that comes sooner
+        than :attr:`recorded_from` (faster than the cadence) is checked and left
+        unanswered (:attr:`Unanswered.SHED`, spec revision 3). A heartbeat at the cadence
+        (the first of its connection, as clients send one on WELCOME, or half an
+        interval or more after the last one recorded) is always recorded: a client that
+        keeps its cadence costs one heartbeat per interval, and is never expired by
+        shedding.
         """
         if isinstance(frame, p.Heartbeat):
             return self.receive_heartbeat(p.encode(frame), shed_from)
@@ -290,7 +307,9 @@ class Session:
             return self._close(p.CloseCode.PROTOCOL_ERROR, "hello_expected")
         return None  # ENDING (BYE is being stored) or CLOSED: the close follows
 
-    def receive_heartbeat(self, data: bytes, shed_from: int = RANKS) -> Ask | Close | None:
+    def receive_heartbeat(
+        self, data: bytes, shed_from: int = RANKS
+    ) -> Ask | Close | Unanswered | None:
         """A well-formed HEARTBEAT message (:func:`tokend.core.protocol.is_heartbeat`), read as
         it came: :meth:`receive` of its frame, without making one (one per interval per
         session: the server's most frequent message)."""
@@ -302,11 +321,10 @@ class Session:
         frames = self.frames
         if frames is not None and not frames.take(now):
             return self._close(p.CloseCode.RATE_LIMITED, "too_many_frames")
-        # On cadence: an ACTIVE session's first heartbeat on this connection, or one that
-        # comes half an interval or more after the one before.
-        cadenced = not self.warned and now - self.last_beat >= self.cadence.heartbeat_ms / 2000
-        if shed_from < RANKS and not cadenced and self.rank >= shed_from:
-            return self._close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED)
+        # On cadence: the first heartbeat on this connection, or one that comes half an
+        # interval or more after the last one recorded.
+        cadenced = now >= self.last_beat + self.cadence.heartbeat_ms / 2000
+        shed = shed_from < RANKS and not cadenced and self.rank >= shed_from
         # Spec 0x03: the mac first (constant time), then the tid, then the seq.
         mac_key = self.mac_key
         if mac_key is None:
@@ -319,6 +337,8 @@ class Session:
         if seq <= self.last_seq:
             return self._close(p.CloseCode.BAD_HEARTBEAT, "old_seq")
         self.last_seq = seq
+        if shed:  # checked, its seq consumed; not recorded, not answered
+            return _SHED
         self.cadenced = cadenced
         self.last_beat = now
         self.unanswered += ((seq, exp_ms),)
@@ -643,3 +663,4 @@ _HELD = frozenset({HelloOutcome.STARTED, HelloOutcome.RESUMED})
 _OPEN = Phase.OPEN
 _CLOSED = Phase.CLOSED
 _HEARTBEAT = Ask.HEARTBEAT
+_SHED = Unanswered.SHED

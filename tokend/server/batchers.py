@@ -135,6 +135,23 @@ class HelloBatcher(Batcher[seams.SessionLink]):
             link.hello_answered(answer)
 
 
+# Seconds over which the heartbeat rate is taken, and the weight of one round trip in
+# their moving mean (1/8: a few round trips tell, one slow one does not).
+RATE_WINDOW = 0.25
+ROUND_TRIP_WEIGHT = 8
+
+
+def gathers(rate: float, round_trip: float) -> bool:
+    """Whether a heartbeat that finds no round trip in flight waits for others to share
+    its trip, at ``rate`` heartbeats per second and ``round_trip`` seconds a trip: only
+    while fewer than one comes, on average, during one round trip. Slower (the production
+    cadence: many idle sessions, a heartbeat every few milliseconds) each trip would carry
+    one heartbeat, and the wait saves trips; faster, trips fill as they are (each finds
+    the next heartbeats waiting), and a wait would only idle clients that wait for their
+    ACK (bench heartbeat's closed loop)."""
+    return rate * round_trip < 1
+
+
 class HeartbeatBatcher(Batcher[seams.SessionLink]):
     """Heartbeats of many links in one store call per flush; ACKs written from it.
 
@@ -142,8 +159,9 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
     node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
     :func:`tokend.core.lifecycle.serving_rank`)
     and the rest wait for the next flush. A heartbeat that finds no round trip in flight
-    waits up to ``gather`` seconds for others to share its trip; under load one is always
-    in flight, and nothing waits.
+    waits up to ``gather`` seconds for others to share its trip, while heartbeats come
+    slower than one per round trip (:func:`gathers`); under load one is always in
+    flight, and nothing waits.
 
     While Redis is unavailable the heartbeats are acknowledged from what the session
     knows and kept in :attr:`unstored`; they are stored, marked as replayed (not
@@ -159,6 +177,13 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
         # about as much for one heartbeat as for ten (bench/results/2026-12-04-heartbeat-gather.md).
         self.gather = gather
         self.in_flight = 0  # store round trips of this batcher awaiting their answer
+        # Links submitted since the rate was last taken (at a flush, every RATE_WINDOW at
+        # most), and when; the rate then, per second; the seconds a round trip takes
+        # (a moving mean): whether a gather is worth its wait (gathers).
+        self.arrived = 0
+        self._rate_since = time.monotonic()
+        self.rate = 0.0
+        self.round_trip = 0.0
         # Links with heartbeats acknowledged during an outage, not yet stored.
         self.unstored: dict[seams.SessionLink, None] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
@@ -172,14 +197,21 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
         # A link whose heartbeats are in a flight already is submitted again when that
         # flush answers (see flush): one flight per link at a time.
         if not link.session.storing:
+            self.arrived += 1
             waiting = self.waiting
             waiting[link] = None
             count = len(waiting)
             if count == 1:
                 # Only the first of those that wait calls a lane: a lane takes them all at
                 # once (_take, which calls another for those it leaves). While a round trip
-                # is in flight the node is busy enough to make batches as it is: at once.
-                if self.gather and not self.in_flight and self.batch_size > 1:
+                # is in flight, or heartbeats come faster than round trips, the node is busy
+                # enough to make batches as it is: at once.
+                if (
+                    self.gather
+                    and not self.in_flight
+                    and self.batch_size > 1
+                    and gathers(self.rate, self.round_trip)
+                ):
                     asyncio.get_running_loop().call_later(self.gather, self._call_lane)
                 else:
                     self._call_lane()
@@ -215,6 +247,16 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
                 continue
             self.due = False
             await self.flush()
+
+    def _timed(self, began: float) -> None:
+        """A round trip begun at ``began`` was answered: the moving mean of round trips,
+        and the rate of heartbeats, taken at most every :data:`RATE_WINDOW`."""
+        now = time.monotonic()
+        self.round_trip += (now - began - self.round_trip) / ROUND_TRIP_WEIGHT
+        since = now - self._rate_since
+        if since >= RATE_WINDOW:
+            self.rate = self.arrived / since
+            self.arrived, self._rate_since = 0, now
 
     @property
     def unstored_links(self) -> int:
@@ -254,10 +296,12 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
         requests = cast(list[HeartbeatRequest], [link.heartbeat_request for link in links])
         replayed = [p in unstored for p in batch] + [True] * len(replays) if unstored else ()
         self.in_flight += 1
+        began = time.monotonic()
         try:
             answers = await self.store.record_heartbeats(
                 requests, replayed, lambda i: links[i].known()
             )
+            self._timed(began)
         except StoreUnavailable as exc:
             if not self.held:
                 log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))

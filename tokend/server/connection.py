@@ -155,6 +155,7 @@ class Connection(asyncio.Protocol):
         "fast_path",
         "gate",
         "handshake",
+        "held",
         "ip",
         "link",
         "moving",
@@ -195,6 +196,8 @@ class Connection(asyncio.Protocol):
         self.stall: asyncio.TimerHandle | None = None  # armed while writes are paused
         self.pings: TokenBucket | None = None  # made at the first ping
         self.paused = False  # reading paused by us (see pause_writing and READ_PAUSE_AT)
+        # Reading held while the node sheds (hold_reading): the timer that resumes it.
+        self.held: asyncio.TimerHandle | None = None
         # Being handed to a reload's new worker: reading held (tokend.server.handoff).
         self.moving = False
 
@@ -498,10 +501,10 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.websocket is not None:
             self.websocket.receive_eof()  # idempotent; the WebSocket is CLOSED after it
-        for timer in (self.deadline, self.stall):
+        for timer in (self.deadline, self.stall, self.held):
             if timer is not None:
                 timer.cancel()
-        self.deadline = self.stall = None
+        self.deadline = self.stall = self.held = None
         link = self.link
         if link is not None:
             if link.session.abandon():
@@ -552,13 +555,29 @@ class Connection(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
 
+    def hold_reading(self, seconds: float) -> bool:
+        """Read nothing from the client for ``seconds`` (the node sheds its heartbeats and
+        reading them costs too much: TCP holds the client back); False when held already."""
+        if self.held is not None or self.transport is None:
+            return False
+        self.pause_reading()
+        self.held = asyncio.get_running_loop().call_later(seconds, self._hold_ended)
+        return True
+
+    def _hold_ended(self) -> None:
+        self.held = None
+        if self.paused:
+            self.resume_reading()
+
     def resume_reading(self) -> None:
-        """Read again, unless writes are paused or too many heartbeats wait for the store."""
+        """Read again, unless writes are paused, the node holds its reading or too many
+        heartbeats wait for the store."""
         transport, link = self.transport, self.link
         if (
             transport is None
             or transport.is_closing()
             or self.stall is not None
+            or self.held is not None
             or self.moving
             or (link is not None and len(link.session.unanswered) >= READ_PAUSE_AT)
         ):

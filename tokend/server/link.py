@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from tokend.core import protocol as p
-from tokend.core.session import OVERLOADED, Ask, Close, Session, Welcome
+from tokend.core.session import OVERLOADED, Ask, Close, Session, Unanswered, Welcome
 from tokend.core.store_messages import HeartbeatReply, HeartbeatRequest, HelloAnswer, Known
 from tokend.metrics import STAGE_SAMPLE_EVERY
 from tokend.server import seams
@@ -101,9 +101,11 @@ class SessionLink:
         else:
             self.outcome(outcome)
 
-    def outcome(self, outcome: Ask | Close | None) -> None:
+    def outcome(self, outcome: Ask | Close | Unanswered | None) -> None:
         """Carry out what the session answered a message."""
-        if outcome is Ask.HEARTBEAT:
+        if outcome is Unanswered.SHED:
+            self._shed()
+        elif outcome is Ask.HEARTBEAT:
             self.node.submit_heartbeat(self)
             if len(self.session.unanswered) >= READ_PAUSE_AT:
                 self.connection.pause_reading()
@@ -114,6 +116,28 @@ class SessionLink:
             self.node.end(self)
         elif outcome is not None:
             self.connection.close_with(outcome)
+
+    def _shed(self) -> None:
+        """The session left a heartbeat unanswered (the node sheds its class): counted, in
+        the metrics and in the shedder's load. A node that sheds every class but its best
+        and is still overloaded stops reading the connection for ``shed_pause`` (0: closes
+        it, 1013), at most until the session's next heartbeat is due to be recorded."""
+        session = self.session
+        node = self.node
+        assert session.claims is not None
+        node.metrics.shed_heartbeats[session.claims.prio] += 1
+        shedder = node.shedder
+        shedder.shed_heartbeat(session.rank)
+        if not shedder.saturated:
+            return
+        connection = self.connection
+        pause = connection.gate.settings.shed_pause
+        if not pause:
+            connection.close_with(session.close(p.CloseCode.TRY_AGAIN_LATER, OVERLOADED))
+            return
+        pause = min(pause, session.recorded_from - session.clock())
+        if pause > 0 and connection.hold_reading(pause):
+            node.metrics.shed_pauses += 1
 
     # The store's answers (called by the node)
 

@@ -79,6 +79,7 @@ class Node:
             settings.shed_lag,
             self.registry.ranks,
             lambda: self.heartbeat_batcher.pending > settings.heartbeat_batch,
+            recorded=lambda: self.metrics.acked_heartbeats,
         )
         self.control = ControlListener(
             redis, self.store.keys.control_channel(self.name), self.sessions.get

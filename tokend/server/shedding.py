@@ -10,17 +10,25 @@ holds: shedding protects the sessions that matter most, it does not stop serving
 node whose sessions all rank alike (every token at the default ``prio``) therefore
 sheds nothing but sessions in WARN.
 
-What is shed is answered with close 1013 (try again later): the next heartbeat of a
-shed session that comes faster than the cadence (or at all, for a session in WARN),
-and a HELLO whose token ranks among the shed classes (the session, if it exists, is
-not touched; the client resumes it after its backoff). A client that keeps its
-cadence costs one heartbeat per interval: it is never shed while ACTIVE, so shedding
-never expires it. Handshakes go
-on while some class is still served below the best: their HELLO decides, by the
-token's ``prio``, so that the clients of classes not shed get back in. Once every
-class but the best is shed and the node is still overloaded, new handshakes get HTTP
-503 with Retry-After too (the token, and so its ``prio``, comes only after the
-handshake; answering 503 costs less than a handshake and a token check). After calm
+What is shed is left unanswered, not closed (spec "Shedding without closing", revision
+3): a heartbeat of a shed session that comes faster than the cadence (less than half an
+interval after the last one recorded) is checked, its seq consumed, and neither recorded
+nor answered (``Session.receive_heartbeat``); the connection stays. A heartbeat at the
+cadence is always recorded and answered, so shedding never expires a client that keeps
+its cadence. The node keeps counting what it leaves unanswered (:meth:`Shedder.shed_heartbeat`):
+a class is served again only once its unanswered heartbeats, answered again, would fit in
+half of what the node recorded when it fell behind (:meth:`Shedder.returning_fits`), so
+that calm means the flood is over, not that shedding it made the loop punctual. A HELLO
+whose token ranks among the shed classes is closed with 1013 (try again later; the
+session, if it exists, is not touched; the client resumes it after its backoff).
+Handshakes go on while some class is still served below the best: their HELLO decides,
+by the token's ``prio``, so that the clients of classes not shed get back in. Once every
+class but the best is shed and the node is still overloaded (:attr:`Shedder.saturated`),
+new handshakes get HTTP 503 with Retry-After too (the token, and so its ``prio``, comes
+only after the handshake; answering 503 costs less than a handshake and a token check),
+and a connection whose heartbeat is left unanswered is not read for ``shed_pause``
+seconds, never past half an interval after its last recorded heartbeat
+(``SessionLink._shed``; with ``shed_pause`` 0 it is closed with 1013). After calm
 windows for :data:`CALM_FOR`, the last class shed is served again, and so on back up.
 A node that must shed again soon after it served a class again (within
 :data:`RELAPSE_WITHIN`) waits twice as long before the next step up, up to
@@ -87,11 +95,25 @@ class Shedder:
         ranks: Callable[[], Iterable[int]],
         backlogged: Callable[[], bool],
         clock: Callable[[], float] = time.monotonic,
+        recorded: Callable[[], int] = int,
     ) -> None:
         self.shed_lag = shed_lag
         self.ranks = ranks
         self.backlogged = backlogged
         self.clock = clock
+        # Heartbeats recorded (answered) so far, a running count; read once per window.
+        self.recorded = recorded
+        self._recorded_before = 0
+        # Heartbeats left unanswered in the window under way, by the session's rank
+        # (SessionLink counts them), and those of the window before, per second: the
+        # load each shed class would bring back if served again.
+        self.shed_now = [0] * RANKS
+        self.shed_per_s = [0.0] * RANKS
+        self.recorded_per_s = 0.0
+        # Heartbeats per second recorded in the windows that found the node overloaded
+        # (the most of them), in this episode of shedding: what it could not take.
+        self.capacity = 0.0
+        self.shed_in_episode = 0
         self._held: set[int] = set()
         self._held_at = -math.inf
         self.shed_from = RANKS
@@ -122,11 +144,12 @@ class Shedder:
             if now < window_end:
                 continue
             lag = late / samples
+            self.window_ended(now - window_end + WINDOW)
             late, samples, window_end = 0.0, 0, now + WINDOW
             if lag > self.shed_lag or self.backlogged():
                 calm_since = None
                 self.step_down(lag, steps_for(lag, self.shed_lag))
-            elif lag > self.shed_lag / 2:
+            elif lag > self.shed_lag / 2 or not self.returning_fits():
                 calm_since = None
             elif calm_since is None:
                 calm_since = now
@@ -134,9 +157,34 @@ class Shedder:
                 calm_since = now
                 self.step_up()
 
+    def shed_heartbeat(self, rank: int) -> None:
+        """A heartbeat of a session ranked ``rank`` was left unanswered."""
+        self.shed_now[rank] += 1
+
+    def window_ended(self, seconds: float) -> None:
+        """Take the window's counts (``seconds`` long) as the rates the next steps judge."""
+        recorded = self.recorded()
+        self.recorded_per_s = (recorded - self._recorded_before) / seconds
+        self._recorded_before = recorded
+        shed = self.shed_now
+        self.shed_in_episode += sum(shed)
+        self.shed_per_s = [n / seconds for n in shed]
+        self.shed_now = [0] * RANKS
+
+    def returning_fits(self) -> bool:
+        """Whether the class shed last, served again, would bring back no more than half
+        of what the node recorded when it fell behind (with what it records now): a node
+        that sheds a flood keeps seeing it, and calm means the flood is over, not that
+        shedding it made the loop punctual. Nothing shed to bring back always fits."""
+        if not self._steps:
+            return True
+        back = sum(self.shed_per_s[self.shed_from : self._steps[-1]])
+        return not back or self.recorded_per_s + back <= self.capacity / 2
+
     def step_down(self, lag: float, steps: int = 1) -> None:
         """Shed the ``steps`` worst-ranked classes held that are not shed yet, never the
         best one."""
+        self.capacity = max(self.capacity, self.recorded_per_s)
         held = self.held()
         if not held:
             return
@@ -174,7 +222,9 @@ class Shedder:
         if self.active:
             log.info("shedding fewer sessions", shed=shed_classes(self.shed_from))
         else:
-            log.info("shedding ended")
+            log.info("shedding ended", unanswered_heartbeats=self.shed_in_episode)
+            self.capacity = 0.0
+            self.shed_in_episode = 0
 
 
 def steps_for(lag: float, shed_lag: float) -> int:

@@ -18,7 +18,7 @@ from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from tokend.config import Settings
-from tokend.core.lifecycle import HELD_LIVE_SLACK_MS
+from tokend.core.lifecycle import held_live_ms
 from tokend.core.protocol import CloseCode
 from tokend.core.store_messages import (
     Ended,
@@ -135,8 +135,8 @@ class Store(ScriptRunner):
         self._one_slot_per_call = isinstance(redis, RedisCluster)
         # The batch scripts' calls, on one Redis (not a Cluster, not through Sentinel).
         self._direct = DirectCalls.usable(redis)
-        held_live_ms = settings.ms("heartbeat_interval") + HELD_LIVE_SLACK_MS
-        self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms, held_live_ms]
+        held_ms = held_live_ms(settings.ms("heartbeat_interval"))
+        self._hello_args = [self.warn_ms, self.grace_ms, self.expire_ms, held_ms]
         self._release_args = [self.warn_ms]
         self._heartbeat_args = [
             self.warn_ms,

@@ -82,7 +82,10 @@ class ClientSession:
 
     ``wss://`` URLs verify the server's certificate against the system's trusted CAs,
     or against ``ca_file`` (a PEM file) if given; ``ssl`` is a context of your own
-    instead (client certificates, pinning).
+    instead (client certificates, pinning). ``cadence`` (seconds) replaces the heartbeat
+    interval WELCOME gives, for tests and load generators: a server that sheds load
+    leaves heartbeats faster than half its interval unanswered (spec revision 3), and the
+    session waits ``warn_after`` for an ACK as always.
 
     The constructor only checks its arguments: :class:`AuthError` for a token
     that is not a JWT with a UUID ``jti`` and an ``exp``,
@@ -104,6 +107,7 @@ class ClientSession:
         session_key: bytes | None = None,
         ca_file: str | os.PathLike[str] | None = None,
         ssl: ssl_module.SSLContext | None = None,
+        cadence: float | None = None,
     ) -> None:
         secure = parse_uri(url).secure  # raises InvalidURI now rather than later
         self.url = url
@@ -114,6 +118,7 @@ class ClientSession:
             session_key=session_key,
             open_timeout=open_timeout,
             close_timeout=close_timeout,
+            cadence=cadence,
         )
         self._ssl = _tls_context(secure, ca_file, ssl)
         self._history: deque[Lifecycle] = deque(maxlen=history)
