@@ -10,6 +10,7 @@ from typing import NoReturn
 from tokend import config
 from tokend.cli.common import run_async
 from tokend.config import Settings
+from tokend.core.lifecycle import resume_outlasted
 
 # The settings `tokend serve` reads; its --help shows these alone.
 SETTINGS: tuple[str, ...] = tuple(config.FIELDS)
@@ -63,6 +64,17 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if args.worker:  # started by a supervisor, which holds the pid file
         run_async(serve_until_signalled(settings, worker=True))
         _exit_now()
+    if resume_outlasted(settings.ms("heartbeat_interval"), settings.ms("expire_after")):
+        import structlog
+
+        structlog.get_logger("tokend.cli").warning(
+            "expire_after does not outlast a lost connection's hold",
+            heartbeat_interval=settings.heartbeat_interval,
+            expire_after=settings.expire_after,
+            reason="a client whose connection went away unseen is refused (4509) for "
+            "heartbeat_interval + 15 s without its resume proof, and its session may "
+            "expire meanwhile: make expire_after longer than that",
+        )
     if settings.workers > 1:
         from tokend.ops.supervisor import supervise
 

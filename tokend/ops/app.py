@@ -21,7 +21,6 @@ from collections import Counter
 import structlog
 
 from tokend.config import Settings
-from tokend.core.lifecycle import resume_outlasted
 from tokend.edge.tls import ServerCertificate
 from tokend.logs import redact_url
 from tokend.ops import activation
@@ -129,15 +128,6 @@ class App:
                 backlog=settings.backlog,
             )
         address = self.server.sockets[0].getsockname()
-        if resume_outlasted(settings.ms("heartbeat_interval"), settings.ms("expire_after")):
-            log.warning(
-                "expire_after does not outlast a lost connection's hold",
-                heartbeat_interval=settings.heartbeat_interval,
-                expire_after=settings.expire_after,
-                reason="a client whose connection went away unseen is refused (4509) for "
-                "heartbeat_interval + 15 s without its resume proof, and its session may "
-                "expire meanwhile: make expire_after longer than that",
-            )
         log.info(
             "listening",
             host=address[0],
