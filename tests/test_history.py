@@ -4,6 +4,7 @@ of every node sharing the store, and the health gauges of /metrics."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -94,6 +95,9 @@ async def test_two_nodes_see_each_other_and_the_same_cluster_counts(
             for n in range(count):
                 client = await stack.enter_async_context(RawClient.connect(app.port))
                 await client.hello(tokens.mint(f"{app.node.name}-{n}"))
+        # A sample is the moment it was taken: one taken while the last HELLO was under way
+        # counts its connection but not yet its session. The samples after this see all three.
+        opened_ms = time.time() * 1000
 
         async def both_listed() -> list[dict[str, Any]]:
             """Both, b's view published since its session began (a look a second)."""
@@ -119,11 +123,14 @@ async def test_two_nodes_see_each_other_and_the_same_cluster_counts(
 
         async def merged_three() -> list[dict[str, Any]]:
             samples = (await get(a, "/v1/history?node=all"))["samples"]
-            return [s for s in samples if s["nodes"] == 2 and s["connections"] == 3]
+            after = opened_ms + INTERVAL * 1000  # "at" is rounded to the interval
+            return [s for s in samples if s["nodes"] == 2 and s["at"] >= after]
 
-        # Each node's samples, b's read from the store by a: added up moment by moment.
+        # Each node's samples, b's read from the store by a: added up moment by moment,
+        # the cluster's counts (the same in both) taken once.
         merged_samples = await eventually(merged_three, 10)
-        assert merged_samples[-1]["sessions"] == {"ACTIVE": 3, "WARN": 0}
+        assert merged_samples[-1]["connections"] == 3, merged_samples[-1]
+        assert merged_samples[-1]["sessions"] == {"ACTIVE": 3, "WARN": 0}, merged_samples[-1]
         b_samples = (await get(a, "/v1/history?node=node-b"))["samples"]
         assert b_samples and b_samples[-1]["connections"] == 1
     await b.stop()
