@@ -51,7 +51,11 @@ from testkit import planted, replies  # noqa: E402
 from testkit.fault_checker import Verdict, check, stories  # noqa: E402
 from testkit.fault_proxies import ClientFront, Faults, RedisLink  # noqa: E402
 from testkit.net import LOOPBACK, http_request, url_of  # noqa: E402
-from testkit.redis_servers import RedisProcess, RedisSentinelProcess  # noqa: E402
+from testkit.redis_servers import (  # noqa: E402
+    RedisProcess,
+    RedisSentinelProcess,
+    wait_sentinels_settled,
+)
 from testkit.tokend_process import TokendProcess, node_env  # noqa: E402
 from testkit.tokens import WallClockTokens, minter  # noqa: E402
 from testkit.waiting import eventually_sync  # noqa: E402
@@ -236,16 +240,7 @@ class Cluster:
         ]
         for sentinel in self.sentinels:
             sentinel.start()
-        clients = [s.client() for s in self.sentinels]
-        eventually_sync(
-            lambda: all(
-                len(replies.rows(c.sentinel_slaves("tokend"))) == 1
-                and len(replies.rows(c.sentinel_sentinels("tokend"))) == 2
-                for c in clients
-            ),
-            30,
-            what="sentinels know the replica and each other",
-        )
+        wait_sentinels_settled(self.sentinels, 1, 30)
 
     def node_env(self, n: int) -> dict[str, str]:
         env = {

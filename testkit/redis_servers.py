@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import key_slot
 from redis.retry import Retry
 
+from testkit import replies
 from testkit.net import LOOPBACK, free_port
 from testkit.waiting import eventually_sync
 from tokend.ops.embedded import find_server_binary
@@ -326,3 +327,20 @@ class RedisSentinelProcess:
 
     def client(self) -> redis.Redis:
         return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
+
+
+def wait_sentinels_settled(
+    sentinels: Sequence[RedisSentinelProcess], replicas: int, timeout: float
+) -> None:
+    """Wait until every sentinel knows the master's ``replicas`` and every other sentinel
+    (a failover asked before then may find no quorum or no replica to promote)."""
+    clients = [s.client() for s in sentinels]
+    eventually_sync(
+        lambda: all(
+            len(replies.rows(c.sentinel_slaves(s.service))) == replicas
+            and len(replies.rows(c.sentinel_sentinels(s.service))) == len(sentinels) - 1
+            for s, c in zip(sentinels, clients, strict=True)
+        ),
+        timeout,
+        what="sentinels know the replica and each other",
+    )

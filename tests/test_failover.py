@@ -29,7 +29,12 @@ from testkit import replies
 from testkit.clients import Closed, RawClient, tid_of
 from testkit.events import EventLog, read_events
 from testkit.net import LOOPBACK, http_request
-from testkit.redis_servers import RedisClusterProcess, RedisProcess, RedisSentinelProcess
+from testkit.redis_servers import (
+    RedisClusterProcess,
+    RedisProcess,
+    RedisSentinelProcess,
+    wait_sentinels_settled,
+)
 from testkit.tokend_process import tokend
 from testkit.tokens import WallClockTokens
 from testkit.waiting import eventually, eventually_sync
@@ -511,16 +516,7 @@ def sentinel_topology(tmp_path: Path) -> Iterator[SentinelTopology]:
         master.wait_replicas(1)
         for sentinel in sentinels:
             sentinel.start()
-        clients = [s.client() for s in sentinels]
-        eventually_sync(
-            lambda: all(
-                len(replies.rows(c.sentinel_slaves("tokend"))) == 1
-                and len(replies.rows(c.sentinel_sentinels("tokend"))) == 2
-                for c in clients
-            ),
-            20,
-            what="sentinels know the replica and each other",
-        )
+        wait_sentinels_settled(sentinels, 1, 20)
         hosts = ",".join(f"{LOOPBACK}:{s.port}" for s in sentinels)
         yield SentinelTopology(master, replica, f"redis+sentinel://{hosts}/tokend/0", sentinels)
     finally:
