@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import socket
 import urllib.error
 import urllib.request
@@ -16,11 +17,33 @@ from tokend.core import protocol as p
 LOOPBACK = "127.0.0.1"
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports are handed out below the kernel's ephemeral range: a port the kernel picked for
+# a listener and released is as likely to be taken next by an outgoing connection (a
+# Redis client, a health check) as by the process it was meant for. Each port is handed
+# out at most once per test process, in an order that differs between processes so that
+# concurrent runs rarely probe the same ports.
+_PORTS = range(10_000, _ephemeral_low())
+_next_port = iter(random.sample(_PORTS, len(_PORTS)))
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (the kernel picks it)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now, outside the ephemeral range, never given twice."""
+    for port in _next_port:
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port left in {_PORTS}")
 
 
 async def http_get(port: int, path: str) -> tuple[int, Any]:

@@ -128,7 +128,8 @@ class TokendProcess:
             ):
                 raise RuntimeError(f"tokend did not log {event!r}; log: {self.log_lines[-5:]}")
             if len(self.logged(event)) < count:
-                raise RuntimeError(f"tokend exited: {self.process.wait(timeout)}")
+                status = self.process.wait(timeout)
+                raise RuntimeError(f"tokend exited: {status}; log: {self.log_lines[-5:]}")
             return self.logged(event)
 
     def start(self, timeout: float = 20) -> None:
