@@ -72,6 +72,7 @@ REPLICA_ARGS = ("--repl-diskless-sync-delay", "0")
 # A reconnect storm (a third of the clients at once, after a node's death) on a busy
 # 2-core machine: the handshakes are answered, late, rather than retried as a storm.
 OPEN_TIMEOUT = 5.0
+STALL = 0.5  # the driver's loop this late (s) is a stall: its clients and relays stood still
 # The client port of the connection being opened, per session task (the front names its node).
 OPENING_PORT: contextvars.ContextVar[int] = contextvars.ContextVar("opening_port", default=0)
 
@@ -335,6 +336,8 @@ class Run:
         self.extra: list[RecordingSession] = []
         self.group: list[dict[str, Any]] = []
         self.problems: list[str] = []
+        # The driver's stalls: (s into the faults, s late).
+        self.stalls: list[tuple[float, float]] = []
 
     def session(self, token: str, client: int = 0, **options: Any) -> RecordingSession:
         backoff = options.pop("backoff", Backoff(0.2, 2.0))
@@ -574,15 +577,32 @@ class Run:
         return check(history, self.cluster.clocks, self.verify)
 
     async def progress(self, started: float) -> None:
-        """A line every 10 s: how the run goes."""
+        """A line every 10 s: how the run goes, and how starved its own loop was (every
+        client and relay of the run shares it: a late loop is a late client)."""
+        tick = 0.1
+        worst = 0.0
+        cpu = time.process_time()
+        ticked = time.monotonic()
         while True:
-            await asyncio.sleep(10)
+            before = time.monotonic()
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            late = now - before - tick
+            worst = max(worst, late)
+            if late >= STALL:
+                self.stalls.append((round(now - started - late, 1), round(late, 2)))
+            if now - ticked < 10:
+                continue
             connected = sum(s.connected for s in self.sessions)
+            used = time.process_time()
             print(
-                f"faults: {time.monotonic() - started:.0f} s: {connected} sessions connected, "
-                f"{len(self.recorder.records)} records, {sum(self.applied.values())} faults",
+                f"faults: {now - started:.0f} s: {connected} sessions connected, "
+                f"{len(self.recorder.records)} records, {sum(self.applied.values())} faults; "
+                f"driver: {100 * (used - cpu) / (now - ticked):.0f} % CPU, "
+                f"loop late by {1000 * worst:.0f} ms at worst",
                 flush=True,
             )
+            worst, cpu, ticked = 0.0, used, now
 
     def verify(self, token: str, at: float) -> tuple[str, int] | None:
         try:
@@ -613,6 +633,7 @@ def summary(run: Run, verdict: Verdict, seed: int) -> dict[str, Any]:
         # The whole story of each session with a violation.
         "stories": {v.tid: told[v.tid].telling() for v in verdict.violations if v.tid in told},
         "problems": run.problems,
+        "driver_stalls": run.stalls,
     }
 
 

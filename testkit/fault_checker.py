@@ -11,7 +11,9 @@ keys). The promises, each a function below:
   except where the applied faults cut its node off Redis, or every node off it, longer
   than the clocks (:func:`expiry_excuse`, each excuse naming its fault window);
 * **revocation never undone**: after a confirmed revocation no client of the token gets a
-  WELCOME, nor an ACK for a heartbeat sent after the confirmation;
+  WELCOME, nor an ACK for a heartbeat sent after the confirmation, unless that
+  connection's node was off Redis then (it acknowledges from what it knows, and the
+  revocation reaches it when Redis does: docs/protocol.md §5);
 * **one connection at a time**: a connection gets no ACK for a heartbeat it sent after
   another connection of the session was welcomed later than it, unless the old one's
   node was off Redis then (it acknowledges from what it knows: docs/protocol.md §5);
@@ -123,7 +125,7 @@ def check(history: h.History, clocks: fs.Clocks, verify: Verify) -> Verdict:
         found = [
             *expired_once(story),
             *no_wrongful_end(story, history.windows, clocks, verdict.excused),
-            *revocation_kept(story),
+            *revocation_kept(story, history.windows, clocks, verdict.excused),
             *one_connection(story, history.windows, clocks, verdict.excused),
             *exp_forward(story, verify),
         ]
@@ -235,12 +237,44 @@ def expiry_excuse(
     return None
 
 
-def revocation_kept(story: Story) -> Iterable[Violation]:
+def acked_off_redis(
+    story: Story,
+    welcome: h.Record,
+    beat: float,
+    windows: list[h.Window],
+    clocks: fs.Clocks,
+    excused: list[Excuse],
+) -> bool:
+    """Whether the node of the connection ``welcome`` opened was off Redis when the
+    heartbeat sent at ``beat`` reached it: it acknowledged from what it knew, and neither
+    a takeover nor a revocation could reach it meanwhile (docs/protocol.md §5). Recorded
+    as an excuse when so."""
+    window = next(
+        (
+            w
+            for w in windows
+            if w.node == welcome.node and off_redis(w, clocks) and w.covers(beat, SLACK)
+        ),
+        None,
+    )
+    if window is not None:
+        _excuse(excused, Excuse(story.tid, "acked_off_redis", window.name()))
+    return window is not None
+
+
+def revocation_kept(
+    story: Story, windows: list[h.Window], clocks: fs.Clocks, excused: list[Excuse]
+) -> Iterable[Violation]:
+    """No WELCOME after the confirmation (a WELCOME needs Redis: never excused), and no
+    ACK of a heartbeat sent after it, unless its node was off Redis then."""
     revoked = story.first(h.REVOKED)
     if revoked is None:
         return
+    welcomed: dict[tuple[int, int], h.Record] = {}
     sent: dict[tuple[int, int, int], float] = {}
     for r in story.records:
+        if r.kind == h.WELCOME:
+            welcomed[(r.client, r.conn)] = r
         if r.kind == h.HEARTBEAT and r.seq is not None:
             sent[(r.client, r.conn, r.seq)] = r.t
         if r.t <= revoked.t:
@@ -252,11 +286,13 @@ def revocation_kept(story: Story) -> Iterable[Violation]:
                 f"client {r.client} welcomed at {r.t:.3f}, after the revocation confirmed "
                 f"at {revoked.t:.3f}",
             )
-        if (
-            r.kind == h.ACK
-            and r.seq is not None
-            and sent.get((r.client, r.conn, r.seq), 0) > revoked.t
-        ):
+        beat = sent.get((r.client, r.conn, r.seq or 0), 0.0)
+        if r.kind == h.ACK and r.seq is not None and beat > revoked.t:
+            welcome = welcomed.get((r.client, r.conn))
+            if welcome is not None and acked_off_redis(
+                story, welcome, beat, windows, clocks, excused
+            ):
+                continue
             yield Violation(
                 "revocation never undone",
                 story.tid,
@@ -283,16 +319,7 @@ def one_connection(
             later = [w for k, w in welcomed.items() if k != key and mine.t < w.t < beat]
             if not later:
                 continue
-            excuse = next(
-                (
-                    w
-                    for w in windows
-                    if w.node == mine.node and off_redis(w, clocks) and w.covers(beat, SLACK)
-                ),
-                None,
-            )
-            if excuse is not None:
-                _excuse(excused, Excuse(story.tid, "acked_off_redis", excuse.name()))
+            if acked_off_redis(story, mine, beat, windows, clocks, excused):
                 continue
             yield Violation(
                 "one connection at a time",

@@ -164,6 +164,24 @@ def test_a_confirmed_revocation_is_never_undone() -> None:
     assert promises(judged([*records, *late_beat])) == ["revocation never undone"]
 
 
+def test_an_ack_after_a_revocation_is_excused_only_while_its_node_is_off_redis() -> None:
+    records = [
+        *kept(node=0),
+        h.Record(106, TID, h.REVOKED),
+        h.Record(107, TID, h.HEARTBEAT, conn=1, seq=9),
+        h.Record(107.1, TID, h.ACK, conn=1, seq=9, exp=EXP),
+    ]
+    its_node_cut = h.Window(fs.NODE_REDIS_CUT, 105.0, 110.0, node=0)
+    verdict = judged(records, windows=[its_node_cut])
+    assert verdict.violations == [] and verdict.excused_by_reason() == {"acked_off_redis": 1}
+    another_node_cut = h.Window(fs.NODE_REDIS_CUT, 105.0, 110.0, node=1)
+    assert promises(judged(records, windows=[another_node_cut])) == ["revocation never undone"]
+    # A WELCOME needs Redis: one after the revocation is never excused.
+    welcomed = h.Record(108, TID, h.WELCOME, client=2, conn=1, node=0, exp=EXP, resumed=True)
+    verdict = judged([*records, welcomed], windows=[its_node_cut])
+    assert promises(verdict) == ["revocation never undone"]
+
+
 def test_the_older_connection_gets_no_ack_after_a_takeover_unless_its_node_was_off_redis() -> None:
     records = [
         *kept(start=100, beats=3, node=1),
