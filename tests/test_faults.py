@@ -9,8 +9,9 @@ import uuid
 from pathlib import Path
 
 from redis import asyncio as aioredis
+from websockets.exceptions import ConnectionClosed
 
-from testkit.clients import RawClient
+from testkit.clients import Closed, RawClient, proof_of
 from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
 from testkit.net import http_get, is_ready
 from testkit.proxies import LatencyProxy
@@ -29,7 +30,9 @@ OUTAGE_CLOCKS = {"heartbeat_interval": 1.0, "warn_after": 3.0, "expire_after": 6
 async def test_redis_outage_and_restart(start_app, tokens: TokenService, own_redis: RedisProcess):
     redis_proc = own_redis
     # Clocks long enough that a short outage must not warn or expire anyone.
-    app = await start_app(redis_url=redis_proc.url, warn_after=4, expire_after=6, redis_timeout=0.5)
+    app = await start_app(
+        redis_url=redis_proc.url, warn_after=4, expire_after=6, redis_timeout=0.5, off_redis="hold"
+    )
     client_redis = aioredis.from_url(redis_proc.url, decode_responses=True)
     async with (
         EventLog(client_redis, f"{app.settings.key_prefix}:events") as events,
@@ -131,8 +134,11 @@ async def test_readyz_reports_a_dead_background_task(app):
 
 
 async def test_redis_unavailable_for_30_s(start_app, tokens: TokenService, own_redis: RedisProcess):
-    """Redis frozen (SIGSTOP: connections hang, nothing is refused) for OUTAGE_S."""
-    app = await start_app(redis_url=own_redis.url, redis_timeout=0.5, **OUTAGE_CLOCKS)
+    """Redis frozen (SIGSTOP: connections hang, nothing is refused) for OUTAGE_S; the node
+    holds its connections (off_redis hold)."""
+    app = await start_app(
+        redis_url=own_redis.url, redis_timeout=0.5, off_redis="hold", **OUTAGE_CLOCKS
+    )
     assert own_redis.process is not None
     loop = asyncio.get_running_loop()
     async with RawClient.connect(app.port) as held:
@@ -173,6 +179,59 @@ async def test_redis_unavailable_for_30_s(start_app, tokens: TokenService, own_r
     ]
     await client_redis.aclose()
     assert history == ["SESSION_STARTED"], history
+
+
+async def heartbeats_until_closed(client: RawClient, timeout: float) -> Closed:
+    """Heartbeats at the cadence until the server closes (within ``timeout`` s)."""
+    async with asyncio.timeout(timeout):
+        try:
+            while True:
+                await client.heartbeat()
+                await asyncio.sleep(OUTAGE_CLOCKS["heartbeat_interval"])
+        except Closed as closed:  # the close came while awaiting an ACK
+            return closed
+        except ConnectionClosed:  # or before a heartbeat was sent
+            return await client.expect_close()
+
+
+async def test_a_node_off_redis_sends_its_clients_to_resume_and_keeps_their_sessions(
+    start_app, tokens: TokenService, own_redis: RedisProcess
+):
+    """off_redis leave: a connection whose heartbeats went unstored for warn_after less an
+    interval is closed 1013; its last heartbeat is stored once Redis is back, so that its
+    client resumes though the outage outlasted expire_after."""
+    app = await start_app(redis_url=own_redis.url, redis_timeout=0.5, **OUTAGE_CLOCKS)
+    assert app.settings.off_redis == "leave"
+    assert own_redis.process is not None
+    loop = asyncio.get_running_loop()
+    async with RawClient.connect(app.port) as held:
+        welcome = await held.hello(tokens.mint("mover"))
+        tid = str(uuid.UUID(bytes=welcome.tid))
+        own_redis.process.send_signal(signal.SIGSTOP)
+        try:
+            stopped_at = loop.time()
+            close = await heartbeats_until_closed(held, OUTAGE_CLOCKS["expire_after"])
+            closed_after = loop.time() - stopped_at
+            # The outage outlasts expire_after: only the replay keeps the session.
+            await asyncio.sleep(
+                max(0.0, stopped_at + OUTAGE_CLOCKS["expire_after"] + 2 - loop.time())
+            )
+        finally:
+            own_redis.process.send_signal(signal.SIGCONT)
+    assert close.code == p.CloseCode.TRY_AGAIN_LATER and close.reason == "store_unavailable"
+    assert closed_after < OUTAGE_CLOCKS["expire_after"], closed_after
+    await eventually(lambda: is_ready(app.port), 10, interval=0.1)
+    async with RawClient.connect(app.port) as again:
+        resumed = await again.hello(tokens.mint("mover", tid=uuid.UUID(tid)), proof_of(welcome))
+        assert resumed.resumed
+    client_redis = aioredis.from_url(own_redis.url, decode_responses=True)
+    history = [
+        e["type"]
+        for e in await read_events(client_redis, app.settings.key_prefix)
+        if e["tid"] == tid
+    ]
+    await client_redis.aclose()
+    assert "TOKEN_EXPIRED" not in history, history
 
 
 SLOW_REDIS_S = 1.5  # latency the proxy adds, above the redis_timeout below

@@ -8,7 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,21 +223,40 @@ def test_each_event_is_in_the_stream_once_and_delivered_to_the_group_once() -> N
 # Real runs ---------------------------------------------------------------------------------
 
 
-def faults_run(tmp_path: Path, *args: str) -> dict[str, Any]:
-    """load_tests/faults.py run to its end; its JSON summary."""
-    summary = tmp_path / "faults.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "load_tests" / "faults.py"), "--json", str(summary), *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
-    )
-    assert summary.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(summary.read_text())
-    assert result["problems"] == [], result["problems"]
-    assert (done.returncode == 0) == (result["violations"] == []), done.stdout[-3000:]
-    return result
+class FaultsRun:
+    """load_tests/faults.py started as a process of its own; :meth:`result` waits for its
+    end and reads its JSON summary."""
+
+    def __init__(self, folder: Path, *args: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.summary = folder / "faults.json"
+        self.output = folder / "output.txt"
+        with self.output.open("w") as output:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "load_tests" / "faults.py"),
+                    "--json",
+                    str(self.summary),
+                    *args,
+                ],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+
+    def result(self) -> dict[str, Any]:
+        try:
+            status = self.process.wait(timeout=RUN_TIMEOUT)
+        finally:
+            if self.process.poll() is None:
+                self.process.terminate()  # faults.py stops what it started on SIGTERM
+                self.process.wait(timeout=60)
+        told = self.output.read_text()[-3000:]
+        assert self.summary.exists(), told
+        result: dict[str, Any] = json.loads(self.summary.read_text())
+        assert result["problems"] == [], result["problems"]
+        assert (status == 0) == (result["violations"] == []), told
+        return result
 
 
 def test_each_defect_planted_applies_to_the_package_once(tmp_path: Path) -> None:
@@ -258,13 +277,30 @@ PLANTED_RUN = ("--seed", "3", "--duration", "40", "--sessions", "200", "--plante
 RUN_TIMEOUT = 600
 
 
+@pytest.fixture(scope="module")
+def planted_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, FaultsRun]]:
+    """The planted schedule's run without a defect and with each, started together: each
+    run mostly waits on its clocks, and 200 sessions each leave the cores room for four."""
+    folder = tmp_path_factory.mktemp("planted")
+    runs: dict[str | None, FaultsRun] = {}
+    try:
+        for defect in [None, *CAUGHT_AS]:
+            plant = () if defect is None else ("--plant", defect)
+            runs[defect] = FaultsRun(folder / str(defect), *PLANTED_RUN, *plant)
+        yield runs
+    finally:
+        for run in runs.values():
+            if run.process.poll() is None:
+                run.process.terminate()
+                run.process.wait(timeout=60)
+
+
 @pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize("defect", [None, *CAUGHT_AS])
 def test_the_checker_catches_each_planted_defect_and_nothing_without(
-    tmp_path: Path, defect: str | None
+    planted_runs: dict[str | None, FaultsRun], defect: str | None
 ) -> None:
-    plant = () if defect is None else ("--plant", defect)
-    result = faults_run(tmp_path, *PLANTED_RUN, *plant)
+    result = planted_runs[defect].result()
     caught = {v["promise"] for v in result["violations"]}
     if defect is None:
         assert caught == set(), result["violations"][:3]
@@ -274,7 +310,7 @@ def test_the_checker_catches_each_planted_defect_and_nothing_without(
 
 @pytest.mark.timeout(RUN_TIMEOUT)
 def test_a_short_seeded_run_breaks_no_promise(tmp_path: Path) -> None:
-    result = faults_run(tmp_path, "--seed", "11", "--duration", "60", "--sessions", "400")
+    result = FaultsRun(tmp_path, "--seed", "11", "--duration", "60", "--sessions", "400").result()
     assert result["violations"] == []
     assert sum(result["faults_by_kind"].values()) >= 10
     assert result["sessions_by_outcome"].get("open", 0) > 200

@@ -117,6 +117,9 @@ class Waiter(seams.SessionLink):
     def heartbeats_held(self) -> None:
         self.calls.append(("held", self.session.held_back()))
 
+    def leave(self) -> None:
+        self.calls.append(("leave", self.session.store_unavailable()))
+
     def replayed(self, answer: HeartbeatReply) -> None:
         self.calls.append(("replayed", answer))
         self.session.replayed(answer)

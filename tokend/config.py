@@ -309,6 +309,16 @@ class Settings:
         Group.REDIS,
         at_least=1,
     )
+    off_redis: str = _setting(
+        "leave",
+        "what a node cut from Redis does with its connections: leave: a connection whose "
+        "heartbeats it could not store for warn_after is closed 1013, so that its client "
+        "resumes on a node that reaches Redis before the cluster expires its session; "
+        "hold: acknowledged from what the node knows until Redis is back (either way its "
+        "last heartbeat is stored once Redis is back)",
+        Group.REDIS,
+        choices=("leave", "hold"),
+    )
     heartbeat_gather: float = _setting(
         0.002,
         "how long a heartbeat that finds no Redis round trip in flight waits for others to "

@@ -169,7 +169,9 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
     when it starts and once when it ends, with counts.
     """
 
-    def __init__(self, store: Store, batch_size: int, gather: float = 0.0) -> None:
+    def __init__(
+        self, store: Store, batch_size: int, gather: float = 0.0, leave_after: float | None = None
+    ) -> None:
         super().__init__(store)
         self.batch_size = batch_size
         # Seconds a heartbeat that finds no round trip in flight waits for others to share
@@ -184,9 +186,16 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
         self._rate_since = time.monotonic()
         self.rate = 0.0
         self.round_trip = 0.0
-        # Links with heartbeats acknowledged during an outage, not yet stored.
-        self.unstored: dict[seams.SessionLink, None] = {}
+        # Links with heartbeats acknowledged during an outage, not yet stored, each with
+        # when its first unstored heartbeat was taken (monotonic s). A link told to leave
+        # stays after its connection ended: its last heartbeat is still stored (replayed)
+        # once Redis is back, which keeps its session for the client's resume.
+        self.unstored: dict[seams.SessionLink, float] = {}
         self.held = 0  # heartbeats acknowledged unstored since the outage began
+        # Seconds a link's heartbeats go unstored before it is told to leave (closed 1013
+        # for its client to resume on a node that reaches Redis); None: never.
+        self.leave_after = leave_after
+        self.left: set[seams.SessionLink] = set()  # told to leave in this outage
         # Work for a lane came (a heartbeat to wait, a kick) since a lane last took some.
         self.due = False
         # The lanes waiting for work, each on its own future: one is woken at a time (an
@@ -220,7 +229,8 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
 
     def forget(self, link: seams.SessionLink) -> None:
         super().forget(link)
-        self.unstored.pop(link, None)
+        if link not in self.left:
+            self.unstored.pop(link, None)
 
     def kick(self) -> None:
         if self.unstored:
@@ -307,8 +317,10 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
                 log.warning("store unavailable: acknowledging heartbeats unstored", error=str(exc))
             for link in batch:
                 self.held += len(link.session.unanswered)
-                unstored[link] = None
+                unstored.setdefault(link, began)
                 link.heartbeats_held()
+            if self.leave_after is not None:
+                self._send_away(began - self.leave_after)
             return
         except Exception:  # a script error: close these links, keep serving the rest
             log.exception("heartbeat flush failed")
@@ -318,7 +330,12 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
         finally:
             self.in_flight -= 1
         if self.held:
-            log.warning("store back: heartbeats held stored", held=self.held, replayed=len(replays))
+            log.warning(
+                "store back: heartbeats held stored",
+                held=self.held,
+                replayed=len(replays),
+                left=len(self.left),
+            )
             self.held = 0
         for link, answer in zip(batch, answers, strict=False):
             if unstored:
@@ -326,9 +343,28 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
             link.heartbeats_stored(answer)
             if link.session.unanswered:  # more came in meanwhile
                 self.submit(link)
+        left = self.left
         for link, answer in zip(replays, answers[len(batch) :], strict=True):
             unstored.pop(link, None)
-            link.replayed(answer)
+            if link in left:  # its connection is closed (or closing): nothing to tell it
+                left.discard(link)
+            else:
+                link.replayed(answer)
+
+    def _send_away(self, due: float) -> None:
+        """Tell each link whose heartbeats have gone unstored since ``due`` or before to
+        leave: the rest of the cluster has its session in WARN by now, and expires it
+        unless its client resumes on a node that reaches Redis."""
+        leaving = [
+            link for link, since in self.unstored.items() if since <= due and link not in self.left
+        ]
+        if not leaving:
+            return
+        log.warning("store unavailable: connections closed to resume elsewhere", count=len(leaving))
+        self.left.update(leaving)
+        for link in leaving:
+            self.waiting.pop(link, None)  # its heartbeats from now on go unanswered
+            link.leave()
 
 
 class ReleaseBatcher(Batcher[ReleaseRequest]):

@@ -224,6 +224,10 @@ class SessionLink:
         if acks:
             connection.send(acks)
 
+    def leave(self) -> None:
+        """Its node has been off Redis too long: close 1013 (settings.off_redis)."""
+        self.connection.close_with(self.session.store_unavailable())
+
     def replayed(self, answer: HeartbeatReply) -> None:
         """A heartbeat held through an outage was stored at last."""
         self.connection.close_with(self.session.replayed(answer))

@@ -61,7 +61,14 @@ class Node:
         self.store = Store(redis, settings, self.name)
         self.tokens = tokens
         self.heartbeat_batcher = HeartbeatBatcher(
-            self.store, settings.heartbeat_batch, settings.heartbeat_gather
+            self.store,
+            settings.heartbeat_batch,
+            settings.heartbeat_gather,
+            # The cluster has its session in WARN by then (its last heartbeat stored came
+            # one interval before its first unstored one): expire_after less warn_after left.
+            leave_after=settings.warn_after - settings.heartbeat_interval
+            if settings.off_redis == "leave"
+            else None,
         )
         self.release_batcher = ReleaseBatcher(self.store)
         self.hello_batcher = HelloBatcher(self.store, self.release_batcher)

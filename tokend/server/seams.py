@@ -53,6 +53,11 @@ class SessionLink(Protocol):
         """The store is unavailable: ACK from what the session knows (stored later)."""
         ...
 
+    def leave(self) -> None:
+        """Its node has been off Redis too long: close 1013, for the client to resume on a
+        node that reaches Redis (settings.off_redis)."""
+        ...
+
     def replayed(self, answer: HeartbeatReply) -> None:
         """A heartbeat held through an outage was stored at last."""
         ...
