@@ -8,8 +8,8 @@ keys). The promises, each a function below:
 * **no wrongful expiry**: a session whose client kept its cadence (up to its own action, if
   any) never expires (TOKEN_EXPIRED, close 4505), and is never closed as revoked (4506)
   or taken over (4507) unless an operator revoked it or a second client took it over;
-  except where the applied faults cut its node off Redis, or every node off it, longer
-  than the clocks (:func:`expiry_excuse`, each excuse naming its fault window);
+  except where the applied faults left the client no node to heartbeat for longer than
+  the clocks (:func:`expiry_excuse`, each excuse naming its fault windows);
 * **revocation never undone**: after a confirmed revocation no client of the token gets a
   WELCOME, nor an ACK for a heartbeat sent after the confirmation, unless that
   connection's node was off Redis then (it acknowledges from what it knows, and the
@@ -183,12 +183,6 @@ def no_wrongful_end(
         )
 
 
-def node_at(story: Story, t: float) -> int | None:
-    """The node of the own client's connection welcomed last before ``t``."""
-    welcomes = [r for r in story.records if r.kind == h.WELCOME and r.client == 0 and r.t <= t]
-    return welcomes[-1].node if welcomes else None
-
-
 def off_redis(window: h.Window, clocks: fs.Clocks) -> bool:
     """A window in which its node could not reach Redis in time."""
     return window.kind == fs.NODE_REDIS_CUT or (
@@ -208,24 +202,11 @@ def unserving(window: h.Window, clocks: fs.Clocks) -> bool:
 def expiry_excuse(
     story: Story, t: float, windows: list[h.Window], clocks: fs.Clocks
 ) -> tuple[str, h.Window] | None:
-    """The fault window that explains an expiry at ``t`` of a cadence-keeping session.
-
-    * ``node_off_redis``: the node holding its connection when the window began was off
-      Redis from then until at most SLACK before the expiry, for at least expire_after
-      less one heartbeat interval: it acknowledged from memory, stored nothing, and the
-      other nodes' sweeps ended the session as silent;
-    * ``no_node``: from at least expire_after before the expiry, every node was killed,
-      paused, cut from the clients or off Redis, each by a window of its own: the client
-      had nowhere to heartbeat.
-    """
-    least = clocks.expire_after - clocks.heartbeat_interval
-    for window in windows:
-        if window.node is None or not off_redis(window, clocks):
-            continue
-        if node_at(story, window.start) != window.node:
-            continue
-        if window.covers(t, SLACK) and t - window.start >= least - SLACK:
-            return "node_off_redis", window
+    """The fault windows that explain an expiry at ``t`` of a cadence-keeping session:
+    ``no_node``, from at least expire_after less warn_after before the expiry, every node
+    was killed, paused, cut from the clients or off Redis, each by a window of its own:
+    the client had nowhere to heartbeat. (A node off Redis alone excuses nothing: it
+    sends its clients to resume elsewhere, settings.off_redis.)"""
     since = t - clocks.expire_after + clocks.warn_after
     covering: dict[int, h.Window] = {}
     for window in windows:
