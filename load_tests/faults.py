@@ -198,6 +198,7 @@ class Cluster:
             for n in range(NODES)
         ]
         self.nodes: list[TokendProcess] = []
+        self.started: list[tuple[int, TokendProcess]] = []  # every process a node ran as
         self.settings = config.load(
             {
                 "keys_dir": str(scratch / "keys"),
@@ -258,6 +259,7 @@ class Cluster:
 
     def start_nodes(self) -> None:
         self.nodes = [TokendProcess(self.node_env(n)) for n in range(NODES)]
+        self.started = [(n, node) for n, node in enumerate(self.nodes)]
         for node in self.nodes:
             node.launch()
         for n, node in enumerate(self.nodes):
@@ -269,6 +271,7 @@ class Cluster:
     def restart(self, n: int) -> None:
         old = self.nodes[n]
         self.nodes[n] = TokendProcess(self.node_env(n), old.port)
+        self.started.append((n, self.nodes[n]))
         self.nodes[n].start(60)
 
     def fail_over(self) -> int:
@@ -574,7 +577,16 @@ class Run:
         history = h.History(self.recorder.records, self.windows, stream, self.group)
         if self.args.history is not None:
             self.args.history.write_text(json.dumps(h.as_json(history)) + "\n")
+        if self.args.logs is not None:
+            self.write_logs(self.args.logs)
         return check(history, self.cluster.clocks, self.verify)
+
+    def write_logs(self, folder: Path) -> None:
+        """Each node process's log lines, one file per process in the order they started."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for k, (n, node) in enumerate(self.cluster.started):
+            lines = "".join(json.dumps(line) + "\n" for line in node.log_lines)
+            (folder / f"{k:03d}-node-{n}.jsonl").write_text(lines)
 
     async def progress(self, started: float) -> None:
         """A line every 10 s: how the run goes, and how starved its own loop was (every
@@ -651,6 +663,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     parser.add_argument(
         "--history", type=Path, default=None, help="write every record, fault window and event here"
+    )
+    parser.add_argument(
+        "--logs", type=Path, default=None, help="write every node process's log lines here"
     )
     parser.add_argument(
         "--plant",
