@@ -19,6 +19,7 @@ from testkit.redis_servers import RedisProcess
 from testkit.tokend_process import TokendProcess, node_env
 from testkit.waiting import eventually
 from tokend.core import protocol as p
+from tokend.store.keyspace import Keyspace
 from tokend.tokens.service import TokenService
 
 # Redis unavailable for 30 s. The held session's clocks are far shorter, so
@@ -292,3 +293,42 @@ async def test_slow_redis_fails_fast(start_app, tokens: TokenService, redis_serv
             await held.heartbeat()
             async with RawClient.connect(app.port) as newcomer:
                 await newcomer.hello(tokens.mint("patient"))
+
+
+async def test_a_hello_answered_too_late_is_released_once_redis_answers_again(
+    start_app, tokens: TokenService, redis_server: RedisProcess
+):
+    """A HELLO Redis ran but answered after redis_timeout (1013) gave the session to a
+    connection whose client never got its WELCOME. Its release, lost too while Redis was
+    slow, is owed and sent again until Redis takes it: the client's next HELLO resumes
+    at once, not refused 4509 while that connection looks live (heartbeat_interval + 15 s)."""
+    async with LatencyProxy(redis_server.port) as proxy:
+        app = await start_app(
+            redis_url=proxy.url, redis_timeout=SLOW_TIMEOUT, warn_after=20, expire_after=30
+        )
+        assert app.node is not None
+        tid = uuid.uuid4()
+        token = tokens.mint("unlucky", tid=tid)
+        session_key = Keyspace(app.settings.key_prefix).session_keys(tid)[0]
+        direct = aioredis.from_url(redis_server.url, decode_responses=True)
+        proxy.delay = SLOW_REDIS_S
+        async with RawClient.connect(app.port) as first:
+            await first.send(p.encode(p.Hello(token)))
+            assert (await first.expect_close()).code == p.CloseCode.TRY_AGAIN_LATER
+        releases = app.node.release_batcher
+        await eventually(lambda: bool(releases.owed), SLOW_REDIS_S * 4, interval=0.05)
+        # The HELLO ran in Redis all the same; then Redis is quick again.
+        await eventually(lambda: direct.hget(session_key, "conn"), SLOW_REDIS_S * 4)
+        await direct.aclose()
+        proxy.delay = 0.0
+
+        async def resumed() -> bool:
+            async with RawClient.connect(app.port) as again:
+                try:
+                    return (await again.hello(token)).resumed
+                except Closed as closed:
+                    assert closed.code == p.CloseCode.SESSION_IN_USE, closed
+                    return False
+
+        # Well inside the window in which the connection it never saw looks live.
+        await eventually(resumed, 5, interval=0.2)

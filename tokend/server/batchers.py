@@ -18,6 +18,7 @@ from typing import Generic, Protocol, TypeVar, cast
 import structlog
 
 from tokend.core.protocol import CloseCode
+from tokend.core.session import SINCE_UNKNOWN
 from tokend.core.store_messages import HeartbeatRequest, ReleaseOutcome
 from tokend.server import seams
 from tokend.store.sessions import HelloRequest, ReleaseRequest, Store
@@ -374,12 +375,19 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
 
     A release Redis could not take is not retried: its session keeps its clocks, and
     counts as held live by the ended connection (spec "Resume proof") until that has been
-    silent for ``heartbeat_interval`` + 15 s. An outage is logged when it starts and
-    when it ends, with the count; the node's stop (:meth:`finish`) once, with its own.
+    silent for ``heartbeat_interval`` + 15 s. Except the release of a HELLO whose answer
+    was lost (on ``conn`` alone): Redis may have given the session to a connection whose
+    client never got its WELCOME and holds the key before it, whose resume is then
+    refused 4509 while that connection looks live. Those are owed, tried again at each
+    :meth:`kick` until Redis takes them, for ``owed_for`` seconds at most. An outage is
+    logged when it starts and when it ends, with the count; the node's stop
+    (:meth:`finish`) once, with its own.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, owed_for: float = 0.0) -> None:
         super().__init__(store)
+        self.owed: dict[ReleaseRequest, float] = {}  # each with when it was first lost
+        self.owed_for = owed_for
         self.in_flight = 0  # releases sent to Redis and not answered yet
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
@@ -402,6 +410,9 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
                 log.exception("release failed")
             return False
         self._landed(batch)
+        if self.owed:
+            for request in batch:
+                self.owed.pop(request, None)
         self.round_trips += 1
         self.seconds += time.perf_counter() - started
         self.released.update(outcomes)
@@ -428,6 +439,22 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
             if not self.lost and not self.stopping:
                 log.warning("store unavailable: sessions not released", count=len(batch))
             self.lost += len(batch)
+            now = time.monotonic()
+            for request in batch:
+                if request.since_ms == SINCE_UNKNOWN:
+                    self.owed.setdefault(request, now)
+
+    def kick(self) -> None:
+        """Submit the owed releases again (those owed longer than ``owed_for`` are let go:
+        their sessions' clocks have run out by then)."""
+        if not self.owed:
+            return
+        due = time.monotonic() - self.owed_for
+        for request, since in list(self.owed.items()):
+            if since < due:
+                del self.owed[request]
+            elif request not in self.waiting:
+                self.submit(request)
 
     async def finish(self, lanes: asyncio.Task[None] | None, timeout: float) -> None:
         """At the node's stop (it no longer runs): record the releases under way and those

@@ -70,7 +70,7 @@ class Node:
             if settings.off_redis == "leave"
             else None,
         )
-        self.release_batcher = ReleaseBatcher(self.store)
+        self.release_batcher = ReleaseBatcher(self.store, settings.expire_after)
         self.hello_batcher = HelloBatcher(self.store, self.release_batcher)
         # The connections' round trips, straight to the batchers (no call in between).
         self.submit_hello = self.hello_batcher.submit
@@ -256,7 +256,8 @@ class Node:
 
     def _replay_first(self) -> bool:
         """Whether heartbeats held through an outage are still unstored: they go in (kicked
-        here) before the sweeper judges any deadline."""
+        here) before the sweeper judges any deadline. The releases owed go again too."""
+        self.release_batcher.kick()
         if not self.heartbeat_batcher.unstored:
             return False
         self.heartbeat_batcher.kick()
