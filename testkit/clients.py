@@ -165,6 +165,17 @@ class RawClient:
             return closed
 
 
+async def resumes(port: int, token: str) -> bool:
+    """A HELLO with ``token`` on a new connection: whether it resumed; False when refused
+    4509 (the session held live elsewhere), any other close raises."""
+    async with RawClient.connect(port) as client:
+        try:
+            return (await client.hello(token)).resumed
+        except Closed as closed:
+            assert closed.code == p.CloseCode.SESSION_IN_USE, closed
+            return False
+
+
 class WireClient:
     """A WebSocket client on a plain non-blocking socket, reading only when told to.
 

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import signal
 import uuid
+from functools import partial
 from pathlib import Path
 
 from redis import asyncio as aioredis
 from websockets.exceptions import ConnectionClosed
 
-from testkit.clients import Closed, RawClient, proof_of
+from testkit.clients import Closed, RawClient, proof_of, resumes
 from testkit.events import EventLog, after_a_full_sweep, left_to_judge, read_events
 from testkit.net import http_get, is_ready
 from testkit.proxies import LatencyProxy
@@ -172,14 +173,17 @@ async def test_redis_unavailable_for_30_s(start_app, tokens: TokenService, own_r
         await heartbeat_until(loop.time() + OUTAGE_CLOCKS["expire_after"] + 1)
         async with RawClient.connect(app.port) as later:
             await later.hello(tokens.mint("later"))
-    client_redis = aioredis.from_url(own_redis.url, decode_responses=True)
-    history = [
-        e["type"]
-        for e in await read_events(client_redis, app.settings.key_prefix)
-        if e["tid"] == tid
-    ]
-    await client_redis.aclose()
+    history = await events_of(own_redis, app.settings.key_prefix, tid)
     assert history == ["SESSION_STARTED"], history
+
+
+async def events_of(server: RedisProcess, prefix: str, tid: str) -> list[str]:
+    """The types of the session's events in the stream, in order."""
+    client = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        return [e["type"] for e in await read_events(client, prefix) if e["tid"] == tid]
+    finally:
+        await client.aclose()
 
 
 async def heartbeats_until_closed(client: RawClient, timeout: float) -> Closed:
@@ -225,13 +229,7 @@ async def test_a_node_off_redis_sends_its_clients_to_resume_and_keeps_their_sess
     async with RawClient.connect(app.port) as again:
         resumed = await again.hello(tokens.mint("mover", tid=uuid.UUID(tid)), proof_of(welcome))
         assert resumed.resumed
-    client_redis = aioredis.from_url(own_redis.url, decode_responses=True)
-    history = [
-        e["type"]
-        for e in await read_events(client_redis, app.settings.key_prefix)
-        if e["tid"] == tid
-    ]
-    await client_redis.aclose()
+    history = await events_of(own_redis, app.settings.key_prefix, tid)
     assert "TOKEN_EXPIRED" not in history, history
 
 
@@ -321,14 +319,5 @@ async def test_a_hello_answered_too_late_is_released_once_redis_answers_again(
         await eventually(lambda: direct.hget(session_key, "conn"), SLOW_REDIS_S * 4)
         await direct.aclose()
         proxy.delay = 0.0
-
-        async def resumed() -> bool:
-            async with RawClient.connect(app.port) as again:
-                try:
-                    return (await again.hello(token)).resumed
-                except Closed as closed:
-                    assert closed.code == p.CloseCode.SESSION_IN_USE, closed
-                    return False
-
         # Well inside the window in which the connection it never saw looks live.
-        await eventually(resumed, 5, interval=0.2)
+        await eventually(partial(resumes, app.port, token), 5, interval=0.2)

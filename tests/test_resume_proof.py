@@ -13,11 +13,12 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import pytest
 from redis.asyncio import Redis
 
-from testkit.clients import Closed, RawClient, proof_of, tid_of
+from testkit.clients import Closed, RawClient, proof_of, resumes, tid_of
 from testkit.events import EventLog
 from testkit.waiting import eventually
 from tokend.core import protocol as p
@@ -155,15 +156,7 @@ async def test_a_v1_hello_resumes_a_session_silent_past_the_window(
         last_ack = time.monotonic()
         assert (await refused(app.port, token)).code == p.CloseCode.SESSION_IN_USE
 
-        async def resumed() -> bool:
-            async with RawClient.connect(app.port) as client:
-                try:
-                    return (await client.hello(token)).resumed
-                except Closed as closed:
-                    assert closed.code == p.CloseCode.SESSION_IN_USE, closed
-                    return False
-
-        await eventually(resumed, timeout=WINDOW_S + 10, interval=1.0)
+        await eventually(partial(resumes, app.port, token), timeout=WINDOW_S + 10, interval=1.0)
         # Not before the window: the node answered within it by Redis time, give or take
         # the round trips around the ACK that the test's clock cannot see.
         assert time.monotonic() - last_ack >= WINDOW_S - 1
