@@ -202,9 +202,9 @@ async def heartbeats_until_closed(client: RawClient, timeout: float) -> Closed:
 async def test_a_node_off_redis_sends_its_clients_to_resume_and_keeps_their_sessions(
     start_app, tokens: TokenService, own_redis: RedisProcess
 ):
-    """off_redis leave: a connection whose heartbeats went unstored for warn_after less an
-    interval is closed 1013; its last heartbeat is stored once Redis is back, so that its
-    client resumes though the outage outlasted expire_after."""
+    """off_redis leave: a connection whose heartbeats went unstored until halfway from
+    WARN to EXPIRED is closed 1013; its last heartbeat is stored once Redis is back, so
+    that its client resumes though the outage outlasted expire_after."""
     app = await start_app(redis_url=own_redis.url, redis_timeout=0.5, **OUTAGE_CLOCKS)
     assert app.settings.off_redis == "leave"
     assert own_redis.process is not None

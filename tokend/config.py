@@ -312,8 +312,9 @@ class Settings:
     off_redis: str = _setting(
         "leave",
         "what a node cut from Redis does with its connections: leave: a connection whose "
-        "heartbeats it could not store for warn_after is closed 1013, so that its client "
-        "resumes on a node that reaches Redis before the cluster expires its session; "
+        "heartbeats it could not store until halfway from warn_after to expire_after is "
+        "closed 1013, so that its client resumes on a node that reaches Redis before the "
+        "cluster expires its session; "
         "hold: acknowledged from what the node knows until Redis is back (either way its "
         "last heartbeat is stored once Redis is back)",
         Group.REDIS,

@@ -64,9 +64,12 @@ class Node:
             self.store,
             settings.heartbeat_batch,
             settings.heartbeat_gather,
-            # The cluster has its session in WARN by then (its last heartbeat stored came
-            # one interval before its first unstored one): expire_after less warn_after left.
-            leave_after=settings.warn_after - settings.heartbeat_interval
+            # Halfway from the WARN to the EXPIRED the rest of the cluster judges by its
+            # last heartbeat stored (one interval before its first unstored one): long past
+            # a Redis failover, whose outage every node sees at once and which the replay
+            # covers, with half of that stretch left for its client to resume elsewhere.
+            leave_after=(settings.warn_after + settings.expire_after) / 2
+            - settings.heartbeat_interval
             if settings.off_redis == "leave"
             else None,
         )
