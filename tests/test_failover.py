@@ -470,6 +470,9 @@ class SentinelTopology(Topology):
             sentinel.client().execute_command("SENTINEL", "RESET", "tokend")
 
 
+FORCE_AGAIN_S = 5.0
+
+
 @dataclass
 class ClusterTopology(Topology):
     cluster: RedisClusterProcess
@@ -483,12 +486,27 @@ class ClusterTopology(Topology):
                 return tid
 
     def promote(self) -> None:
-        """CLUSTER FAILOVER FORCE on the replica: the two live masters vote it in."""
-        self.replica.client().execute_command("CLUSTER", "FAILOVER", "FORCE")
+        """CLUSTER FAILOVER FORCE on the replica: the two live masters vote it in. Asked
+        again every FORCE_AGAIN_S while the replica is still one: Redis abandons a forced
+        election that timed out (a busy machine) and does not try it again."""
+        replica = self.replica.client()
         others = [n.client() for n in self.cluster.nodes[1:]]
+        asked = 0.0
+
+        def promoted() -> bool:
+            nonlocal asked
+            if all(_owner_of_slot_0(c) == self.replica.port for c in others):
+                return True
+            is_replica = replica.info("replication")["role"] == "slave"
+            if is_replica and time.monotonic() - asked >= FORCE_AGAIN_S:
+                replica.execute_command("CLUSTER", "FAILOVER", "FORCE")
+                asked = time.monotonic()
+            return False
+
         eventually_sync(
-            lambda: all(_owner_of_slot_0(c) == self.replica.port for c in others),
-            20,
+            promoted,
+            30,
+            interval=0.1,
             what="the other masters see the replica serve master 0's slots",
         )
 
