@@ -21,6 +21,7 @@ and not yet parsed go with it. What cannot go, and why, is counted
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import contextlib
 import os
@@ -186,7 +187,8 @@ class Giver:
                 _release(connection)
                 self._fall_back(connection, self.failed)
             return
-        records = [_record(c) for c in batch]
+        sockets = [_socket_of(c) for c in batch]
+        records = [_record(c, sock.family) for c, sock in zip(batch, sockets, strict=True)]
         message = encode_batch(self.number + 1, records, self.version)
         if len(message) > MAX_MESSAGE:
             if len(batch) == 1:
@@ -198,13 +200,12 @@ class Giver:
             await self._send(batch[half:])
             return
         self.number += 1
-        fds = []
+        # The transports' own descriptors: each stays open until the reply is applied.
+        fds = [sock.fileno() for sock in sockets]
         sealed = []
         for connection in batch:
             transport = connection.transport
             assert transport is not None
-            # The transport's own descriptor: it stays open until the reply is applied.
-            fds.append(transport.get_extra_info("socket").fileno())
             # Nothing more is written to it here (a NOTICE or a close the store asks for
             # is dropped; the store's move fails for a session ended meanwhile).
             connection.transport = None
@@ -374,20 +375,25 @@ def _handed_over(connection: Connection, transport: asyncio.Transport) -> None:
     connection.let_go()
 
 
-def _record(connection: Connection) -> Moving:
+def _socket_of(connection: Connection) -> socket.socket:
+    transport = connection.transport
+    assert transport is not None
+    sock: socket.socket = transport.get_extra_info("socket")
+    return sock
+
+
+def _record(connection: Connection, family: int) -> Moving:
     link = connection.link
     assert link is not None
     request = link.heartbeat_request
     pings = connection.pings
-    transport = connection.transport
-    assert transport is not None
     return Moving(
         session=export_session(link.session, request.token if request is not None else ""),
         peer=connection.address,
         unparsed=connection.unparsed(),
         fragments=None,  # quiet: no message under way
         pings=(pings.allowance, pings.checked) if pings is not None else None,
-        family=transport.get_extra_info("socket").family,
+        family=family,
     )
 
 
@@ -556,7 +562,7 @@ class Taker:
         # Its family given, the socket is not asked for it (three getsockopt calls); it is
         # non-blocking already (O_NONBLOCK belongs to the open file, shared with the old
         # worker's descriptor).
-        sock = socket.socket(record.family or -1, socket.SOCK_STREAM, 0, fd)
+        sock = _Socket(record.family or -1, socket.SOCK_STREAM, 0, fd)
         connection = Connection.adopt(gate, session, record.unparsed, record.peer)
         try:
             await self.loop.connect_accepted_socket(lambda: connection, sock)
@@ -572,6 +578,16 @@ class Taker:
             link.heartbeat_request = link.heartbeat_request._replace(token=stored)
         if record.pings is not None and gate.settings.max_frame_rate:
             connection.pings = bucket(gate.settings.max_frame_rate, record.pings, time.monotonic())
+
+
+# A socket whose ``family`` and ``type`` read as the plain numbers the OS gives: those of
+# socket.socket make an enum member of each, each time they are read, which costs more
+# than the rest of the socket object (the loop reads them three times as it takes one).
+_Socket = type(
+    "_Socket",
+    (socket.socket,),
+    {"__slots__": (), "family": _socket.socket.family, "type": _socket.socket.type},
+)
 
 
 # The takers running, kept until they end (the loop holds its tasks weakly).
