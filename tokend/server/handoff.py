@@ -115,10 +115,10 @@ class Giver:
 
         A batch at a time, gathered only once the window has room for it: its
         connections' reading is held from then to when the new worker answers it (a
-        heartbeat sent meanwhile waits for that one round trip, not for the batches ahead
-        of it). One not quiet yet (a heartbeat at the store, bytes unsent) waits, held,
-        for a later batch, at most SETTLE_S; one before WELCOME is looked at again until
-        SETTLE_S after the start."""
+        heartbeat sent meanwhile waits for that round trip, behind one batch at most, not
+        for every batch sent before it). One not quiet yet (a heartbeat at the store,
+        bytes unsent) waits, held, for a later batch, at most SETTLE_S; one before
+        WELCOME is looked at again until SETTLE_S after the start."""
         loop = asyncio.get_running_loop()
         cpu = time.process_time()
         began = loop.time()
