@@ -43,6 +43,7 @@ from tokend.core.handoff import (
 )
 from tokend.ops import pidfile
 from tokend.ops.app import App
+from tokend.ops.supervisor import HANDOFFS_AT_ONCE
 from tokend.server.handoff import RECEIVE_BUFFER, Giver, Taker
 from tokend.server.seams import SessionLink
 from tokend.store.keyspace import Keyspace, node_of
@@ -138,7 +139,7 @@ async def test_a_new_worker_killed_mid_handoff_leaves_each_connection_with_one_w
         supervisor.process.send_signal(signal.SIGHUP)
         # The first slot's new worker is stopped as its handoff begins (from the thread
         # that sees the log line: at once), then killed: it may have taken a batch or
-        # two (the old worker sends four before it waits for a reply), or none.
+        # two (the old worker sends two before it waits for a reply), or none.
         replaced = await asyncio.to_thread(stop_first_replaced, supervisor)
         moved_before_kill = Counter(
             [node_of(await holder(redis, settings, c.tid) or "") for c in clients]
@@ -210,6 +211,47 @@ async def test_tokend_reload_and_the_status_file_say_what_moved(
         "generation 2: said-w1.2, said-w2.2; 1 connection moved, 0 fell back"
     ), reload.stdout
     assert (status["last_reload"]["moved"], status["last_reload"]["fell_back"]) == (1, {})
+
+
+async def test_a_reload_hands_over_so_many_slots_at_once_and_no_more(
+    make_settings: Callable[..., Settings], tokens: TokenService
+) -> None:
+    """One slot more than HANDOFFS_AT_ONCE, and the first slot's new worker stopped as its
+    handoff begins (so that handoff lasts): the last slot's old worker begins its handoff
+    only once another has ended its own. (An old worker logs ``handed over`` before it
+    tells the supervisor, which then replaces the next slot's worker.)"""
+    workers = HANDOFFS_AT_ONCE + 1
+    settings = make_settings(**RELOAD, node_name="turns", max_connections_per_ip=0)
+    supervisor = supervisor_of(settings, workers)
+    supervisor.start()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = []
+        for n in range(10 * workers):  # some on every slot
+            client = await stack.enter_async_context(RawClient.connect(supervisor.port))
+            await client.hello(tokens.mint(f"turns-{n}"))
+            clients.append(client)
+        try:
+            assert supervisor.process is not None
+            supervisor.process.send_signal(signal.SIGHUP)
+            stopped = await asyncio.to_thread(stop_first_replaced, supervisor)
+            await asyncio.to_thread(supervisor.wait_logged, "worker replaced", workers, 60)
+            os.kill(stopped["pid"], signal.SIGCONT)
+            [finished] = await asyncio.to_thread(supervisor.wait_logged, "reload finished", 1, 60)
+            for client in clients:
+                await client.heartbeat()  # answered by a new worker, on the same connection
+        finally:
+            assert await asyncio.to_thread(supervisor.stop) == 0
+
+    assert finished["result"] == "ok" and finished["moved"] == len(clients), finished
+    handing = 0
+    most = 0
+    for entry in supervisor.log_lines:
+        if entry.get("event") == "worker replaced":
+            handing += 1
+            most = max(most, handing)
+        elif entry.get("event") == "handed over":
+            handing -= 1
+    assert handing == 0 and most == HANDOFFS_AT_ONCE, supervisor.log_lines
 
 
 @pytest.fixture
@@ -324,6 +366,50 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
                 assert (await client.heartbeat()).seq == 1  # still here, reading again
                 served += 1
         assert served == count - taken
+
+
+async def test_a_batch_is_gathered_and_held_only_once_the_window_has_room_for_it(
+    two_nodes: tuple[App, App], tokens: TokenService
+) -> None:
+    """With one batch in flight at most, the connections of the next batch go on being
+    read until the first batch is answered: a heartbeat they send meanwhile waits for
+    their own batch's round trip, not for the batches ahead of it."""
+    old, _ = two_nodes
+    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    give.setblocking(False)
+    assert old.admission is not None
+    count = MAX_BATCH + 60
+    async with contextlib.AsyncExitStack() as stack:
+        for n in range(count):
+            client = await stack.enter_async_context(RawClient.connect(old.port))
+            await client.hello(tokens.mint(f"window-{n}"))
+        by_tid = {tid_held(c.link): c for c in old.admission.connections if c.link is not None}
+        giver = Giver(old.admission.connections, old.node, give, "new")
+        giver.window = 1
+        running = asyncio.create_task(giver.run())
+        loop = asyncio.get_running_loop()
+        sent: set[str] = set()
+        held_elsewhere = []  # when each batch came: held connections not in it or before
+        while True:
+            # The giver waits for this batch's reply by the time its message is read here
+            # (it sends, then waits, with nothing in between).
+            data, fds, _, _ = await loop.run_in_executor(
+                None, lambda: socket.recv_fds(take, RECEIVE_BUFFER, MAX_BATCH)
+            )
+            if not data:
+                break
+            batch = decode_batch(data)
+            sent |= {str(r.session.claims.tid) for r in batch.records}
+            held_elsewhere.append(sum(c.moving for tid, c in by_tid.items() if tid not in sent))
+            take.send(encode_reply(batch.number, BatchStatus.READ, [Taken.TAKEN] * len(fds)))
+            for fd in fds:
+                os.close(fd)
+        report = await running
+        take.close()
+
+    assert len(by_tid) == count and report.moved == count and sent == set(by_tid)
+    assert len(held_elsewhere) >= 2
+    assert held_elsewhere == [0] * len(held_elsewhere)
 
 
 async def test_a_heartbeat_split_across_the_sighup_is_acked_by_the_new_worker(

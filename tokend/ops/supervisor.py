@@ -21,8 +21,9 @@ port open").
 
 * SIGHUP (``tokend reload``) replaces the workers (:meth:`Supervisor._reload`). The new
   workers start together; slot by slot, once the slot's new worker is ready (within
-  :data:`WORKER_READY_TIMEOUT`), the old one stops accepting (SIGUSR1) and hands it its
-  live connections over a socketpair made for the two (tokend/server/handoff.py). Then
+  :data:`WORKER_READY_TIMEOUT`) and fewer than :data:`HANDOFFS_AT_ONCE` slots are
+  handing over, the old one stops accepting (SIGUSR1) and hands it its live
+  connections over a socketpair made for the two (tokend/server/handoff.py). Then
   the old ones are sent SIGTERM together and close, with 1001, what they could not hand
   over (spread over their share of ``reload_drain_period``; their clients resume on the
   new workers), the same everywhere, with no gap between one old worker's last close
@@ -85,6 +86,9 @@ EXIT_TIMEOUT = 10.0
 # reply is bounded (tokend.server.handoff.REPLY_TIMEOUT_S), so only a starved machine
 # takes this long.
 HANDOFF_TIMEOUT = 120.0
+# Slots whose old worker hands its connections over at once: the handoffs of more, on a
+# machine of few cores, compete with each other and with every worker's heartbeats.
+HANDOFFS_AT_ONCE = 2
 MAIN = "tokend"  # LISTEN_FDNAMES name of a worker's WebSocket listener
 WORKER_COMMAND = (sys.executable, "-m", "tokend", "serve", "--worker")
 
@@ -437,8 +441,9 @@ class Supervisor:
         way), or "stop" or "died".
 
         Two steps. First, the new workers start together; slot by slot, once the slot's
-        new worker is ready, the old one stops accepting (SIGUSR1) and hands it its live
-        connections (tokend/server/handoff.py). Then the old workers drain together
+        new worker is ready and fewer than HANDOFFS_AT_ONCE slots are handing over, the
+        old one stops accepting (SIGUSR1) and hands it its live connections
+        (tokend/server/handoff.py). Then the old workers drain together
         (SIGTERM) what they could not hand over: those clients reconnect to the new
         workers alone, each session moves once, and the new workers share them evenly.
         (Draining each old worker as soon as its slot's new one is ready would send a
@@ -457,20 +462,25 @@ class Supervisor:
         )
         self._write_status("reloading")
         outcome, reason = "ok", ""
-        superseded = []
+        superseded: list[Worker] = []
         # Every new worker starts at once (their starts overlap rather than add up); then,
-        # slot by slot, each replaces its slot's old one once ready.
+        # slot by slot, each replaces its slot's old one once ready and fewer than
+        # HANDOFFS_AT_ONCE old workers are handing their connections over.
         starting = {slot.index: self._start(slot) for slot in self.slots}
         for slot in self.slots:
             old = slot.worker
+            waited = await self._handing_fewer(superseded)
+            if waited in ("stop", "died"):
+                outcome = str(waited)
+                break
+            if self.handoff_failed:  # a new worker died in its handoff: the reload ends
+                outcome, reason = "failed", self.handoff_failed
+                break
             outcome, reason = await self._supersede(slot, starting.pop(slot.index))
             if outcome != "ok":
                 break
             assert old is not None
             superseded.append(old)
-            if self.handoff_failed:  # a new worker died in its handoff: the reload ends
-                outcome, reason = "failed", self.handoff_failed
-                break
         for new in starting.values():  # the later slots keep their old workers
             new.process.kill()
         for new in starting.values():
@@ -498,6 +508,18 @@ class Supervisor:
             "reload finished", **self.last_reload, nodes=self._nodes()
         )
         return outcome
+
+    async def _handing_fewer(self, old_workers: list[Worker]) -> str | None:
+        """Until fewer than :data:`HANDOFFS_AT_ONCE` of ``old_workers`` are handing their
+        connections over: None, or "stop" or "died" (or None after
+        :data:`HANDOFF_TIMEOUT`: a starved handoff does not hold the others back)."""
+        while True:
+            handing = [w.handed for w in old_workers if not w.handed.is_set()]
+            if len(handing) < HANDOFFS_AT_ONCE:
+                return None
+            outcome = await self._first(HANDOFF_TIMEOUT, handed=_any_set(handing))
+            if outcome != "handed":
+                return outcome
 
     async def _supersede(self, slot: Slot, new: Worker) -> tuple[str, str]:
         """Once the slot's ``new`` worker is ready, the old one stops accepting and hands
@@ -649,6 +671,16 @@ def handoff_summary(old_workers: Iterable[Worker]) -> dict[str, Any]:
     return {"moved": moved, "fell_back": dict(sorted(fell_back.items()))}
 
 
+async def _any_set(events: Iterable[asyncio.Event]) -> None:
+    """Until one of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when="FIRST_COMPLETED")
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 async def _all_set(events: Iterable[asyncio.Event]) -> None:
     for event in list(events):
         await event.wait()
@@ -656,12 +688,7 @@ async def _all_set(events: Iterable[asyncio.Event]) -> None:
 
 async def _drained_or_exited(worker: Worker) -> None:
     """Until ``worker`` has closed its connections, or exited (having closed them or not)."""
-    waits = [asyncio.ensure_future(e.wait()) for e in (worker.drained, worker.exited)]
-    try:
-        await asyncio.wait(waits, return_when="FIRST_COMPLETED")
-    finally:
-        for wait in waits:
-            wait.cancel()
+    await _any_set((worker.drained, worker.exited))
 
 
 def supervise(settings: Settings, environ: Mapping[str, str]) -> int:

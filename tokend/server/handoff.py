@@ -21,6 +21,7 @@ and not yet parsed go with it. What cannot go, and why, is counted
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import contextlib
 import os
@@ -68,9 +69,10 @@ REPLY_TIMEOUT_S = 10.0
 # socket's buffer (net.core.wmem_default: 212,992 bytes on Linux).
 MAX_MESSAGE = 128 * 1024
 RECEIVE_BUFFER = MAX_MESSAGE
-# Batches sent and not yet answered, at most: the new worker's store round trips and
-# adoptions of some overlap the packing of the next.
-WINDOW = 4
+# Batches sent and not yet answered, at most. The new worker takes one at a time; while
+# it does, the next waits for it, packed (it never waits for the old worker). More would
+# hold their connections' reading longer, and move none sooner.
+WINDOW = 2
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Giver:
         self.sent: dict[int, list[tuple[Connection, asyncio.Transport]]] = {}
         self.failed: FallbackReason | None = None  # once the new worker failed: why
         self.version = HANDOFF_VERSION  # of the batches it writes
+        self.window = WINDOW  # batches sent and not answered, at most
         # This process's CPU time over the handoff (all it did meanwhile: an upper bound).
         self.cpu_s = 0.0
 
@@ -110,17 +113,21 @@ class Giver:
         """Hand every connection over, or decide why it stays: each is counted once, as
         moved or by the reason it fell back.
 
-        A batch at a time: its connections' reading is held only from when the batch is
-        gathered to when the new worker answers (a heartbeat sent meanwhile waits that
-        long, no more). One not quiet yet (a heartbeat at the store, bytes unsent) waits,
-        held, for a later batch, at most SETTLE_S; one before WELCOME is looked at again
-        until SETTLE_S after the start."""
+        A batch at a time, gathered only once the window has room for it: its
+        connections' reading is held from then to when the new worker answers it (a
+        heartbeat sent meanwhile waits for that round trip, behind one batch at most, not
+        for every batch sent before it). One not quiet yet (a heartbeat at the store,
+        bytes unsent) waits, held, for a later batch, at most SETTLE_S; one before
+        WELCOME is looked at again until SETTLE_S after the start."""
         loop = asyncio.get_running_loop()
         cpu = time.process_time()
         began = loop.time()
         pending = deque(self.connections)
         settling: dict[Connection, float] = {}  # held, not quiet yet: since when
         while (pending or settling) and self.failed is None:
+            await self._room()
+            if self.failed is not None:
+                break
             now = loop.time()
             batch: list[Connection] = []
             for connection, since in list(settling.items()):
@@ -166,17 +173,22 @@ class Giver:
         self.report.fell_back[reason.value] += 1
         self.node.metrics.handoff_fell_back[reason.value] += 1
 
-    async def _send(self, batch: list[Connection]) -> None:
-        """Send ``batch`` (split while its message is too large), keeping at most WINDOW
-        batches unanswered; once the new worker failed, the batch stays here."""
-        while len(self.sent) >= WINDOW and self.failed is None:
+    async def _room(self) -> None:
+        """Until fewer than ``window`` batches are unanswered (or the new worker failed)."""
+        while len(self.sent) >= self.window and self.failed is None:
             await self._answered()
+
+    async def _send(self, batch: list[Connection]) -> None:
+        """Send ``batch`` (split while its message is too large), keeping at most ``window``
+        batches unanswered; once the new worker failed, the batch stays here."""
+        await self._room()
         if self.failed is not None:
             for connection in batch:
                 _release(connection)
                 self._fall_back(connection, self.failed)
             return
-        records = [_record(c) for c in batch]
+        sockets = [_socket_of(c) for c in batch]
+        records = [_record(c, sock.family) for c, sock in zip(batch, sockets, strict=True)]
         message = encode_batch(self.number + 1, records, self.version)
         if len(message) > MAX_MESSAGE:
             if len(batch) == 1:
@@ -188,12 +200,12 @@ class Giver:
             await self._send(batch[half:])
             return
         self.number += 1
-        fds = []
+        # The transports' own descriptors: each stays open until the reply is applied.
+        fds = [sock.fileno() for sock in sockets]
         sealed = []
         for connection in batch:
             transport = connection.transport
             assert transport is not None
-            fds.append(os.dup(transport.get_extra_info("socket").fileno()))
             # Nothing more is written to it here (a NOTICE or a close the store asks for
             # is dropped; the store's move fails for a session ended meanwhile).
             connection.transport = None
@@ -203,9 +215,6 @@ class Giver:
             await _send_with_fds(self.sock, message, fds)
         except OSError:
             self.failed = FallbackReason.NEW_WORKER_FAILED  # _take_back decides the batch
-        finally:
-            for fd in fds:
-                os.close(fd)
 
     async def _answered(self) -> None:
         """Wait for the next reply and act on it; a new worker that closed its end or did
@@ -366,20 +375,25 @@ def _handed_over(connection: Connection, transport: asyncio.Transport) -> None:
     connection.let_go()
 
 
-def _record(connection: Connection) -> Moving:
+def _socket_of(connection: Connection) -> socket.socket:
+    transport = connection.transport
+    assert transport is not None
+    sock: socket.socket = transport.get_extra_info("socket")
+    return sock
+
+
+def _record(connection: Connection, family: int) -> Moving:
     link = connection.link
     assert link is not None
     request = link.heartbeat_request
     pings = connection.pings
-    transport = connection.transport
-    assert transport is not None
     return Moving(
         session=export_session(link.session, request.token if request is not None else ""),
         peer=connection.address,
         unparsed=connection.unparsed(),
         fragments=None,  # quiet: no message under way
         pings=(pings.allowance, pings.checked) if pings is not None else None,
-        family=transport.get_extra_info("socket").family,
+        family=family,
     )
 
 
@@ -414,7 +428,13 @@ async def _send_with_fds(sock: socket.socket, message: bytes, fds: Sequence[int]
 
 
 class Taker:
-    """Takes the connections an old worker sends over ``sock`` (until it closes its end)."""
+    """Takes the connections an old worker sends over ``sock`` (until it closes its end).
+
+    One batch at a time, in the order sent: the next batch is read once the last one's
+    connections are adopted (read and written here). Its reply goes before its
+    adoptions, so the old worker's window of unanswered batches would not bound the
+    batches answered and not yet adopted; taken in turn, those are one at most, and a
+    connection's heartbeats wait for the batches ahead of it in the window alone."""
 
     def __init__(
         self, gate: Gate, node: Node, sock: socket.socket, accepting: Callable[[], bool]
@@ -424,7 +444,6 @@ class Taker:
         self.sock = sock
         self.accepting = accepting
         self.report = HandoffReport()
-        self.tasks: set[asyncio.Task[None]] = set()
         self.loop = asyncio.get_running_loop()
         # This process's CPU time from its first batch to its last adoption (all it did
         # meanwhile: an upper bound).
@@ -433,29 +452,37 @@ class Taker:
 
     def start(self) -> None:
         self.sock.setblocking(False)
-        self.loop.add_reader(self.sock, self._readable)
+        task = asyncio.ensure_future(self._run())
+        _TAKING.add(task)
+        task.add_done_callback(_TAKING.discard)
 
-    def _readable(self) -> None:
+    async def _run(self) -> None:
+        while True:
+            data, fds, flags = await self._receive()
+            if not data:
+                _close_all(fds)
+                break
+            await self._take(data, fds, flags)
+        self.sock.close()
+        log.info("took over", moved=self.report.moved, cpu_s=round(self.cpu_s, 3))
+
+    async def _receive(self) -> tuple[bytes, list[int], int]:
+        """The next batch message and its descriptors; empty once the old worker closed
+        its end (or the socket failed)."""
         while True:
             try:
                 data, fds, flags, _ = socket.recv_fds(self.sock, RECEIVE_BUFFER, MAX_BATCH)
             except BlockingIOError:
-                return
+                readable = self.loop.create_future()
+                self.loop.add_reader(self.sock, readable.set_result, None)
+                try:
+                    await readable
+                finally:
+                    self.loop.remove_reader(self.sock)
+                continue
             except OSError:
-                data, fds, flags = b"", [], 0
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                self._ended()
-                return
-            task = asyncio.ensure_future(self._take(data, fds, flags))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    def _ended(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.sock)
-        self.sock.close()
-        log.info("took over", moved=self.report.moved, cpu_s=round(self.cpu_s, 3))
+                return b"", [], 0
+            return data, fds, flags
 
     async def _take(self, data: bytes, fds: list[int], flags: int) -> None:
         if self.first_cpu is None:
@@ -511,8 +538,7 @@ class Taker:
         adopted = 0
         for record, conn, since, fd in zip(records, conns, sinces, fds, strict=True):
             if since:
-                # One after another in this task: a task each would cost more than the
-                # adoption itself.
+                # One after another: a task each would cost more than the adoption itself.
                 await self._adopt(record, conn, since, fd)
                 adopted += 1
             else:
@@ -536,7 +562,7 @@ class Taker:
         # Its family given, the socket is not asked for it (three getsockopt calls); it is
         # non-blocking already (O_NONBLOCK belongs to the open file, shared with the old
         # worker's descriptor).
-        sock = socket.socket(record.family or -1, socket.SOCK_STREAM, 0, fd)
+        sock = _Socket(record.family or -1, socket.SOCK_STREAM, 0, fd)
         connection = Connection.adopt(gate, session, record.unparsed, record.peer)
         try:
             await self.loop.connect_accepted_socket(lambda: connection, sock)
@@ -552,6 +578,20 @@ class Taker:
             link.heartbeat_request = link.heartbeat_request._replace(token=stored)
         if record.pings is not None and gate.settings.max_frame_rate:
             connection.pings = bucket(gate.settings.max_frame_rate, record.pings, time.monotonic())
+
+
+# A socket whose ``family`` and ``type`` read as the plain numbers the OS gives: those of
+# socket.socket make an enum member of each, each time they are read, which costs more
+# than the rest of the socket object (the loop reads them three times as it takes one).
+_Socket = type(
+    "_Socket",
+    (socket.socket,),
+    {"__slots__": (), "family": _socket.socket.family, "type": _socket.socket.type},
+)
+
+
+# The takers running, kept until they end (the loop holds its tasks weakly).
+_TAKING: set[asyncio.Task[None]] = set()
 
 
 def _close_all(fds: Sequence[int]) -> None:
