@@ -501,13 +501,17 @@ async def test_a_heartbeat_waits_for_no_gather_while_a_round_trip_is_in_flight(
     ]
 
 
-def test_a_gather_waits_only_while_fewer_than_one_heartbeat_comes_per_round_trip() -> None:
+def test_a_gather_waits_only_while_fewer_heartbeats_come_per_round_trip_than_lanes() -> None:
     # The production cadence: 20,000 idle sessions at 30 s, a 0.3 ms round trip.
-    assert gathers(20_000 / 30, 0.0003)
+    assert gathers(20_000 / 30, 0.0003, 4)
+    # The same on a busy machine, a 3 ms round trip: two a trip, over four lanes each
+    # trip would still carry about one.
+    assert gathers(20_000 / 30, 0.003, 4)
+    assert not gathers(20_000 / 30, 0.003, 1)  # one lane: the trips fill as they are
     # A closed loop of 100 clients answered in 3 ms: each trip finds the next waiting.
-    assert not gathers(100 / 0.003, 0.0003)
-    assert gathers(0.0, 0.0)  # nothing measured yet
-    assert not gathers(1000.0, 0.001)  # one per round trip: the boundary does not wait
+    assert not gathers(100 / 0.003, 0.0003, 4)
+    assert gathers(0.0, 0.0, 4)  # nothing measured yet
+    assert not gathers(1000.0, 0.004, 4)  # as many per round trip as lanes: no wait
 
 
 async def test_heartbeats_faster_than_round_trips_wait_for_no_gather(

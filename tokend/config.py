@@ -323,8 +323,8 @@ class Settings:
     heartbeat_gather: float = _setting(
         0.002,
         "how long a heartbeat that finds no Redis round trip in flight waits for others to "
-        "share its round trip, while heartbeats come slower than one per round trip; 0: at "
-        "once. Under load a round trip is in flight and nothing waits",
+        "share its round trip, while fewer heartbeats come per round trip than flush_lanes; "
+        "0: at once. Under load a round trip is in flight and nothing waits",
         Group.REDIS,
         unit=SECONDS,
         at_least=0,

@@ -142,15 +142,17 @@ RATE_WINDOW = 0.25
 ROUND_TRIP_WEIGHT = 8
 
 
-def gathers(rate: float, round_trip: float) -> bool:
+def gathers(rate: float, round_trip: float, lanes: int = 1) -> bool:
     """Whether a heartbeat that finds no round trip in flight waits for others to share
-    its trip, at ``rate`` heartbeats per second and ``round_trip`` seconds a trip: only
-    while fewer than one comes, on average, during one round trip. Slower (the production
-    cadence: many idle sessions, a heartbeat every few milliseconds) each trip would carry
-    one heartbeat, and the wait saves trips; faster, trips fill as they are (each finds
-    the next heartbeats waiting), and a wait would only idle clients that wait for their
-    ACK (bench heartbeat's closed loop)."""
-    return rate * round_trip < 1
+    its trip, at ``rate`` heartbeats per second, ``round_trip`` seconds a trip and up to
+    ``lanes`` trips in flight at once: only while fewer than ``lanes`` come, on average,
+    during one round trip. Below that a lane is idle nearly whenever one comes, and each
+    trip would carry one heartbeat or a few (the production cadence: many idle sessions,
+    a heartbeat every few milliseconds, on a machine busy enough to make round trips
+    last a millisecond or more); the wait saves trips. At or above it the lanes are
+    busy, trips fill as they are (each finds the next heartbeats waiting), and a wait
+    would only idle clients that wait for their ACK (bench heartbeat's closed loop)."""
+    return rate * round_trip < lanes
 
 
 class HeartbeatBatcher(Batcher[seams.SessionLink]):
@@ -160,9 +162,9 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
     node is overloaded), the best-ranked go first (``Session.batch_rank``: on cadence, then
     :func:`tokend.core.lifecycle.serving_rank`)
     and the rest wait for the next flush. A heartbeat that finds no round trip in flight
-    waits up to ``gather`` seconds for others to share its trip, while heartbeats come
-    slower than one per round trip (:func:`gathers`); under load one is always in
-    flight, and nothing waits.
+    waits up to ``gather`` seconds for others to share its trip, while fewer heartbeats
+    come per round trip than there are lanes (:func:`gathers`); under load one is
+    always in flight, and nothing waits.
 
     While Redis is unavailable the heartbeats are acknowledged from what the session
     knows and kept in :attr:`unstored`; they are stored, marked as replayed (not
@@ -180,6 +182,7 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
         # about as much for one heartbeat as for ten (bench/results/2026-12-04-heartbeat-gather.md).
         self.gather = gather
         self.in_flight = 0  # store round trips of this batcher awaiting their answer
+        self.lanes = 1  # round trips it keeps in flight at most (run's lanes)
         # Links submitted since the rate was last taken (at a flush, every RATE_WINDOW at
         # most), and when; the rate then, per second; the seconds a round trip takes
         # (a moving mean): whether a gather is worth its wait (gathers).
@@ -220,7 +223,7 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
                     self.gather
                     and not self.in_flight
                     and self.batch_size > 1
-                    and gathers(self.rate, self.round_trip)
+                    and gathers(self.rate, self.round_trip, self.lanes)
                 ):
                     asyncio.get_running_loop().call_later(self.gather, self._call_lane)
                 else:
@@ -247,6 +250,10 @@ class HeartbeatBatcher(Batcher[seams.SessionLink]):
             if not lane.done():  # not cancelled (the node stops)
                 lane.set_result(None)
                 return
+
+    async def run(self, node: Running, lanes: int = 1) -> None:
+        self.lanes = lanes
+        await super().run(node, lanes)
 
     async def _lane(self, node: Running) -> None:
         loop = asyncio.get_running_loop()
