@@ -267,8 +267,7 @@ async def two_nodes(
 
 def handing_over(old: App, new: App) -> Giver:
     """A giver of ``old``'s connections to a taker of ``new``'s, over a socketpair."""
-    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    give.setblocking(False)
+    give, take = handoff_channel()
     assert new.admission is not None and old.admission is not None
     Taker(new.admission, new.node, take, lambda: True).start()
     return Giver(old.admission.connections, old.node, give, new.node.name)
@@ -321,6 +320,26 @@ async def test_a_connection_already_closing_is_not_moved_and_ends_as_it_was_goin
     assert new.node.metrics.handoff_taken == 1
 
 
+def handoff_channel() -> tuple[socket.socket, socket.socket]:
+    """The giver's end (non-blocking, as a worker's) and the taker's end of a handoff."""
+    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    give.setblocking(False)
+    return give, take
+
+
+async def welcomed(
+    stack: contextlib.AsyncExitStack, port: int, tokens: TokenService, count: int, name: str
+) -> list[RawClient]:
+    """``count`` clients, each WELCOMEd right after its connect (hello_timeout runs from
+    the connect), open until ``stack`` closes."""
+    clients = []
+    for n in range(count):
+        client = await stack.enter_async_context(RawClient.connect(port))
+        await client.hello(tokens.mint(f"{name}-{n}"))
+        clients.append(client)
+    return clients
+
+
 async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connection_here(
     two_nodes: tuple[App, App], tokens: TokenService
 ) -> None:
@@ -328,16 +347,11 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
     and unanswered, stays with the old worker, as do the connections not sent yet; each
     connection is counted once, and every one left here is still served."""
     old, _ = two_nodes
-    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    give.setblocking(False)
+    give, take = handoff_channel()
     assert old.admission is not None
     count = MAX_BATCH + 60
     async with contextlib.AsyncExitStack() as stack:
-        clients = []
-        for n in range(count):  # each HELLO at once: hello_timeout runs from the connect
-            client = await stack.enter_async_context(RawClient.connect(old.port))
-            await client.hello(tokens.mint(f"many-{n}"))
-            clients.append(client)
+        clients = await welcomed(stack, old.port, tokens, count, "many")
         giver = Giver(old.admission.connections, old.node, give, "new")
         running = asyncio.create_task(giver.run())
         loop = asyncio.get_running_loop()
@@ -375,14 +389,11 @@ async def test_a_batch_is_gathered_and_held_only_once_the_window_has_room_for_it
     read until the first batch is answered: a heartbeat they send meanwhile waits for
     their own batch's round trip, not for the batches ahead of it."""
     old, _ = two_nodes
-    give, take = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    give.setblocking(False)
+    give, take = handoff_channel()
     assert old.admission is not None
     count = MAX_BATCH + 60
     async with contextlib.AsyncExitStack() as stack:
-        for n in range(count):
-            client = await stack.enter_async_context(RawClient.connect(old.port))
-            await client.hello(tokens.mint(f"window-{n}"))
+        await welcomed(stack, old.port, tokens, count, "window")
         by_tid = {tid_held(c.link): c for c in old.admission.connections if c.link is not None}
         giver = Giver(old.admission.connections, old.node, give, "new")
         giver.window = 1
