@@ -156,7 +156,9 @@ async def test_a_v1_hello_resumes_a_session_silent_past_the_window(
         last_ack = time.monotonic()
         assert (await refused(app.port, token)).code == p.CloseCode.SESSION_IN_USE
 
-        await eventually(partial(resumes, app.port, token), timeout=WINDOW_S + 10, interval=1.0)
+        await eventually(
+            partial(resumes, app.port, token), WINDOW_S + 10, interval=1.0, what="a resume"
+        )
         # Not before the window: the node answered within it by Redis time, give or take
         # the round trips around the ACK that the test's clock cannot see.
         assert time.monotonic() - last_ack >= WINDOW_S - 1
