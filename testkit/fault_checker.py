@@ -13,10 +13,10 @@ keys). The promises, each a function below:
 * **revocation never undone**: after a confirmed revocation no client of the token gets a
   WELCOME, nor an ACK for a heartbeat sent after the confirmation, unless that
   connection's node was off Redis then (it acknowledges from what it knows, and the
-  revocation reaches it when Redis does: docs/protocol.md §5);
+  revocation reaches it when Redis does: docs/protocol.md §6);
 * **one connection at a time**: a connection gets no ACK for a heartbeat it sent after
   another connection of the session was welcomed later than it, unless the old one's
-  node was off Redis then (it acknowledges from what it knows: docs/protocol.md §5);
+  node was off Redis then (it acknowledges from what it knows: docs/protocol.md §6);
 * **exp forward**: the exp each client of a session is told (WELCOME, ACK) never goes back, and
   every token an ACK hands over verifies, for this session, with the ACK's exp;
 * **events once**: no two stream entries alike; a consumer group is delivered each entry
@@ -228,7 +228,7 @@ def acked_off_redis(
 ) -> bool:
     """Whether the node of the connection ``welcome`` opened was off Redis when the
     heartbeat sent at ``beat`` reached it: it acknowledged from what it knew, and neither
-    a takeover nor a revocation could reach it meanwhile (docs/protocol.md §5). Recorded
+    a takeover nor a revocation could reach it meanwhile (docs/protocol.md §6). Recorded
     as an excuse when so."""
     window = next(
         (
@@ -267,8 +267,10 @@ def revocation_kept(
                 f"client {r.client} welcomed at {r.t:.3f}, after the revocation confirmed "
                 f"at {revoked.t:.3f}",
             )
-        beat = sent.get((r.client, r.conn, r.seq or 0), 0.0)
-        if r.kind == h.ACK and r.seq is not None and beat > revoked.t:
+        if r.kind != h.ACK or r.seq is None:
+            continue
+        beat = sent.get((r.client, r.conn, r.seq), 0.0)
+        if beat > revoked.t:
             welcome = welcomed.get((r.client, r.conn))
             if welcome is not None and acked_off_redis(
                 story, welcome, beat, windows, clocks, excused

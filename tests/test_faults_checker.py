@@ -237,13 +237,16 @@ class FaultsRun:
                 stderr=subprocess.STDOUT,
             )
 
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()  # faults.py stops what it started on SIGTERM
+            self.process.wait(timeout=60)
+
     def result(self) -> dict[str, Any]:
         try:
             status = self.process.wait(timeout=RUN_TIMEOUT)
         finally:
-            if self.process.poll() is None:
-                self.process.terminate()  # faults.py stops what it started on SIGTERM
-                self.process.wait(timeout=60)
+            self.stop()
         told = self.output.read_text()[-3000:]
         assert self.summary.exists(), told
         result: dict[str, Any] = json.loads(self.summary.read_text())
@@ -283,9 +286,7 @@ def planted_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str 
         yield runs
     finally:
         for run in runs.values():
-            if run.process.poll() is None:
-                run.process.terminate()
-                run.process.wait(timeout=60)
+            run.stop()
 
 
 @pytest.mark.timeout(RUN_TIMEOUT)
