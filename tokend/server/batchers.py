@@ -85,10 +85,13 @@ class Batcher(Generic[Item]):
 class HelloBatcher(Batcher[seams.SessionLink]):
     """HELLOs to start or resume sessions, answered with WELCOME (or a close) from the flush.
 
-    Invariant: the connections of this node that ended before a HELLO came are released
-    in Redis before that HELLO is sent (:meth:`ReleaseBatcher.settle`), so a client that
-    closes and comes straight back to the same node resumes, proof or not, instead of
-    meeting its own ended connection as a live holder (4509).
+    Invariant: the connections of this node that held a HELLO's session and ended before
+    that HELLO came are released in Redis before it is sent (:meth:`ReleaseBatcher.settle`),
+    so a client that closes and comes straight back to the same node resumes, proof or
+    not, instead of meeting its own ended connection as a live holder (4509). Releases of
+    other sessions hold no HELLO back: under a reconnect storm through a slow Redis each
+    HELLO left unanswered ends in a release, and a wait for all of them would add a
+    round trip to every HELLO batch.
 
     One round trip at a time (one lane, whatever ``flush_lanes``): the HELLOs that come
     while it is out go together in the next. A round trip costs the node about as much
@@ -103,7 +106,6 @@ class HelloBatcher(Batcher[seams.SessionLink]):
 
     async def flush(self) -> None:
         batch, self.waiting = list(self.waiting), {}
-        await self.releases.settle()
         requests = []
         for link in batch:
             session = link.session
@@ -123,6 +125,7 @@ class HelloBatcher(Batcher[seams.SessionLink]):
                     session.unverified is None,
                 )
             )
+        await self.releases.settle({str(request.tid) for request in requests})
         try:
             answers = await self.store.hellos(requests)
         except Exception as exc:  # StoreUnavailable (1013) or a script error (1011)
@@ -395,9 +398,8 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
         super().__init__(store)
         self.owed: dict[ReleaseRequest, float] = {}  # each with when it was first lost
         self.owed_for = owed_for
-        self.in_flight = 0  # releases sent to Redis and not answered yet
-        self._none_in_flight = asyncio.Event()
-        self._none_in_flight.set()
+        self.in_flight: Counter[str] = Counter()  # sent to Redis, not answered yet, per tid
+        self._landing = asyncio.Event()  # set (and replaced) whenever a round trip ends
         self.lost = 0  # releases Redis could not take since the outage began
         self.stopping = False
         self.released: Counter[ReleaseOutcome] = Counter()
@@ -406,8 +408,7 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
 
     async def record(self, batch: list[ReleaseRequest]) -> bool:
         """Release ``batch`` in one round trip; False when Redis could not take it."""
-        self.in_flight += len(batch)  # still counted if the stop cancels the call
-        self._none_in_flight.clear()
+        self.in_flight.update(request.tid for request in batch)  # counted if the stop cancels
         started = time.perf_counter()
         try:
             outcomes = await self.store.releases(batch)
@@ -429,16 +430,22 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
         return True
 
     def _landed(self, batch: list[ReleaseRequest]) -> None:
-        self.in_flight -= len(batch)
-        if not self.in_flight:
-            self._none_in_flight.set()
+        in_flight = self.in_flight
+        for request in batch:
+            in_flight[request.tid] -= 1
+            if not in_flight[request.tid]:
+                del in_flight[request.tid]
+        self._landing.set()
+        self._landing = asyncio.Event()
 
-    async def settle(self) -> None:
-        """Record the releases waiting now and wait for those under way (answered or
-        failed): what ended before this call is released in Redis when it returns."""
-        if self.waiting:
+    async def settle(self, tids: set[str]) -> None:
+        """Record the waiting releases of the sessions ``tids`` and wait for those under
+        way (answered or failed): what of them ended before this call is released in
+        Redis when it returns. Other sessions' releases are not waited for."""
+        if any(request.tid in tids for request in self.waiting):
             await self.flush()
-        await self._none_in_flight.wait()
+        while not tids.isdisjoint(self.in_flight):
+            await self._landing.wait()
 
     async def flush(self) -> None:
         batch, self.waiting = list(self.waiting), {}
@@ -474,7 +481,7 @@ class ReleaseBatcher(Batcher[ReleaseRequest]):
                 if lanes is not None:
                     await lanes  # the flush under way, if any, ends first
                 await self.flush()  # what came in meanwhile
-        lost = self.lost - lost_before + self.in_flight + len(self.waiting)
+        lost = self.lost - lost_before + self.in_flight.total() + len(self.waiting)
         if lost:
             log.warning("sessions not released at stop: store unavailable", count=lost)
         if self.released:
