@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tokend.core.lifecycle import (
@@ -18,6 +18,7 @@ from tokend.core.lifecycle import (
     deadline,
     due_transition,
     held_live,
+    off_redis_leave_after_ms,
     parked_heartbeat,
     parked_hold,
     resume_outlasted,
@@ -242,6 +243,24 @@ def test_a_session_outlasts_a_lost_connections_hold_with_the_defaults_only_if_se
     assert not resume_outlasted(30_000, 45_001)
     assert resume_outlasted(30_000, 45_000)
     assert resume_outlasted(200, 1_200)  # the tests' short clocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(clocks(), st.integers(1, 10**7))
+def test_a_node_off_redis_lets_a_connection_go_while_the_cluster_has_its_session_in_warn(
+    clk: Clocks, interval: int
+) -> None:
+    """Counted from the first heartbeat left unstored, one interval after the last one
+    stored: the rest of the cluster has the session in WARN by then, not yet EXPIRED."""
+    assume(interval < clk.warn_after_ms)  # tokend.config: heartbeat_interval < warn_after
+    leave_after = off_redis_leave_after_ms(interval, clk)
+    assert leave_after > 0
+    assert clk.warn_after_ms <= interval + leave_after < clk.expire_after_ms
+
+
+def test_a_node_off_redis_lets_go_halfway_from_warn_to_expired() -> None:
+    assert off_redis_leave_after_ms(30_000, Clocks(90_000, 120_000)) == 75_000  # the defaults
+    assert off_redis_leave_after_ms(2_000, Clocks(6_000, 25_000)) == 13_500  # the fault runs'
 
 
 # --- Clocks validation ------------------------------------------------------------------------

@@ -149,6 +149,20 @@ def resume_outlasted(heartbeat_interval_ms: int, expire_after_ms: int) -> bool:
     return held_live_ms(heartbeat_interval_ms) >= expire_after_ms
 
 
+def off_redis_leave_after_ms(heartbeat_interval_ms: int, clocks: Clocks) -> int:
+    """How long a node cut from Redis alone acknowledges a connection's heartbeats
+    unstored before it closes that connection 1013 for its client to resume on a node
+    that reaches Redis (docs/protocol.md §6, setting ``off_redis``), counted from the
+    first heartbeat it could not store.
+
+    The rest of the cluster judges the session by its last heartbeat stored, one
+    interval before that: the node lets go halfway from its WARN to its EXPIRED there.
+    That is long past a Redis failover, whose outage every node sees at once and which
+    the replay of the held heartbeats covers, and leaves half of that stretch for the
+    client's resume elsewhere."""
+    return (clocks.warn_after_ms + clocks.expire_after_ms) // 2 - heartbeat_interval_ms
+
+
 # Ranks run 0..RANKS-1.
 RANKS = 20
 

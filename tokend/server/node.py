@@ -23,6 +23,7 @@ import structlog
 
 from tokend import logs
 from tokend.config import KEYS_REFRESH_INTERVAL, Settings
+from tokend.core import lifecycle
 from tokend.core.claims import Claims
 from tokend.core.protocol import CloseCode
 from tokend.core.session import GOING_AWAY, Close, Session
@@ -64,12 +65,11 @@ class Node:
             self.store,
             settings.heartbeat_batch,
             settings.heartbeat_gather,
-            # Halfway from the WARN to the EXPIRED the rest of the cluster judges by its
-            # last heartbeat stored (one interval before its first unstored one): long past
-            # a Redis failover, whose outage every node sees at once and which the replay
-            # covers, with half of that stretch left for its client to resume elsewhere.
-            leave_after=(settings.warn_after + settings.expire_after) / 2
-            - settings.heartbeat_interval
+            leave_after=lifecycle.off_redis_leave_after_ms(
+                settings.ms("heartbeat_interval"),
+                lifecycle.Clocks(settings.ms("warn_after"), settings.ms("expire_after")),
+            )
+            / 1000
             if settings.off_redis == "leave"
             else None,
         )
