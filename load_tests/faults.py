@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import gc
 import json
 import os
 import random
@@ -605,6 +606,9 @@ class Run:
                 self.stalls.append((round(now - started - late, 1), round(late, 2)))
             if now - ticked < 10:
                 continue
+            # The records are kept to the end: frozen, the collector's full passes no
+            # longer walk them (they grew to stalls of a second as the history grew).
+            gc.freeze()
             connected = sum(s.connected for s in self.sessions)
             used = time.process_time()
             print(

@@ -1,7 +1,7 @@
 """TCP relays on loopback whose links a fault run (load_tests/faults.py) cuts, delays and
 blackholes: :class:`ClientFront`, the clients' way to the nodes (a round-robin balancer
-that skips a node cut from its clients), and :class:`RedisLink`, one node's way to the
-current Redis master."""
+with a health check, that skips a node cut from its clients), and :class:`RedisLink`, one
+node's way to the current Redis master."""
 
 from __future__ import annotations
 
@@ -135,23 +135,68 @@ class _Listener:
         raise NotImplementedError
 
 
+# Seconds between a balancer's health checks of a node, and each check's deadline.
+HEALTH_CHECK_INTERVAL = 0.5
+
+
 class ClientFront(_Listener):
     """The clients' one address: each connection goes to the next node in turn that is
-    not cut from its clients and accepts it. ``node_of[client port]`` names the node."""
+    not cut from its clients, passed its last health check and accepts it (any node not
+    cut or down when none passed). ``node_of[client port]`` names the node.
+
+    Its health check is a balancer's (HAProxy's ``option httpchk GET /readyz``, at
+    :data:`HEALTH_CHECK_INTERVAL`, one failure out and one success back in): it takes out
+    a node that cannot reach Redis, or not within ``redis_timeout``, which only ``/readyz``
+    tells from outside."""
 
     def __init__(self, nodes: int) -> None:
         super().__init__()
         self.nodes = [0] * nodes  # each node's port, set before the first client comes
         self.faults = Faults(nodes)
+        self.ready = [True] * nodes  # each node's last health check passed
         self.node_of: dict[int, int] = {}
         self._turn = itertools.count()
+        self._checks: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        self._checks = asyncio.create_task(self._check_health())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checks
+        await super().__aexit__(*exc)
+
+    async def _check_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(node) for node in range(len(self.nodes))))
+            await asyncio.sleep(HEALTH_CHECK_INTERVAL)
+
+    async def _check(self, node: int) -> None:
+        ready = False
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(HEALTH_CHECK_INTERVAL):
+                reader, writer = await asyncio.open_connection(LOOPBACK, self.nodes[node])
+                try:
+                    writer.write(
+                        b"GET /readyz HTTP/1.1\r\nHost: front\r\nConnection: close\r\n\r\n"
+                    )
+                    ready = (await reader.readline()).split()[1:2] == [b"200"]
+                finally:
+                    writer.transport.abort()
+        self.ready[node] = ready
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_port = int(writer.get_extra_info("peername")[1])
-        for _ in self.nodes:
-            node = next(self._turn) % len(self.nodes)
-            if self.faults.cut[node] or self.faults.down[node]:
-                continue
+        faults = self.faults
+        open_nodes = [n for n in range(len(self.nodes)) if not (faults.cut[n] or faults.down[n])]
+        candidates = [n for n in open_nodes if self.ready[n]] or open_nodes
+        turn = next(self._turn)
+        for k in range(len(candidates)):
+            node = candidates[(turn + k) % len(candidates)]
             with contextlib.suppress(OSError):
                 upstream = await asyncio.open_connection(LOOPBACK, self.nodes[node])
                 break
