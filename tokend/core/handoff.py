@@ -170,22 +170,35 @@ def _record(record: Moving) -> bytes:
     c = s.claims
     assert s.phase is _OPEN and c is not None and not s.unanswered
     frames, pings, peer, fragments = s.frames, record.pings, record.peer, record.fragments
-    flags = (
-        (_FLAG_RESUMED if s.resumed else 0)
-        | (_FLAG_WARNED if s.warned else 0)
-        | (_FLAG_CADENCED if s.cadenced else 0)
-        | (_FLAG_HEARTBEAT if s.last_beat != -math.inf else 0)
-        | (_FLAG_FRAMES if frames is not None else 0)
-        | (_FLAG_PEER if peer is not None else 0)
-        | (_FLAG_FRAGMENTS if fragments is not None else 0)
-        | (_FLAG_PINGS if pings is not None else 0)
-    )
+    last_beat = s.last_beat
+    flags = _FLAG_RESUMED * s.resumed + _FLAG_WARNED * s.warned + _FLAG_CADENCED * s.cadenced
+    if last_beat != -math.inf:
+        flags |= _FLAG_HEARTBEAT
+    else:
+        last_beat = 0.0
+    if frames is not None:
+        flags |= _FLAG_FRAMES
+        allowance, checked = frames.allowance, frames.checked
+    else:
+        allowance = checked = 0.0
+    if pings is not None:
+        flags |= _FLAG_PINGS
+        ping_allowance, ping_checked = pings
+    else:
+        ping_allowance = ping_checked = 0.0
+    if peer is not None:
+        flags |= _FLAG_PEER
+        host, port = peer[0].encode(), peer[1]
+    else:
+        host, port = b"", 0
+    if fragments is not None:
+        flags |= _FLAG_FRAGMENTS
+    else:
+        fragments = b""
     tid = str(c.tid).encode()
     conn, sub = s.conn.encode(), c.sub.encode()
     signed, stored = s.signed_digest.encode(), record.stored_token.encode()
-    host = peer[0].encode() if peer is not None else b""
-    fragments = fragments or b""
-    unparsed = record.unparsed
+    key, unparsed = s.key, record.unparsed
     try:
         head = _RECORD.pack(
             c.iat,
@@ -198,23 +211,25 @@ def _record(record: Moving) -> bytes:
             c.prio,
             flags,
             record.family,
-            s.last_beat if flags & _FLAG_HEARTBEAT else 0.0,
-            *((frames.allowance, frames.checked) if frames is not None else (0.0, 0.0)),
-            *(pings or (0.0, 0.0)),
-            peer[1] if peer is not None else 0,
+            last_beat,
+            allowance,
+            checked,
+            ping_allowance,
+            ping_checked,
+            port,
             len(tid),
             len(conn),
             len(sub),
             len(signed),
             len(stored),
-            len(s.key),
+            len(key),
             len(host),
             len(unparsed),
             len(fragments),
         )
     except struct.error:  # a length past its field's size (65,535 bytes for the short ones)
         raise ValueError("a field of a handoff record is too long") from None
-    return b"".join((head, tid, conn, sub, signed, stored, s.key, host, unparsed, fragments))
+    return b"".join((head, tid, conn, sub, signed, stored, key, host, unparsed, fragments))
 
 
 class _Reader:
@@ -292,10 +307,12 @@ class _Reader:
         session.resumed = bool(flags & _FLAG_RESUMED)
         session.warned = bool(flags & _FLAG_WARNED)
         session.since_ms = since_ms
-        if self.rate:
-            session.frames = bucket(
-                self.rate, (allowance, checked) if flags & _FLAG_FRAMES else None, self.now
-            )
+        rate = self.rate
+        if rate and flags & _FLAG_FRAMES:  # bucket(), without a tuple and a call
+            frames = session.frames = TokenBucket(rate, checked)
+            frames.allowance = min(frames.burst, allowance)
+        elif rate:
+            session.frames = TokenBucket(rate, self.now)
         moving = Moving(
             session,
             stored_token,
