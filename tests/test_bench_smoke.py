@@ -96,6 +96,20 @@ def test_resume_counts_the_servers_connections_only() -> None:
         assert server_connections(port) == 1
 
 
+def test_the_handoff_profile_moves_connections_back_and_forth() -> None:
+    """``python -m bench.handoff_profile``, tiny: every connection moves each round, and
+    each client's heartbeat after the last round is ACKed (the harness checks it)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.handoff_profile", "--connections=20", "--rounds=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "per moved connection" in done.stdout and "60 moved in 3 rounds" in done.stdout
+
+
 def port_on_two_addresses(
     sockets: contextlib.ExitStack, first: str, second: str
 ) -> tuple[socket.socket, socket.socket]:

@@ -37,6 +37,7 @@ from tokend.core.handoff import (
     HANDOFF_VERSION,
     MAX_BATCH,
     BatchStatus,
+    Moving,
     Taken,
     decode_batch,
     encode_reply,
@@ -72,6 +73,13 @@ def supervisor_of(settings: Settings, workers: int) -> TokendProcess:
 def tid_held(link: SessionLink) -> str:
     """The tid of a session a node holds (WELCOMEd, so its claims are known)."""
     claims = link.session.claims
+    assert claims is not None
+    return str(claims.tid)
+
+
+def tid_moved(record: Moving) -> str:
+    """The tid of a session a batch hands over (WELCOMEd, so its claims are known)."""
+    claims = record.session.claims
     assert claims is not None
     return str(claims.tid)
 
@@ -358,7 +366,7 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
         data, fds, _, _ = await loop.run_in_executor(
             None, lambda: socket.recv_fds(take, RECEIVE_BUFFER, MAX_BATCH)
         )
-        first = decode_batch(data)
+        first = decode_batch(data, old.node, old.admission.cadence, time.monotonic)
         take.send(encode_reply(first.number, BatchStatus.READ, [Taken.TAKEN] * len(fds)))
         for fd in fds:
             os.close(fd)  # what a new worker that dies does to the connections it took
@@ -372,7 +380,7 @@ async def test_a_new_worker_that_fails_after_one_batch_leaves_every_other_connec
         assert len(old.admission.connections) == count - taken
         held_here = {tid_held(link) for link in old.node.sessions.values()}
         assert len(held_here) == count - taken
-        assert held_here.isdisjoint(str(r.session.claims.tid) for r in first.records)
+        assert held_here.isdisjoint(tid_moved(r) for r in first.records)
         served = 0
         for client in clients:
             assert client.welcome is not None
@@ -409,8 +417,8 @@ async def test_a_batch_is_gathered_and_held_only_once_the_window_has_room_for_it
             )
             if not data:
                 break
-            batch = decode_batch(data)
-            sent |= {str(r.session.claims.tid) for r in batch.records}
+            batch = decode_batch(data, old.node, old.admission.cadence, time.monotonic)
+            sent |= {tid_moved(r) for r in batch.records}
             held_elsewhere.append(sum(c.moving for tid, c in by_tid.items() if tid not in sent))
             take.send(encode_reply(batch.number, BatchStatus.READ, [Taken.TAKEN] * len(fds)))
             for fd in fds:

@@ -39,6 +39,7 @@ _HEAD = struct.Struct("!4sHI")
 _COUNT = struct.Struct("!H")
 _FLAG_RESUMED, _FLAG_WARNED, _FLAG_CADENCED, _FLAG_HEARTBEAT = 1, 2, 4, 8
 _FLAG_FRAMES, _FLAG_PEER, _FLAG_FRAGMENTS, _FLAG_PINGS = 16, 32, 64, 128
+_OPEN = Phase.OPEN  # a module global: an Enum class's attribute is a slow read on 3.11
 
 
 class HandoffFormatError(ValueError):
@@ -74,34 +75,18 @@ class Taken(IntEnum):
     STORE_UNAVAILABLE = 2
 
 
-class SessionState(NamedTuple):
-    """What a :class:`Session` needs to go on in another process (its OPEN phase only).
-
-    ``last_beat`` and ``frames`` are CLOCK_MONOTONIC readings (``time.monotonic``), one
-    clock for every process of the machine. ``stored_token`` is the digest of a token
-    this connection was given that the store has yet to keep (the next heartbeat's)."""
-
-    conn: str
-    since_ms: int
-    claims: Claims
-    key: bytes
-    last_seq: int
-    last_beat: float  # -inf: no heartbeat on this connection yet
-    cadenced: bool
-    exp_ms: int
-    iat_s: int
-    token_exp_ms: int
-    signed_digest: str
-    stored_token: str
-    resumed: bool
-    warned: bool
-    frames: tuple[float, float] | None  # the frame rate bucket: allowance, last taken
-
-
 class Moving(NamedTuple):
-    """One connection handed over: its session, and the connection's own state."""
+    """One connection handed over: its session, and the connection's own state.
 
-    session: SessionState
+    The old worker's session goes as it is (:func:`encode_batch` reads it: OPEN, no
+    heartbeat unanswered); :func:`decode_batch` makes the new worker's, OPEN, with the
+    same key, seq rules, clocks and token, its ``conn`` and ``since_ms`` still the old
+    connection's (the store's move names them) until the new worker sets its own.
+    ``last_beat`` and the rate buckets' times are CLOCK_MONOTONIC readings
+    (``time.monotonic``), one clock for every process of the machine."""
+
+    session: Session
+    stored_token: str  # the digest of a token it was given that the store has yet to keep
     peer: tuple[str, int] | None  # the client's address and port (a PROXY header's)
     unparsed: bytes  # read from the socket, not yet a whole frame
     fragments: bytes | None  # a binary message under way: its fragments so far
@@ -118,63 +103,6 @@ class Reply(NamedTuple):
     number: int
     status: BatchStatus
     taken: list[Taken]
-
-
-# The session core, out and in
-
-
-def export_session(session: Session, stored_token: str) -> SessionState:
-    """The state of an OPEN ``session`` with nothing pending (no heartbeat unanswered)."""
-    claims = session.claims
-    assert session.phase is Phase.OPEN and claims is not None and not session.unanswered
-    frames = session.frames
-    return SessionState(
-        conn=session.conn,
-        since_ms=session.since_ms,
-        claims=claims,
-        key=session.key,
-        last_seq=session.last_seq,
-        last_beat=session.last_beat,
-        cadenced=session.cadenced,
-        exp_ms=session.exp_ms,
-        iat_s=session.iat_s,
-        token_exp_ms=session.token_exp_ms,
-        signed_digest=session.signed_digest,
-        stored_token=stored_token,
-        resumed=session.resumed,
-        warned=session.warned,
-        frames=(frames.allowance, frames.checked) if frames is not None else None,
-    )
-
-
-def adopt_session(
-    state: SessionState,
-    node: Node,
-    cadence: Cadence,
-    conn: str,
-    since_ms: int,
-    clock: Callable[[], float],
-) -> Session:
-    """A session OPEN on connection ``conn`` (which took it in the store at ``since_ms``),
-    going on from ``state``: the same key, seq rules, clocks and token."""
-    session = Session(node, cadence, conn, clock)
-    session.phase = Phase.OPEN
-    session.claims = state.claims
-    session.tid_bytes = state.claims.tid.bytes
-    session.key = state.key
-    session.last_seq = state.last_seq
-    session.last_beat = state.last_beat
-    session.cadenced = state.cadenced
-    session.exp_ms = state.exp_ms
-    session.iat_s = state.iat_s
-    session.token_exp_ms = state.token_exp_ms
-    session.signed_digest = state.signed_digest
-    session.resumed = state.resumed
-    session.warned = state.warned
-    session.since_ms = since_ms
-    if cadence.max_frame_rate:
-        session.frames = bucket(cadence.max_frame_rate, state.frames, clock())
-    return session
 
 
 def bucket(rate: float, state: tuple[float, float] | None, now: float) -> TokenBucket:
@@ -206,9 +134,10 @@ def batch_number(data: bytes) -> tuple[int, int]:
     return version, number
 
 
-def decode_batch(data: bytes) -> Batch:
-    """A batch of the version this module speaks; HandoffFormatError otherwise (read the
-    batch number with :func:`batch_number` to refuse it)."""
+def decode_batch(data: bytes, node: Node, cadence: Cadence, clock: Callable[[], float]) -> Batch:
+    """A batch of the version this module speaks, its sessions made for ``node`` and
+    ``cadence`` (:class:`Moving`); HandoffFormatError otherwise (read the batch number
+    with :func:`batch_number` to refuse it)."""
     version, number = batch_number(data)
     if version != HANDOFF_VERSION:
         raise HandoffFormatError(f"handoff version {version}: this worker speaks {HANDOFF_VERSION}")
@@ -217,10 +146,11 @@ def decode_batch(data: bytes) -> Batch:
     if offset > end:
         raise HandoffFormatError("a handoff message cut short")
     (count,) = _COUNT.unpack_from(data, _HEAD.size)
+    reader = _Reader(node, cadence, clock)
     records = []
     try:
         for _ in range(count):
-            record, offset = _read_record(data, offset)
+            record, offset = reader.record(data, offset)
             records.append(record)
     except struct.error:
         raise HandoffFormatError("a handoff message cut short") from None
@@ -238,107 +168,161 @@ _RECORD = struct.Struct("!qqqQqqqBBBdddddHHHHHHHHII")
 def _record(record: Moving) -> bytes:
     s = record.session
     c = s.claims
+    assert s.phase is _OPEN and c is not None and not s.unanswered
     frames, pings, peer, fragments = s.frames, record.pings, record.peer, record.fragments
-    flags = (
-        (_FLAG_RESUMED if s.resumed else 0)
-        | (_FLAG_WARNED if s.warned else 0)
-        | (_FLAG_CADENCED if s.cadenced else 0)
-        | (_FLAG_HEARTBEAT if s.last_beat != -math.inf else 0)
-        | (_FLAG_FRAMES if frames is not None else 0)
-        | (_FLAG_PEER if peer is not None else 0)
-        | (_FLAG_FRAGMENTS if fragments is not None else 0)
-        | (_FLAG_PINGS if pings is not None else 0)
-    )
+    last_beat = s.last_beat
+    flags = _FLAG_RESUMED * s.resumed + _FLAG_WARNED * s.warned + _FLAG_CADENCED * s.cadenced
+    if last_beat != -math.inf:
+        flags |= _FLAG_HEARTBEAT
+    else:
+        last_beat = 0.0
+    if frames is not None:
+        flags |= _FLAG_FRAMES
+        allowance, checked = frames.allowance, frames.checked
+    else:
+        allowance = checked = 0.0
+    if pings is not None:
+        flags |= _FLAG_PINGS
+        ping_allowance, ping_checked = pings
+    else:
+        ping_allowance = ping_checked = 0.0
+    if peer is not None:
+        flags |= _FLAG_PEER
+        host, port = peer[0].encode(), peer[1]
+    else:
+        host, port = b"", 0
+    if fragments is not None:
+        flags |= _FLAG_FRAGMENTS
+    else:
+        fragments = b""
     tid = str(c.tid).encode()
     conn, sub = s.conn.encode(), c.sub.encode()
-    signed, stored = s.signed_digest.encode(), s.stored_token.encode()
-    host = peer[0].encode() if peer is not None else b""
-    fragments = fragments or b""
-    variable = (tid, conn, sub, signed, stored, s.key, host)
-    if any(len(field) > 0xFFFF for field in variable):
-        raise ValueError("a field of a handoff record holds at most 65,535 bytes")
-    head = _RECORD.pack(
-        c.iat,
-        c.exp,
-        s.since_ms,
-        s.last_seq,
-        s.exp_ms,
-        s.iat_s,
-        s.token_exp_ms,
-        c.prio,
-        flags,
-        record.family,
-        s.last_beat if flags & _FLAG_HEARTBEAT else 0.0,
-        *(frames or (0.0, 0.0)),
-        *(pings or (0.0, 0.0)),
-        peer[1] if peer is not None else 0,
-        *map(len, variable),
-        len(record.unparsed),
-        len(fragments),
-    )
-    return b"".join((head, *variable, record.unparsed, fragments))
+    signed, stored = s.signed_digest.encode(), record.stored_token.encode()
+    key, unparsed = s.key, record.unparsed
+    try:
+        head = _RECORD.pack(
+            c.iat,
+            c.exp,
+            s.since_ms,
+            s.last_seq,
+            s.exp_ms,
+            s.iat_s,
+            s.token_exp_ms,
+            c.prio,
+            flags,
+            record.family,
+            last_beat,
+            allowance,
+            checked,
+            ping_allowance,
+            ping_checked,
+            port,
+            len(tid),
+            len(conn),
+            len(sub),
+            len(signed),
+            len(stored),
+            len(key),
+            len(host),
+            len(unparsed),
+            len(fragments),
+        )
+    except struct.error:  # a length past its field's size (65,535 bytes for the short ones)
+        raise ValueError("a field of a handoff record is too long") from None
+    return b"".join((head, tid, conn, sub, signed, stored, key, host, unparsed, fragments))
 
 
-def _read_record(data: bytes, offset: int) -> tuple[Moving, int]:
-    (
-        iat,
-        exp,
-        since_ms,
-        last_seq,
-        exp_ms,
-        iat_s,
-        token_exp_ms,
-        prio,
-        flags,
-        family,
-        last_beat,
-        allowance,
-        checked,
-        ping_allowance,
-        ping_checked,
-        port,
-        *lengths,
-    ) = _RECORD.unpack_from(data, offset)
-    offset += _RECORD.size
-    fields = []
-    for length in lengths:
-        end = offset + length
+class _Reader:
+    """Reads records straight into the sessions they hand over: no state object between."""
+
+    __slots__ = ("cadence", "clock", "node", "now", "rate")
+
+    def __init__(self, node: Node, cadence: Cadence, clock: Callable[[], float]) -> None:
+        self.node = node
+        self.cadence = cadence
+        self.clock = clock
+        self.rate = cadence.max_frame_rate
+        self.now = clock() if self.rate else 0.0  # the fresh frame buckets' start
+
+    def record(self, data: bytes, offset: int) -> tuple[Moving, int]:
+        (
+            iat,
+            exp,
+            since_ms,
+            last_seq,
+            exp_ms,
+            iat_s,
+            token_exp_ms,
+            prio,
+            flags,
+            family,
+            last_beat,
+            allowance,
+            checked,
+            ping_allowance,
+            ping_checked,
+            port,
+            tid_n,
+            conn_n,
+            sub_n,
+            signed_n,
+            stored_n,
+            key_n,
+            host_n,
+            unparsed_n,
+            fragments_n,
+        ) = _RECORD.unpack_from(data, offset)
+        # Each field's end, from the last one's: one slice per field.
+        at = offset + _RECORD.size
+        end = at + tid_n + conn_n + sub_n + signed_n + stored_n + key_n + host_n
+        end += unparsed_n + fragments_n
         if end > len(data):
             raise HandoffFormatError("a handoff message cut short")
-        fields.append(data[offset:end])
-        offset = end
-    tid, conn, sub, signed, stored, key, host, unparsed, fragments = fields
-    try:
-        claims = Claims(Tid(tid.decode()), sub.decode(), iat, exp, prio)
-        session = SessionState(
-            conn=conn.decode(),
-            since_ms=since_ms,
-            claims=claims,
-            key=key,
-            last_seq=last_seq,
-            last_beat=last_beat if flags & _FLAG_HEARTBEAT else -math.inf,
-            cadenced=bool(flags & _FLAG_CADENCED),
-            exp_ms=exp_ms,
-            iat_s=iat_s,
-            token_exp_ms=token_exp_ms,
-            signed_digest=signed.decode(),
-            stored_token=stored.decode(),
-            resumed=bool(flags & _FLAG_RESUMED),
-            warned=bool(flags & _FLAG_WARNED),
-            frames=(allowance, checked) if flags & _FLAG_FRAMES else None,
+        tid = data[at : (at := at + tid_n)]
+        conn = data[at : (at := at + conn_n)]
+        sub = data[at : (at := at + sub_n)]
+        signed = data[at : (at := at + signed_n)]
+        stored = data[at : (at := at + stored_n)]
+        key = data[at : (at := at + key_n)]
+        host = data[at : (at := at + host_n)]
+        unparsed = data[at : (at := at + unparsed_n)]
+        try:
+            session = Session(self.node, self.cadence, conn.decode(), self.clock)
+            claims = session.claims = Claims(Tid(tid.decode()), sub.decode(), iat, exp, prio)
+            session.signed_digest = signed.decode()
+            stored_token = stored.decode()
+            peer = (host.decode(), port) if flags & _FLAG_PEER else None
+        except ValueError as exc:  # not UTF-8, not a UUID
+            raise HandoffFormatError(f"a handoff record's field: {exc}") from None
+        session.phase = _OPEN
+        session.tid_bytes = claims.tid.bytes
+        session.key = key
+        session.last_seq = last_seq
+        if flags & _FLAG_HEARTBEAT:
+            session.last_beat = last_beat
+        session.cadenced = bool(flags & _FLAG_CADENCED)
+        session.exp_ms = exp_ms
+        session.iat_s = iat_s
+        session.token_exp_ms = token_exp_ms
+        session.resumed = bool(flags & _FLAG_RESUMED)
+        session.warned = bool(flags & _FLAG_WARNED)
+        session.since_ms = since_ms
+        rate = self.rate
+        if rate and flags & _FLAG_FRAMES:  # bucket(), without a tuple and a call
+            frames = session.frames = TokenBucket(rate, checked)
+            frames.allowance = min(frames.burst, allowance)
+        elif rate:
+            session.frames = TokenBucket(rate, self.now)
+        moving = Moving(
+            session,
+            stored_token,
+            peer,
+            unparsed,
+            data[at:end] if flags & _FLAG_FRAGMENTS else None,
+            (ping_allowance, ping_checked) if flags & _FLAG_PINGS else None,
+            family,
         )
-        peer = (host.decode(), port) if flags & _FLAG_PEER else None
-    except ValueError as exc:  # not UTF-8, not a UUID
-        raise HandoffFormatError(f"a handoff record's field: {exc}") from None
-    moving = Moving(
-        session=session,
-        peer=peer,
-        unparsed=unparsed,
-        fragments=fragments if flags & _FLAG_FRAGMENTS else None,
-        pings=(ping_allowance, ping_checked) if flags & _FLAG_PINGS else None,
-        family=family,
-    )
-    return moving, offset
+        return moving, end
 
 
 # Replies
@@ -370,7 +354,11 @@ def decode_reply(data: bytes) -> Reply:
         raise HandoffFormatError("a handoff reply cut short, or bytes after it")
     try:
         status = BatchStatus(data[offset])
-        taken = [Taken(value) for value in data[offset + 1 + _COUNT.size :]]
-    except ValueError as exc:
+        # By index, not Taken(value): an Enum's call costs more than the rest per record.
+        taken = [_TAKEN[value] for value in data[offset + 1 + _COUNT.size :]]
+    except (ValueError, IndexError) as exc:
         raise HandoffFormatError(f"handoff reply: {exc}") from None
     return Reply(number, status, taken)
+
+
+_TAKEN = tuple(sorted(Taken))  # each at the index of its value (0, 1, 2)

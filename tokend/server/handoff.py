@@ -41,21 +41,20 @@ from tokend.core.handoff import (
     HandoffFormatError,
     Moving,
     Taken,
-    adopt_session,
     batch_number,
     bucket,
     decode_batch,
     decode_reply,
     encode_batch,
     encode_reply,
-    export_session,
 )
-from tokend.core.session import Phase
+from tokend.core.session import Phase, Session
 from tokend.server.connection import Connection, Gate
 from tokend.server.node import Node
 from tokend.store.sessions import MoveRequest
 
 log = structlog.get_logger("tokend.handoff")
+_OPEN = Phase.OPEN  # a module global: an Enum class's attribute is a slow read on 3.11
 
 # How long the old worker waits for a connection to become quiet (its heartbeats
 # answered, its send buffer written) or to finish its opening and HELLO: a store round
@@ -69,6 +68,10 @@ REPLY_TIMEOUT_S = 10.0
 # socket's buffer (net.core.wmem_default: 212,992 bytes on Linux).
 MAX_MESSAGE = 128 * 1024
 RECEIVE_BUFFER = MAX_MESSAGE
+# Adoptions under way at once, each in turn through its share of a batch: an adoption
+# waits two loop passes for its transport, which those side by side share (a task per
+# adoption costs more than the passes it saves).
+ADOPTING_AT_ONCE = 8
 # Batches sent and not yet answered, at most. The new worker takes one at a time; while
 # it does, the next waits for it, packed (it never waits for the old worker). More would
 # hold their connections' reading longer, and move none sooner.
@@ -142,14 +145,15 @@ class Giver:
             while pending and len(batch) < MAX_BATCH and len(settling) < MAX_BATCH:
                 connection = pending.popleft()
                 reason = _cannot_move(connection)
-                if reason is FallbackReason.BEFORE_WELCOME and now - began <= SETTLE_S:
+                if reason is None:
+                    if _hold(connection):
+                        batch.append(connection)
+                    else:
+                        settling[connection] = now
+                elif reason is FallbackReason.BEFORE_WELCOME and now - began <= SETTLE_S:
                     greeting.append(connection)
-                elif reason is not None:
-                    self._fall_back(connection, reason)
-                elif _hold(connection):
-                    batch.append(connection)
                 else:
-                    settling[connection] = now
+                    self._fall_back(connection, reason)
             pending.extend(greeting)
             if batch:
                 await self._send(batch)
@@ -267,11 +271,11 @@ class Giver:
                 _unseal(connection, transport)
                 self._fall_back(connection, reason)
             return
+        moved = 0
         for (connection, transport), taken in zip(sealed, reply.taken, strict=False):
             if taken is Taken.TAKEN:
                 _handed_over(connection, transport)
-                self.report.moved += 1
-                self.node.metrics.handoff_moved += 1
+                moved += 1
             else:
                 _unseal(connection, transport)
                 self._fall_back(
@@ -283,6 +287,8 @@ class Giver:
         for connection, transport in sealed[len(reply.taken) :]:
             _unseal(connection, transport)
             self._fall_back(connection, FallbackReason.NEW_WORKER_FAILED)
+        self.report.moved += moved
+        self.node.metrics.handoff_moved += moved
 
     async def _take_back(self) -> None:
         """The new worker failed with batches unanswered: they stay here, their sessions
@@ -320,7 +326,7 @@ def _cannot_move(connection: Connection) -> FallbackReason | None:
     if link is None:
         return FallbackReason.BEFORE_WELCOME
     phase = link.session.phase
-    if phase is Phase.OPEN:
+    if phase is _OPEN:
         return None
     if phase is Phase.HELLO or phase is Phase.STARTING:
         return FallbackReason.BEFORE_WELCOME
@@ -388,12 +394,13 @@ def _record(connection: Connection, family: int) -> Moving:
     request = link.heartbeat_request
     pings = connection.pings
     return Moving(
-        session=export_session(link.session, request.token if request is not None else ""),
-        peer=connection.address,
-        unparsed=connection.unparsed(),
-        fragments=None,  # quiet: no message under way
-        pings=(pings.allowance, pings.checked) if pings is not None else None,
-        family=family,
+        link.session,
+        request.token if request is not None else "",
+        connection.address,
+        connection.unparsed(),
+        None,  # quiet: no message under way
+        (pings.allowance, pings.checked) if pings is not None else None,
+        family,
     )
 
 
@@ -450,11 +457,13 @@ class Taker:
         self.first_cpu: float | None = None
         self.cpu_s = 0.0
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
+        """Take connections until the old worker closes its end: the task that does."""
         self.sock.setblocking(False)
         task = asyncio.ensure_future(self._run())
         _TAKING.add(task)
         task.add_done_callback(_TAKING.discard)
+        return task
 
     async def _run(self) -> None:
         while True:
@@ -498,8 +507,9 @@ class Taker:
             _close_all(fds)
             await self._reply(encode_reply(number, BatchStatus.UNKNOWN_VERSION))
             return
+        node = self.node
         try:
-            records = decode_batch(data).records
+            records = decode_batch(data, node, self.gate.cadence, time.monotonic).records
         except HandoffFormatError as exc:
             log.error("handoff batch refused", error=str(exc))
             records = []
@@ -508,11 +518,11 @@ class Taker:
             _close_all(fds)
             await self._reply(encode_reply(number, BatchStatus.REFUSED))
             return
-        node = self.node
         conns = [node.new_conn_id() for _ in records]
+        # Each session's conn and since_ms are the old connection's until it is adopted.
         requests = [
-            MoveRequest.of(r.session.claims.tid, r.session.conn, r.session.since_ms, conn)
-            for r, conn in zip(records, conns, strict=True)
+            _move(r.session, r.session.conn, r.session.since_ms, c)
+            for r, c in zip(records, conns, strict=True)
         ]
         try:
             sinces = await node.store.moves(requests)
@@ -528,23 +538,23 @@ class Taker:
             # The old worker gave up on this batch: the connections stay with it.
             _close_all(fds)
             back = [
-                MoveRequest.of(r.session.claims.tid, conn, since, r.session.conn)
+                _move(r.session, conn, since, r.session.conn)
                 for r, conn, since in zip(records, conns, sinces, strict=True)
                 if since
             ]
             with contextlib.suppress(Exception):
                 await node.store.moves(back)
             return
-        adopted = 0
+        adopting = []
         for record, conn, since, fd in zip(records, conns, sinces, fds, strict=True):
             if since:
-                # One after another: a task each would cost more than the adoption itself.
-                await self._adopt(record, conn, since, fd)
-                adopted += 1
+                adopting.append((record, conn, since, fd))
             else:
                 os.close(fd)
-        self.report.moved += adopted
-        node.metrics.handoff_taken += adopted
+        lanes = min(ADOPTING_AT_ONCE, len(adopting))
+        await asyncio.gather(*(self._adopt_in_turn(adopting[i::lanes]) for i in range(lanes)))
+        self.report.moved += len(adopting)
+        node.metrics.handoff_taken += len(adopting)
         self.cpu_s = time.process_time() - self.first_cpu
 
     async def _reply(self, message: bytes) -> bool:
@@ -554,11 +564,14 @@ class Taker:
             return False
         return True
 
+    async def _adopt_in_turn(self, adopting: list[tuple[Moving, str, int, int]]) -> None:
+        for record, conn, since, fd in adopting:
+            await self._adopt(record, conn, since, fd)
+
     async def _adopt(self, record: Moving, conn: str, since: int, fd: int) -> None:
         gate = self.gate
-        session = adopt_session(
-            record.session, self.node, gate.cadence, conn, since, time.monotonic
-        )
+        session = record.session
+        session.conn, session.since_ms = conn, since
         # Its family given, the socket is not asked for it (three getsockopt calls); it is
         # non-blocking already (O_NONBLOCK belongs to the open file, shared with the old
         # worker's descriptor).
@@ -573,11 +586,17 @@ class Taker:
             return
         # Attached to the node as the connection was made: what the store has yet to keep.
         link = connection.link
-        stored = record.session.stored_token
+        stored = record.stored_token
         if stored and link is not None and link.heartbeat_request is not None:
             link.heartbeat_request = link.heartbeat_request._replace(token=stored)
         if record.pings is not None and gate.settings.max_frame_rate:
             connection.pings = bucket(gate.settings.max_frame_rate, record.pings, time.monotonic())
+
+
+def _move(session: Session, source: str, since_ms: int, to: str) -> MoveRequest:
+    claims = session.claims
+    assert claims is not None  # WELCOMEd
+    return MoveRequest.of(claims.tid, source, since_ms, to)
 
 
 # A socket whose ``family`` and ``type`` read as the plain numbers the OS gives: those of

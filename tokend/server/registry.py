@@ -8,7 +8,6 @@ ends. The counts per sub hold the ``max_sessions_per_sub`` cap (docs/protocol.md
 from __future__ import annotations
 
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 
 from tokend.core.claims import Claims
@@ -25,8 +24,9 @@ class Registry:
     def __init__(self, max_per_sub: int) -> None:
         self.max_per_sub = max_per_sub
         self.links: dict[str, seams.SessionLink] = {}
-        # Links per tid, per sub: kept only under a cap.
-        self.per_sub: dict[str, Counter[uuid.UUID]] = {}
+        # Links per tid, per sub: kept only under a cap. A tid by its int, hashed in C (a
+        # UUID's hash is a Python call, made several times per connection here).
+        self.per_sub: dict[str, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.links)
@@ -40,10 +40,15 @@ class Registry:
     def attach(self, link: seams.SessionLink) -> None:
         """``link`` was WELCOMEd: it holds its session here."""
         session = link.session
-        assert session.claims is not None
+        claims = session.claims
+        assert claims is not None
         self.links[session.conn] = link
         if self.max_per_sub:
-            self.per_sub.setdefault(session.claims.sub, Counter())[session.claims.tid] += 1
+            tids = self.per_sub.get(claims.sub)
+            if tids is None:
+                tids = self.per_sub[claims.sub] = {}
+            tid = claims.tid.int
+            tids[tid] = tids.get(tid, 0) + 1
 
     def detach(self, link: seams.SessionLink) -> None:
         """``link``'s connection ended; nothing if it was not registered (or was already
@@ -52,20 +57,23 @@ class Registry:
         if self.links.get(session.conn) is not link:
             return
         del self.links[session.conn]
-        if not self.max_per_sub or session.claims is None:
+        claims = session.claims
+        if not self.max_per_sub or claims is None:
             return
-        sub, tid = session.claims.sub, session.claims.tid
-        tids = self.per_sub[sub]
-        tids[tid] -= 1
-        if not tids[tid]:
-            del tids[tid]
-            if not tids:
-                del self.per_sub[sub]
+        tids = self.per_sub[claims.sub]
+        tid = claims.tid.int
+        left = tids[tid] - 1
+        if left:
+            tids[tid] = left
+            return
+        del tids[tid]
+        if not tids:
+            del self.per_sub[claims.sub]
 
     def other_sessions_of(self, sub: str, tid: uuid.UUID) -> int:
         """Sessions of ``sub`` held here, not counting ``tid`` itself (a resume)."""
         tids = self.per_sub.get(sub)
-        return len(tids) - (tid in tids) if tids else 0
+        return len(tids) - (tid.int in tids) if tids else 0
 
     def sub_is_full(self, claims: Claims) -> bool:
         """True when the token's sub may open no further session here."""
