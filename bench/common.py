@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import cProfile
+import io
 import json
 import math
 import os
+import pstats
+import re
 import subprocess
 import sys
 import time
@@ -105,6 +109,36 @@ def split(total: int, parts: int) -> list[int]:
 
 
 # Statistics
+
+
+def print_profile(profiler: cProfile.Profile, count: int, what: str, top: int) -> None:
+    """A profile's Python calls per ``what`` (``count`` of them), and its ``top`` functions
+    by their own time."""
+    stats = pstats.Stats(profiler, stream=(text := io.StringIO()))
+    calls = sum(entry.callcount for entry in profiler.getstats())
+    print(f"{calls / count:.1f} Python calls per {what}")
+    stats.sort_stats("tottime").print_stats(top)
+    print(text.getvalue())
+
+
+def callgrind_instructions(module_args: Sequence[str], out: Path) -> int:
+    """The instructions ``python -m <module_args>`` runs under callgrind (its file written
+    to ``out``), with one hash seed: the same dict and set layouts from run to run."""
+    argv = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        "-m",
+        *module_args,
+    ]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+    # "==pid== Collected : <Ir>" on stderr
+    match = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode or match is None:
+        raise SystemExit(done.stdout + done.stderr)
+    return int(match.group(1))
 
 
 def percentile(ordered: Sequence[float], q: float) -> float:

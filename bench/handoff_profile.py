@@ -30,13 +30,8 @@ import argparse
 import asyncio
 import cProfile
 import gc
-import io
 import os
-import pstats
-import re
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +40,7 @@ from typing import Any
 import uvloop
 from websockets.frames import Frame, Opcode
 
+from bench.common import callgrind_instructions, print_profile
 from testkit.clients import upgrade_request
 from testkit.net import LOOPBACK
 from testkit.procs import fd_limit
@@ -219,26 +215,10 @@ def callgrind(connections: int, rounds: int, keep: Path | None) -> dict[str, Any
     counts = []
     for measured in (rounds, 2 * rounds):
         out = keep / f"callgrind.{measured}" if keep is not None else Path(os.devnull)
-        argv = [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            sys.executable,
-            "-m",
-            "bench.handoff_profile",
-            "--connections",
-            str(connections),
-            "--rounds",
-            str(measured),
-            "--quiet",
-        ]
-        # One hash seed: the same dict and set layouts in both runs.
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
-        match = re.search(r"Collected : (\d+)", done.stderr)
-        if done.returncode or match is None:
-            raise SystemExit(done.stdout + done.stderr)
-        counts.append(int(match.group(1)))
+        module_args = ["bench.handoff_profile", "--connections", str(connections)]
+        counts.append(
+            callgrind_instructions([*module_args, "--rounds", str(measured), "--quiet"], out)
+        )
     return {"instructions": counts, "per_move": (counts[1] - counts[0]) / (rounds * connections)}
 
 
@@ -268,11 +248,7 @@ def main() -> None:
     )
     profiler = figures.get("profile")
     if profiler is not None:
-        stats = pstats.Stats(profiler, stream=(text := io.StringIO()))
-        calls = sum(entry.callcount for entry in profiler.getstats())
-        print(f"{calls / figures['moved']:.1f} Python calls per moved connection")
-        stats.sort_stats("tottime").print_stats(30)
-        print(text.getvalue())
+        print_profile(profiler, figures["moved"], "moved connection", 30)
 
 
 if __name__ == "__main__":

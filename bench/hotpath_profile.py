@@ -35,11 +35,6 @@ import argparse
 import asyncio
 import cProfile
 import gc
-import io
-import os
-import pstats
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +44,7 @@ from typing import Any
 import uvloop
 from websockets.frames import Frame, Opcode
 
+from bench.common import callgrind_instructions, print_profile
 from testkit.clients import upgrade_request
 from testkit.redis_servers import RedisProcess
 from tokend import config, logs
@@ -296,12 +292,7 @@ def _callgrind(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tokend-callgrind-") as workdir:
         for measured in (args.rounds, 2 * args.rounds):
             out = Path(workdir) / f"callgrind.{measured}"
-            argv = [
-                "valgrind",
-                "--tool=callgrind",
-                f"--callgrind-out-file={out}",
-                sys.executable,
-                "-m",
+            module_args = [
                 "bench.hotpath_profile",
                 "--connections",
                 str(args.connections),
@@ -313,16 +304,7 @@ def _callgrind(args: argparse.Namespace) -> dict[str, Any]:
                 str(measured),
                 *(["--renewal"] if args.renewal else []),
             ]
-            # One hash seed: the same dict and set layouts in both runs.
-            env = {**os.environ, "PYTHONHASHSEED": "0"}
-            run = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
-            if run.returncode:
-                raise SystemExit(run.stdout + run.stderr)
-            # "==pid== Collected : <Ir>" on stderr
-            match = re.search(r"Collected : (\d+)", run.stderr)
-            if match is None:
-                raise SystemExit(run.stderr)
-            counts.append(int(match.group(1)))
+            counts.append(callgrind_instructions(module_args, out))
             if args.keep:
                 kept = Path(args.keep) / out.name
                 kept.write_bytes(out.read_bytes())
@@ -365,11 +347,7 @@ def main() -> None:
     )
     profiler = figures.get("profile")
     if profiler is not None:
-        stats = pstats.Stats(profiler, stream=(text := io.StringIO()))
-        calls = sum(entry.callcount for entry in profiler.getstats())
-        print(f"{calls / figures['acks']:.1f} Python calls per {what}")
-        stats.sort_stats("tottime").print_stats(25)
-        print(text.getvalue())
+        print_profile(profiler, figures["acks"], what, 25)
 
 
 if __name__ == "__main__":

@@ -245,19 +245,37 @@ async def reconnect_outcome(
 
 
 @contextlib.asynccontextmanager
-async def slow_releases(
-    make_settings: Callable[..., Settings], redis_server: RedisProcess, delay: float
+async def release_under_way(
+    make_settings: Callable[..., Settings],
+    redis_server: RedisProcess,
+    ended: Waiter,
+    delay: float,
 ) -> AsyncIterator[ReleaseBatcher]:
-    """A ReleaseBatcher whose round trips reach Redis ``delay`` seconds late (a store
-    through a :class:`LatencyProxy`; ``redis_timeout`` 5 s)."""
+    """A ReleaseBatcher with the release of ``ended``'s connection out to a Redis that
+    gets it ``delay`` seconds late (a store through a :class:`LatencyProxy`;
+    ``redis_timeout`` 5 s)."""
+    claims = ended.session.claims
+    assert claims is not None
     async with LatencyProxy(redis_server.port) as proxy:
         settings = make_settings(redis_url=proxy.url, redis_timeout=5.0)
         client = open_client(settings.redis_url, settings)
+        slow = Store(client, settings, "node-a")
+        # A release of no session first, at full speed (connections made, script known):
+        # only the release under test is late.
+        await slow.releases([slow.release_request(uuid.uuid4(), "nobody", 0, "")])
+        proxy.delay = delay
+        releases = ReleaseBatcher(slow)
+        releases.submit(
+            slow.release_request(claims.tid, ended.session.conn, ended.session.since_ms, "")
+        )
+        under_way = asyncio.create_task(releases.flush())
         try:
-            await client.ping()  # connected at full speed: only the releases are late
-            proxy.delay = delay
-            yield ReleaseBatcher(Store(client, settings, "node-a"))
+            await eventually(
+                lambda: str(claims.tid) in releases.in_flight, what="the release is out"
+            )
+            yield releases
         finally:
+            under_way.cancel()
             await client.aclose()
 
 
@@ -270,16 +288,9 @@ async def test_a_release_under_way_holds_back_the_hello_of_its_own_session(
     """The release of a connection that ended is out to a slow Redis when its client's
     HELLO comes: the HELLO waits for it, and resumes."""
     (first,) = await started(token_node, store, ["back"])
-    claims = first.session.claims
-    assert claims is not None
-    async with slow_releases(make_settings, redis_server, 0.3) as releases:
-        releases.submit(
-            store.release_request(claims.tid, first.session.conn, first.session.since_ms, "")
-        )
-        under_way = asyncio.create_task(releases.flush())
-        await eventually(lambda: str(claims.tid) in releases.in_flight, what="the release is out")
+    async with release_under_way(make_settings, redis_server, first, 0.3) as releases:
         assert await reconnect_outcome(token_node, store, first, releases) == "resumed"
-        assert under_way.done() and not releases.in_flight
+        assert not releases.in_flight
 
 
 async def test_a_release_under_way_holds_back_no_hello_of_another_session(
@@ -291,22 +302,14 @@ async def test_a_release_under_way_holds_back_no_hello_of_another_session(
     """Under a reconnect storm through a slow Redis each unanswered HELLO ends in a
     release: a HELLO does not wait for the releases of other sessions."""
     (ended,) = await started(token_node, store, ["ended"])
-    claims = ended.session.claims
-    assert claims is not None
-    async with slow_releases(make_settings, redis_server, 3.0) as releases:
-        releases.submit(
-            store.release_request(claims.tid, ended.session.conn, ended.session.since_ms, "")
-        )
-        under_way = asyncio.create_task(releases.flush())
-        await eventually(lambda: str(claims.tid) in releases.in_flight, what="the release is out")
+    async with release_under_way(make_settings, redis_server, ended, 3.0) as releases:
         newcomer = Waiter(token_node, store, "newcomer")
         newcomer.hello()
         hellos = HelloBatcher(store, releases)
         hellos.submit(newcomer)
         await hellos.flush()
         assert newcomer.welcome is not None
-        assert str(claims.tid) in releases.in_flight  # answered while the release is out
-        under_way.cancel()
+        assert releases.in_flight  # answered while the release is out
 
 
 class AnswerLost(Waiter):
