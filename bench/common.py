@@ -562,8 +562,10 @@ class ClientPool:
         tokens: TokenPool | None = None,
         first: int = 0,
         sources: Sequence[str] = (),
+        event_loop: str = "uvloop",
     ) -> None:
         self.ctx = ctx
+        self.event_loop = event_loop  # the load generators' (bench.loadgen's job)
         self.name = name
         self.url = url
         self.proto = proto
@@ -590,6 +592,7 @@ class ClientPool:
                 "source": self.sources[i % len(self.sources)] if self.sources else "",
                 # wss://: the CA the clients verify the server's certificate with.
                 "ca_file": str(self.ctx.tls_files().ca) if self.url.startswith("wss:") else "",
+                "event_loop": self.event_loop,
             }
             offset += count
             with (self.logs / f"client-{i}.log").open("wb") as err:
@@ -668,6 +671,7 @@ async def client_pool(
     tokens: TokenPool | None = None,
     first: int = 0,
     sources: Sequence[str] = (),
+    event_loop: str = "uvloop",
 ) -> AsyncIterator[ClientPool]:
     pool = ClientPool(
         ctx,
@@ -678,6 +682,7 @@ async def client_pool(
         tokens=tokens,
         first=first,
         sources=sources,
+        event_loop=event_loop,
     )
     try:
         await pool.start()

@@ -68,6 +68,9 @@ async def closed_loop(ctx: Context, pool: ClientPool, pids: dict[str, int]) -> d
         "acks": reply["acks"],
         "unfinished": reply["unfinished"],
         "lost": reply["lost"],
+        # The heartbeats signed and masked before the loop (their CPU), and past them in it.
+        "prebuild_cpu_s": reply["prebuild_cpu_s"],
+        "built_live": reply["built_live"],
         "cpu_pct": await cpu,
         **latency_summary(reply["latencies_us"]),
     }

@@ -15,7 +15,8 @@ whose certificates it trusts; it verifies the server's, as a real client does) a
 ``going_away_window`` (seconds; the SDK's :class:`tokend_client.Backoff` default, 5 s,
 when absent) and ``connect_timeout`` (seconds a connect may take to WELCOME, 20 by
 default; one given up is counted by its stage: ``timeout before the upgrade`` or
-``timeout awaiting WELCOME``).
+``timeout awaiting WELCOME``) and ``event_loop`` (``uvloop``, the default, or
+``asyncio``: the standard library's loop).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
 * ``connect {concurrency, retry_for, heartbeat, heartbeat_for}``: open the connections
@@ -29,7 +30,10 @@ Commands arrive as JSON lines on stdin; each is answered by one JSON line on std
   session in WARN. The reply counts those heartbeats (sent so far) and the
   connections lost after their WELCOME.
 * ``loop {warmup, duration}``: closed loop (heartbeat -> ACK, or emit -> ack) on every
-  connection; ACKs and latencies inside the measured window.
+  connection; ACKs and latencies inside the measured window. Its heartbeats are signed,
+  framed and masked before it starts (enough for :data:`LOOP_PREBUILT_RATE` ACKs a
+  second), so that the loop costs this process a write and a read per ACK; the reply
+  says what building them cost and how many were built in the loop past them.
 * ``burst``: one heartbeat on every connection at once; ACKs and renewals, timed.
 * ``soak {interval, duration, reconnect, flood, flood_for, flood_per_write, spread}``:
   every connection heartbeats every ``interval`` seconds (every ``flood`` seconds for the
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import faulthandler
 import gc
 import itertools
 import json
@@ -121,6 +126,10 @@ LAG_TICK_S = 0.05
 # A prebuilt flood's connections are written in slices this many seconds apart over each
 # tick: what the server reads at once is the same whatever the frames to a write.
 FLOOD_SLICE_S = 0.05
+# The closed loop's heartbeats are built before it starts (Conn.prebuild_loop), enough for
+# this many ACKs a second over its warm-up and window; past them they are built in the loop
+# (counted: ``built_live``).
+LOOP_PREBUILT_RATE = 200_000
 
 
 def cpu_seconds() -> float:
@@ -218,6 +227,8 @@ class Conn:
         self.spare = math.inf  # seconds a reconnect after 1001 may wait, from WELCOME
         # Soak: (seq, sent at) of the heartbeats not yet ACKed, oldest first.
         self.pending: deque[tuple[int, int]] = deque()
+        # Closed loop: its next heartbeats, framed and masked (prebuild_loop), last first.
+        self.prebuilt: list[bytes] = []
 
     # picows callbacks
 
@@ -259,6 +270,8 @@ class Conn:
     # Opening
 
     def _opening(self, data: bytes) -> None:
+        if self.ready.done():
+            return  # given up on (timed out) while its answer was on the way
         if self.gen.proto == "socketio":
             if data.startswith(_SIO_OPEN):
                 self._send(WSMsgType.TEXT, _SIO_CONNECT)
@@ -306,15 +319,21 @@ class Conn:
         outer.update(inner.digest())
         return signed + outer.digest()[: p.MAC_LENGTH]
 
-    def flood_writes(self, writes: int, per_write: int) -> list[bytes]:
-        """The next ``writes * per_write`` heartbeats (their seqs taken now), each a masked
-        binary WebSocket frame (RFC 6455 5.2, 5.3), ``per_write`` to a write."""
+    def masked_heartbeats(self, count: int) -> list[bytes]:
+        """The next ``count`` heartbeats (their seqs taken now), each a masked binary
+        WebSocket frame (RFC 6455 5.2, 5.3), ready to be written as they are."""
         head = bytes((0x82, 0x80 | p.HEARTBEAT_LENGTH))
+        keys = os.urandom(4 * count)
         frames = []
-        for _ in range(writes * per_write):
+        for at in range(0, 4 * count, 4):
             self.seq += 1
-            key = os.urandom(4)
+            key = keys[at : at + 4]
             frames.append(head + key + unmask(self._heartbeat(self.seq), key))
+        return frames
+
+    def flood_writes(self, writes: int, per_write: int) -> list[bytes]:
+        """The next ``writes * per_write`` heartbeats, ``per_write`` to a write."""
+        frames = self.masked_heartbeats(writes * per_write)
         return [b"".join(frames[i : i + per_write]) for i in range(0, len(frames), per_write)]
 
     def _send(self, kind: WSMsgType, data: bytes) -> None:
@@ -335,9 +354,26 @@ class Conn:
 
     # Closed loop
 
+    def prebuild_loop(self, count: int) -> None:
+        """Build the closed loop's next ``count`` heartbeats now (not for Socket.IO, whose
+        emits are text): signing and masking them is most of what the client does per
+        ACK in Python, which would otherwise bound the rates it can measure."""
+        if self.gen.proto != "socketio":
+            self.prebuilt = self.masked_heartbeats(count)[::-1]  # popped from the end
+
     def start_loop(self) -> None:
         self.on_data = self._sio_loop_reply if self.gen.proto == "socketio" else self._loop_reply
-        self.send_next()
+        self.send_loop_next()
+
+    def send_loop_next(self) -> None:
+        """The closed loop's next heartbeat: the next prebuilt frame while there are any."""
+        if self.prebuilt:
+            assert self.transport is not None
+            self.sent_ns = time.perf_counter_ns()
+            self.transport.underlying_transport.write(self.prebuilt.pop())
+        else:
+            self.gen.built_live += 1
+            self.send_next()
 
     def _loop_reply(self, data: bytes) -> None:
         if data[0] != _ACK:
@@ -355,13 +391,14 @@ class Conn:
         now = time.perf_counter_ns()
         if now >= gen.window_end:
             self.on_data = self._idle
+            self.prebuilt = []  # their seqs are skipped: the next heartbeat's is higher still
             gen.loop_ended()
             return
         if now >= gen.window_start:
             gen.acks += 1
             if len(gen.latencies) < MAX_SAMPLES:
                 gen.latencies.append((now - self.sent_ns) // 1000)
-        self.send_next()
+        self.send_loop_next()
 
     # Soak: a heartbeat every `interval` until `end`, each ACK timed
 
@@ -513,6 +550,7 @@ class Generator:
         self.acks = 0
         self.lost = 0
         self.sent = 0
+        self.built_live = 0  # closed-loop heartbeats built in the loop, past the prebuilt
         self.closes: Counter[str] = Counter()
         # Soak with reconnects: refusals met, resumes (by wall-clock tenth of a second),
         # new sessions.
@@ -641,10 +679,16 @@ class Generator:
 
     async def closed_loop(self, warmup: float, duration: float) -> dict[str, Any]:
         self.latencies = array("q")
-        self.acks = self.lost = 0
+        self.acks = self.lost = self.built_live = 0
         live = [c for c in self.conns if c.ready.done() and not c.ready.exception()]
         self.running = len(live)
         self.ended.clear()
+        cpu0 = cpu_seconds()
+        if live:
+            each = math.ceil(LOOP_PREBUILT_RATE * (warmup + duration) / len(live))
+            for conn in live:
+                conn.prebuild_loop(each)
+        prebuild_cpu_s = cpu_seconds() - cpu0
         now = time.perf_counter_ns()
         self.window_start = now + int(warmup * 1e9)
         self.window_end = self.window_start + int(duration * 1e9)
@@ -663,6 +707,8 @@ class Generator:
             "unfinished": self.running,
             "lost": self.lost,
             "latencies_us": self.latencies.tolist(),
+            "prebuild_cpu_s": round(prebuild_cpu_s, 2),
+            "built_live": self.built_live,  # past the prebuilt ones: signed and masked in the loop
         }
 
     async def prepare_flood(self, every: float, seconds: float, per_write: int) -> dict[str, Any]:
@@ -881,7 +927,13 @@ async def serve(job: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    uvloop.run(serve(json.loads(sys.argv[1])))
+    # A crash below Python (an abort in the event loop's C code) leaves a stack in the log.
+    faulthandler.enable()
+    job = json.loads(sys.argv[1])
+    if job.get("event_loop") == "asyncio":
+        asyncio.run(serve(job))
+    else:
+        uvloop.run(serve(job))
 
 
 if __name__ == "__main__":

@@ -668,6 +668,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             procs=procs,
             tokens=tokens,
             sources=sources(procs),
+            # wss://: uvloop's TLS client aborted (SIGABRT, in its C code, nothing logged)
+            # amid the reload's mass reconnect; the standard loop's does not.
+            event_loop="asyncio" if args.tls else "uvloop",
         ) as pool:
             # Each session heartbeats from its own WELCOME, as a real client does: an open
             # longer than warn_after (75,000 sessions on a slow day) warns none of them.

@@ -53,6 +53,9 @@ def test_quick_heartbeat_and_connect_storm(tmp_path: Path) -> None:
         # Judged against a target, or (the Sans-I/O floor) reported only.
         assert row["met"] in ((None,) if row["target"] == "(reported)" else (True, False))
     assert "| heartbeat " in stdout and "| connect storm " in stdout
+    # The closed loop's heartbeats were built before it, and tokend took them.
+    loops = rows[0]["details"]
+    assert {name: loops[name]["built_live"] for name in loops} == dict.fromkeys(loops, 0)
 
 
 def test_quick_tls(tmp_path: Path) -> None:
