@@ -26,9 +26,10 @@ phases and stops everything it started:
   waited for a CPU, the reload's duration and outcome, new sessions, terminal closes and
   TOKEN_EXPIRED (each must be 0). With ``--tls`` (tokend serves wss:// itself) no
   connection can move: each client closed with 1001 resumes on a new worker, the old
-  workers drained over ``--reload-drain-period``. With ``--kill-new-worker S`` the first
-  slot's new worker is SIGKILLed S seconds into its handoff: the reload fails, and every
-  session must stay open or resume.
+  workers drained over ``--reload-drain-period``; its load generators run on asyncio's
+  own event loop (uvloop's TLS client aborted in its C code amid the mass reconnect).
+  With ``--kill-new-worker S`` the first slot's new worker is SIGKILLed S seconds into
+  its handoff: the reload fails, and every session must stay open or resume.
 * **restart** (``--restart``): with the sessions held and heartbeating, SIGTERM the
   supervisor (its workers drain: 1001 spread over ``drain_period``) and start it again on
   the same data directory; every client resumes its session with the SDK's backoff.
@@ -668,8 +669,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             procs=procs,
             tokens=tokens,
             sources=sources(procs),
-            # wss://: uvloop's TLS client aborted (SIGABRT, in its C code, nothing logged)
-            # amid the reload's mass reconnect; the standard loop's does not.
+            # wss://: uvloop's TLS client aborted (SIGABRT in its C code, nothing logged)
+            # amid the reload's mass reconnect in two runs of three; asyncio's loop is
+            # slower but has not.
             event_loop="asyncio" if args.tls else "uvloop",
         ) as pool:
             # Each session heartbeats from its own WELCOME, as a real client does: an open
