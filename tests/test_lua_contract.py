@@ -365,6 +365,56 @@ async def test_an_unplanned_end_releases_and_changes_no_clock(store: Store, redi
     assert await _events(store, redis, "SESSION_PARKED") == {}
 
 
+async def test_a_resumed_parked_session_stays_parked_until_its_first_heartbeat(
+    store: Store, redis: Redis
+) -> None:
+    """A resume whose client never heartbeats on it (it gave up before the WELCOME and
+    tries again) leaves the session parked, held as the restart goes on; the first
+    heartbeat after a resume unparks it, and a later end is an ordinary one."""
+    now = await redis_ms(store)
+    abandoned, back = uuid.uuid4(), uuid.uuid4()
+    for tid in (abandoned, back):
+        await redis.hset(
+            store.keys.session_keys(tid)[0],
+            mapping={
+                "sub": "s",
+                "st": State.ACTIVE.value,
+                "hb": now - 1_000,
+                "exp": now + 3_600_000,
+                "iat": now // 1000,
+                "prio": 5,
+                "conn": f"node-z/{tid}",
+                "since": 1,
+                "proof": proof_digest(PROOF),
+            },
+        )
+    tids = [abandoned, back]
+    parked = await store.releases(
+        [store.release_request(tid, f"node-z/{tid}", 1, "going_away") for tid in tids]
+    )
+    assert parked == [ReleaseOutcome.PARKED] * 2
+    answers = await store.hellos(
+        [HelloRequest(tid, "s", 5, 0, 0, "node-a/1", PROOF) for tid in tids]
+    )
+    assert [a.outcome for a in answers] == [HelloOutcome.RESUMED] * 2
+    for tid in tids:
+        fields = await redis.hgetall(store.keys.session_keys(tid)[0])
+        assert fields["conn"] == "node-a/1" and "pk" in fields, fields
+    [stored] = await store.record_heartbeats([store.heartbeat_request(back, "node-a/1")])
+    assert heartbeat_outcome(stored) is HeartbeatOutcome.OK
+    ended = await store.releases(
+        [
+            store.release_request(tid, "node-a/1", a.since_ms, "")
+            for tid, a in zip(tids, answers, strict=True)
+        ]
+    )
+    assert ended == [ReleaseOutcome.RELEASED] * 2
+    still = await redis.hgetall(store.keys.session_keys(abandoned)[0])
+    assert "conn" not in still and "pk" in still, still
+    gone = await redis.hgetall(store.keys.session_keys(back)[0])
+    assert "conn" not in gone and "pk" not in gone, gone
+
+
 async def test_a_connection_that_lost_its_session_releases_nothing(
     store: Store, redis: Redis
 ) -> None:

@@ -35,8 +35,9 @@ SHARDS = 16
 # later events still name the node that held it last. `proof` is the digest of the resume
 # proof the holding connection's session key makes (tokend.store.sessions.proof_digest):
 # never logged, never shown (docs/security.md). `pk` is when a planned close parked the
-# session (release.lua), until it is resumed or its hold has passed (sweep.lua).
-SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since", "left", "proof", "pk")
+# session (release.lua), until the first heartbeat after its resume (heartbeat.lua) or
+# the end of its hold (sweep.lua).
+SESSION_FIELDS = ("sub", "st", "hb", "exp", "iat", "prio", "conn", "since", "pk", "left", "proof")
 # A heartbeat reads the first HEARTBEAT_FIELDS of them only, all it needs: on the hottest
 # path, one HMGET of fewer values (tests/test_lua_contract.py holds heartbeat.lua to it).
 HEARTBEAT_FIELDS = SESSION_FIELDS.index("left")

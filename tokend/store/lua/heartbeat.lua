@@ -77,6 +77,10 @@ local function heartbeat(skey, tkey, tid, conn, replayed, known, token)
     -- Only the connection holding the session gets here: a token this node signed for it.
     redis.call('HSET', skey, 'tok', token)
   end
+  if s.pk then
+    -- The first heartbeat after the resume of a parked session: its client is back.
+    redis.call('HDEL', skey, 'pk')
+  end
   local sub, exp, iat = s.sub, s.exp, s.iat
   local was_warn = 0
   if s.st == STATE.WARN then

@@ -79,8 +79,9 @@ local function hello(skey, tkey, tid, sub, prio, iat, exp_s, conn, shown, proof,
       redis.call('HDEL', skey, 'left')
     end
     if s.pk then
-      -- A parked session resumed: its shard's restart is under way (sweep.lua's hold).
-      redis.call('HDEL', skey, 'pk')
+      -- A parked session resumed: its shard's restart is under way (sweep.lua's hold). It
+      -- stays parked until its first heartbeat (heartbeat.lua): a client that gave up on
+      -- this HELLO before its WELCOME came is still coming back, and keeps the hold.
       redis.call('SET', count_key('resumed'), now)
     end
     redis.call('ZADD', DUE, math.min(now + warn_ms, exp), tid)
