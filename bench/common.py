@@ -563,9 +563,13 @@ class ClientPool:
         first: int = 0,
         sources: Sequence[str] = (),
         event_loop: str = "uvloop",
+        opening_at_once: int = 0,
     ) -> None:
         self.ctx = ctx
-        self.event_loop = event_loop  # the load generators' (bench.loadgen's job)
+        # The load generators' event loop and reconnects opening at once (0: unbounded),
+        # as bench.loadgen's job takes them.
+        self.event_loop = event_loop
+        self.opening_at_once = opening_at_once
         self.name = name
         self.url = url
         self.proto = proto
@@ -593,6 +597,7 @@ class ClientPool:
                 # wss://: the CA the clients verify the server's certificate with.
                 "ca_file": str(self.ctx.tls_files().ca) if self.url.startswith("wss:") else "",
                 "event_loop": self.event_loop,
+                "opening_at_once": self.opening_at_once,
             }
             offset += count
             with (self.logs / f"client-{i}.log").open("wb") as err:
@@ -672,6 +677,7 @@ async def client_pool(
     first: int = 0,
     sources: Sequence[str] = (),
     event_loop: str = "uvloop",
+    opening_at_once: int = 0,
 ) -> AsyncIterator[ClientPool]:
     pool = ClientPool(
         ctx,
@@ -683,6 +689,7 @@ async def client_pool(
         first=first,
         sources=sources,
         event_loop=event_loop,
+        opening_at_once=opening_at_once,
     )
     try:
         await pool.start()

@@ -15,8 +15,10 @@ whose certificates it trusts; it verifies the server's, as a real client does) a
 ``going_away_window`` (seconds; the SDK's :class:`tokend_client.Backoff` default, 5 s,
 when absent) and ``connect_timeout`` (seconds a connect may take to WELCOME, 20 by
 default; one given up is counted by its stage: ``timeout before the upgrade`` or
-``timeout awaiting WELCOME``) and ``event_loop`` (``uvloop``, the default, or
-``asyncio``: the standard library's loop).
+``timeout awaiting WELCOME``), ``event_loop`` (``uvloop``, the default, or
+``asyncio``: the standard library's loop) and ``opening_at_once`` (reconnects opening at
+once, the rest waiting their turn: one process stands for thousands of clients, each of
+which would open its own connection on its own CPU; unbounded by default).
 Commands arrive as JSON lines on stdin; each is answered by one JSON line on stdout:
 
 * ``connect {concurrency, retry_for, heartbeat, heartbeat_for}``: open the connections
@@ -543,6 +545,8 @@ class Generator:
         self.ssl_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.headers = {} if self.proto == "socketio" else {"Sec-WebSocket-Protocol": p.SUBPROTOCOL}
         self.connect_timeout: float = job.get("connect_timeout", CONNECT_TIMEOUT)
+        # Reconnects opening at once (each timed from its own start); unbounded unless set.
+        self.opening = asyncio.Semaphore(job.get("opening_at_once") or len(self.conns) or 1)
         # The Python SDK's: full jitter, 0.5 s doubling up to 30 s; 1001 and 503 waited out.
         window = job.get("going_away_window")
         self.backoff = Backoff() if window is None else Backoff(going_away_window=window)
@@ -842,7 +846,8 @@ class Generator:
         for attempt in itertools.count():
             await asyncio.sleep(self.delay(conn, failure, attempt))
             try:
-                await self.open(conn)
+                async with self.opening:
+                    await self.open(conn)
             except Exception as exc:
                 self.refusals[failure_name(exc)] += 1
                 if not retryable(exc):

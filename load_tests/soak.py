@@ -123,6 +123,8 @@ STOP_TIMEOUT_S = 120.0  # the drain and the workers' exit, at most
 # A reload of each worker, at most: a new one starts, the old one drains.
 RELOAD_TIMEOUT_PER_WORKER_S = 60.0
 RESUME_GOAL_S = 60.0  # a reload's last resume, after the SIGHUP
+# wss://: reconnects a load-generator process opens at once (bench.loadgen's opening_at_once).
+TLS_OPENING_AT_ONCE = 50
 OLD_WORKER_EXIT_GOAL_S = 15.0  # a reload's old workers, after the SIGHUP (all moved)
 MOVE_CPU_GOAL_US = 50.0  # a moved connection's CPU, old and new worker together
 RESTART_RESUME_GOAL_S = 120.0  # a whole restart's last resume, after the new start
@@ -671,8 +673,11 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             sources=sources(procs),
             # wss://: uvloop's TLS client aborted (SIGABRT in its C code, nothing logged)
             # amid the reload's mass reconnect in two runs of three; asyncio's loop is
-            # slower but has not.
+            # slower but has not. And a process's TLS reconnects open a few at a time: all
+            # at once, its thousands of handshakes queued for its own CPU and timed out
+            # there, retried and timed out again, and the resumes stopped.
             event_loop="asyncio" if args.tls else "uvloop",
+            opening_at_once=TLS_OPENING_AT_ONCE if args.tls else 0,
         ) as pool:
             # Each session heartbeats from its own WELCOME, as a real client does: an open
             # longer than warn_after (75,000 sessions on a slow day) warns none of them.
