@@ -185,22 +185,28 @@ async def _sessions(store: Store, redis: Redis, now: int) -> dict[uuid.UUID, Cas
         for silence in SILENCES
         for left in TOKEN_LEFT
     }
-    for tid, (state, hb, exp) in cases.items():
-        await redis.hset(
-            store.keys.session_keys(tid)[0],
-            mapping={
-                "sub": "s",
-                "st": state.value,
-                "hb": hb,
-                "exp": exp,
-                "iat": exp // 1000 - 60,
-                "prio": 5,
-                "conn": f"node-z/{tid}",
-                "since": 1,
-                "proof": proof_digest(PROOF),
-            },
-        )
+    for tid, case in cases.items():
+        await _put_session(store, redis, tid, case)
     return cases
+
+
+async def _put_session(store: Store, redis: Redis, tid: uuid.UUID, case: Case) -> None:
+    """A live session (state, last heartbeat, exp), held by connection node-z/<tid>."""
+    state, hb, exp = case
+    await redis.hset(
+        store.keys.session_keys(tid)[0],
+        mapping={
+            "sub": "s",
+            "st": state.value,
+            "hb": hb,
+            "exp": exp,
+            "iat": exp // 1000 - 60,
+            "prio": 5,
+            "conn": f"node-z/{tid}",
+            "since": 1,
+            "proof": proof_digest(PROOF),
+        },
+    )
 
 
 async def _events(store: Store, redis: Redis, kind: str) -> dict[str, dict[str, object]]:
@@ -373,22 +379,9 @@ async def test_a_resumed_parked_session_stays_parked_until_its_first_heartbeat(
     heartbeat after a resume unparks it, and a later end is an ordinary one."""
     now = await redis_ms(store)
     abandoned, back = uuid.uuid4(), uuid.uuid4()
-    for tid in (abandoned, back):
-        await redis.hset(
-            store.keys.session_keys(tid)[0],
-            mapping={
-                "sub": "s",
-                "st": State.ACTIVE.value,
-                "hb": now - 1_000,
-                "exp": now + 3_600_000,
-                "iat": now // 1000,
-                "prio": 5,
-                "conn": f"node-z/{tid}",
-                "since": 1,
-                "proof": proof_digest(PROOF),
-            },
-        )
     tids = [abandoned, back]
+    for tid in tids:
+        await _put_session(store, redis, tid, (State.ACTIVE, now - 1_000, now + 3_600_000))
     parked = await store.releases(
         [store.release_request(tid, f"node-z/{tid}", 1, "going_away") for tid in tids]
     )
